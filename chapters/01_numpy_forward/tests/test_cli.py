@@ -1,0 +1,48 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+CHAPTER = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_generate_answers_a_chat_prompt():
+    r = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tok/s" in r.stderr and "tok/s" not in r.stdout  # statistics go to stderr
+
+
+def test_parity_cli_prints_the_table():
+    r = run(str(CHAPTER / "parity.py"), "--model", "tiny-llama3")
+    assert r.returncode == 0, r.stderr
+    assert "layer.3" in r.stdout and "100.0%" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "no such directory"),
+        (["--model", "tiny-llama3", "--prompt", ""], "the prompt is empty"),
+        (["--model", "tiny-llama3", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message):
+    r = run(str(CHAPTER / "generate.py"), *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bench_runs_and_saves_figures(tmp_path):
+    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--lengths", "8,32", "--repeats", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    rows = json.loads((tmp_path / "ch01_cost_per_token_tiny-llama3.json").read_text())["rows"]
+    assert [row["context_tokens"] for row in rows] == [8, 32] and all(row["ms_per_token"] > 0 for row in rows)
+    assert (tmp_path / "ch01_cost_per_token_tiny-llama3.png").stat().st_size > 1000

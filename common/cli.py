@@ -1,0 +1,55 @@
+"""The command-line conventions every chapter's entry points share (see DESIGN.md).
+
+--model NAME_OR_PATH, --prompt, --max-new-tokens, --chat; generated text on stdout, statistics
+on stderr, and a one-line `error: ...` (exit 2) instead of a traceback for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.checkpoint import CheckpointError
+from common.config import ConfigError
+from common.models import DEFAULT_MODEL, ModelNotFoundError
+from common.tokenizer import Tokenizer, TokenizerError
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+# The errors a user can cause with a bad path, file or prompt; entry points print these plainly.
+USER_ERRORS = (ModelNotFoundError, ConfigError, CheckpointError, TokenizerError, ValueError)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m, tiny-llama3, or a checkpoint directory")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    return ap
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+def check_context(n_prompt: int, max_new_tokens: int, max_positions: int) -> None:
+    if n_prompt == 0:
+        raise ValueError("the prompt is empty (0 tokens)")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if n_prompt >= max_positions:
+        raise ValueError(f"the prompt has {n_prompt} tokens; the model's context is {max_positions} tokens")
+
+
+def run_main(main) -> None:
+    """Runs main(); a user error becomes `error: message` on stderr and exit status 2."""
+    try:
+        sys.exit(main())
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
