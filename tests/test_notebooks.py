@@ -1,0 +1,70 @@
+"""Every notebooks/*.ipynb executes top to bottom without an error.
+
+Each notebook runs in a fresh Jupyter kernel ("python3", i.e. this interpreter) with the
+notebooks/ folder as its working directory, as a reader opening it in Jupyter would. A new
+chapter's notebook is picked up by the glob; there is nothing to register.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+CELL_TIMEOUT_S = 600
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _strip_ansi(text: str) -> str:
+    # IPython colours its tracebacks; the escape codes only make a pytest report harder to read.
+    return _ANSI.sub("", text)
+
+
+def test_notebooks_exist():
+    # An empty parametrization would only be reported as skipped; an empty folder is a bug.
+    assert NOTEBOOKS, f"no notebooks found in {NOTEBOOKS_DIR}"
+
+
+def _failing_cell(nb) -> str:
+    for index, cell in enumerate(nb.cells):
+        if any(out.get("output_type") == "error" for out in cell.get("outputs", [])):
+            first_line = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
+            return f"cell {index} ({first_line!r})"
+    return "a cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_executes(path: Path, monkeypatch):
+    # The kernel is a child process and inherits this environment: let it import `common`
+    # even before the notebook's own sys.path cell runs, and keep it offline and quiet.
+    pythonpath = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(pythonpath))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+    )
+    failure = None
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        failure = f"{_failing_cell(nb)} raised {e.ename}: {e.evalue}\n\n{_strip_ansi(str(e))}"
+    except CellTimeoutError as e:
+        failure = f"a cell ran longer than {CELL_TIMEOUT_S} s: {e}"
+    except DeadKernelError as e:
+        failure = f"the kernel died (out of memory, or a crash in native code): {e}"
+    if failure:  # reported outside the except block, so the message is not followed by a chained traceback
+        pytest.fail(f"{path.name}: {failure}", pytrace=False)
