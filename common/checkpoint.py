@@ -81,7 +81,7 @@ def load_safetensors_file(path: str | Path, dtype=np.float32) -> dict[str, np.nd
         arr = arr.reshape(shape)
         if dtype is not None and np.issubdtype(arr.dtype, np.floating):
             arr = arr.astype(dtype, copy=False)
-        tensors[name] = np.ascontiguousarray(arr)
+        tensors[name] = np.array(arr, order="C")  # an owned, writable copy: the file can close
     return tensors
 
 

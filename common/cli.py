@@ -17,13 +17,17 @@ from common.tokenizer import Tokenizer, TokenizerError
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # The errors a user can cause with a bad path, file or prompt; entry points print these plainly.
-USER_ERRORS = (ModelNotFoundError, ConfigError, CheckpointError, TokenizerError, ValueError)
+USER_ERRORS = (ModelNotFoundError, ConfigError, CheckpointError, TokenizerError, ValueError, MemoryError)
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, batch: bool = False) -> argparse.ArgumentParser:
+    """`batch`: --prompt may be repeated, and args.prompt is then a list."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m, tiny-llama3, or a checkpoint directory")
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    if batch:
+        ap.add_argument("--prompt", action="append", help="repeat for a batch of prompts")
+    else:
+        ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return ap

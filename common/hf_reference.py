@@ -23,9 +23,12 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
-def hf_hidden_states(model_dir: str | Path, input_ids: list[int]) -> dict[str, np.ndarray]:
-    """{"embedding": [seq, hidden], "layer.0" ... "layer.N-1": [seq, hidden], "logits": [seq, vocab]} in fp32."""
-    model = load_hf_model(str(model_dir))
+def hf_hidden_states(
+    model_dir: str | Path, input_ids: list[int], dtype: torch.dtype = torch.float32
+) -> dict[str, np.ndarray]:
+    """{"embedding": [seq, hidden], "layer.0" ... "layer.N-1": [seq, hidden], "logits": [seq, vocab]},
+    returned as fp32 arrays; `dtype` is what the reference computes in."""
+    model = load_hf_model(str(model_dir), dtype)
     captured: dict[str, np.ndarray] = {}
 
     def keep(name):
@@ -49,7 +52,7 @@ def hf_hidden_states(model_dir: str | Path, input_ids: list[int]) -> dict[str, n
 
 @torch.no_grad()
 def hf_greedy(model_dir: str | Path, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    """New token ids from HF `generate`, greedy, stopping at the model's EOS ids."""
+    """New token ids from HF `generate`, greedy, up to (not including) the first EOS id, as our engines return them."""
     model = load_hf_model(str(model_dir))
     out = model.generate(
         torch.tensor([input_ids]),
@@ -60,4 +63,7 @@ def hf_greedy(model_dir: str | Path, input_ids: list[int], max_new_tokens: int) 
         top_p=None,
         top_k=None,
     )
-    return out[0, len(input_ids) :].tolist()
+    new = out[0, len(input_ids) :].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return next((new[:i] for i, t in enumerate(new) if t in eos), new)

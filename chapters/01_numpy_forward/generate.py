@@ -55,7 +55,8 @@ def main() -> int:
     elapsed = time.perf_counter() - t0
     print(tokenizer.decode(new, skip_special_tokens=True))
     print(
-        f"[ch01 numpy, no cache] prompt {len(prompt)} tokens, generated {len(new)} in {elapsed:.2f} s "
+        f"[ch01 numpy, no cache] prompt {len(prompt)} tokens, {len(step_times)} steps "
+        f"({len(new)} tokens{' + EOS' if len(step_times) > len(new) else ''}) in {elapsed:.2f} s "
         f"({len(step_times) / elapsed:.1f} tok/s); first step {step_times[0] * 1e3:.0f} ms, "
         f"last step {step_times[-1] * 1e3:.0f} ms",
         file=sys.stderr,
