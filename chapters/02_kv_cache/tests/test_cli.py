@@ -1,0 +1,65 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+CHAPTER = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_answers_a_chat_prompt(dtype):
+    r = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", "What is the capital of France?",
+            "--max-new-tokens", "12", "--device", "cpu", "--dtype", dtype)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "TTFT" in r.stderr and "decode" in r.stderr and "tok/s" not in r.stdout
+
+
+def test_generate_batch_prints_one_answer_per_prompt():
+    second = "Name a fruit that is yellow."
+    r = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", "What is the capital of France?",
+            "--prompt", second, "--max-new-tokens", "10")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    alone = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", second, "--max-new-tokens", "10").stdout.strip()
+    assert len(lines) == 2 and "Paris" in lines[0] and lines[1] == alone
+
+
+def test_parity_cli_prints_the_table():
+    r = run(str(CHAPTER / "parity.py"), "--model", "tiny-llama3")
+    assert r.returncode == 0, r.stderr
+    assert "layer.3" in r.stdout and "100.0%" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "no such directory"),
+        (["--model", "tiny-llama3", "--prompt", ""], "the prompt is empty"),
+        (["--max-seq", "99999"], "exceeds the model's context of 8192 tokens"),
+        (["--max-seq", "4"], "--max-seq is 4"),
+        (["--dtype", "float8"], "--dtype must be"),
+        (["--device", "tpu"], "--device must be"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message):
+    r = run(str(CHAPTER / "generate.py"), *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bench_runs_and_saves_figures(tmp_path):
+    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--prompt-tokens", "16", "--new-tokens", "8",
+            "--ch01-new-tokens", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "ch02_decode_tiny-llama3_float32.json").read_text())
+    assert {e["engine"] for e in result["engines"]} == {"ch02", "ch01", "hf"}
+    for e in result["engines"]:
+        assert e["decode_tok_s"] > 0 and e["ttft_ms"] > 0 and e["itl_p50_ms"] > 0
+    assert (tmp_path / "ch02_decode_tiny-llama3_float32.png").stat().st_size > 1000
