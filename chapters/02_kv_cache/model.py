@@ -87,9 +87,9 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, max_pos
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 whatever the activation dtype."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """x / sqrt(mean(x^2) + eps) * weight: chapter 01's formula as one fused kernel (it
+    accumulates in float32 for bf16/fp16 inputs). Eight small ops become one, 61 times per token."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def attention_mask(cache_len: int, new: int, pad: torch.Tensor | None, device) -> torch.Tensor | None:
@@ -121,9 +121,13 @@ def attention(x, layer: Layer, i: int, cos, sin, cache: KVCache, mask, config: L
     k = qk[:, :, nh:].transpose(1, 2)  # [batch, nkv, new, hd]
     v = qkv[:, :, nh + nkv :].transpose(1, 2)  # [batch, nkv, new, hd]
     k_all, v_all = cache.write(i, k, v)  # [batch, nkv, cache_len + new, hd]
+    if x.device.type == "cpu" and x.dtype != torch.float32:
+        # CPUs without bf16/fp16 arithmetic emulate it, and attention is arithmetic on the whole
+        # cache: there, do it in float32 (the cache itself stays in the compact dtype).
+        q, k_all, v_all = q.float(), k_all.float(), v_all.float()
     # enable_gqa: query head h reads KV head h // n_rep, as chapter 01's np.repeat did, without
     # materialising the repeated K and V.
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=nkv != nh)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=nkv != nh).to(x.dtype)
     return F.linear(out.transpose(1, 2).reshape(batch, new, nh * hd), layer.wo)
 
 

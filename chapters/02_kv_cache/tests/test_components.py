@@ -27,7 +27,10 @@ def test_rms_norm(tiny, dtype):
     x = torch.randn(5, config.hidden_size) * 3
     ours = rms_norm(x.to(dtype), norm.weight.detach().to(dtype), config.rms_norm_eps)
     theirs = copy.deepcopy(norm).to(dtype)(x.to(dtype)).detach()  # a copy: the cached reference stays fp32
-    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    # fp32: the same maths; bf16: HF rounds the normalised x to bf16 before scaling, the fused kernel
+    # rounds once at the end, so they may differ by one bf16 rounding step.
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
+    torch.testing.assert_close(ours, theirs, **tol)
 
 
 def test_rope_tables_with_llama3_scaling_beyond_original_context(tiny):
