@@ -41,7 +41,9 @@ models: $(VENV)/.stamp
 
 # --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
 run: setup
-	@if [ -f $(CHAPTER_DIR)/generate.py ]; then \
+	@if [ -f $(CHAPTER_DIR)/cli.py ]; then \
+	  $(PY) $(CHAPTER_DIR)/cli.py --model "$(MODEL)" --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --temperature 0; \
+	elif [ -f $(CHAPTER_DIR)/generate.py ]; then \
 	  $(PY) $(CHAPTER_DIR)/generate.py --model "$(MODEL)" --chat --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS); \
 	else \
 	  $(PY) $(CHAPTER_DIR)/inspect_model.py --model "$(MODEL)"; \

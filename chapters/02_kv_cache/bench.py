@@ -127,8 +127,8 @@ def child(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default=None, help="default: $DEVICE, else auto")
+    ap.add_argument("--dtype", default=None, help="default: $DTYPE, else auto (float32 on CPU)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--ch01-new-tokens", type=int, default=16, help="chapter 01 is slow: time fewer steps")

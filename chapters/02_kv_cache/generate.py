@@ -46,7 +46,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
 
     logits = forward(model, tokens, cache, pad, last_only=True)  # prefill: [batch, 1, vocab]
     finished = [False] * len(prompts)
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         next_ids = logits[:, -1].argmax(-1)  # [batch]
         step = []
         for b, token in enumerate(next_ids.tolist()):
@@ -55,7 +55,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
         if all(finished):
             return
         yield step
-        if cache.length >= max_seq:
+        if i + 1 == max_new_tokens or cache.length >= max_seq:
             return
         logits = forward(model, next_ids[:, None], cache, pad)  # decode: [batch, 1, vocab]
 
@@ -71,8 +71,8 @@ def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **
 
 def main() -> int:
     ap = base_parser(__doc__, batch=True)
-    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
-    ap.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    ap.add_argument("--device", default=None, help="auto, cpu, cuda, mps (default: $DEVICE, else auto)")
+    ap.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default: $DTYPE, else auto)")
     ap.add_argument("--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)")
     args = ap.parse_args()
     device = pick_device(args.device)

@@ -37,7 +37,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--text", default=DEFAULT_TEXT)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=None, help="default: $DEVICE, else auto")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     device = pick_device(args.device)
@@ -49,7 +49,7 @@ def main() -> int:
     ours: dict = {}
     with torch.inference_mode():
         ours["logits"] = forward(model, torch.tensor([ids], device=device), cache, capture=ours)[0].float().cpu().numpy()
-    print(f"{model_dir.name}: {len(ids)} tokens, ch02 torch {device} {dtype} vs HF transformers fp32 eager")
+    print(f"{model_dir.name}: {len(ids)} tokens, ch02 torch {device} {str(dtype).removeprefix('torch.')} vs HF transformers fp32 eager")
     print(format_table(compare(ours, hf_hidden_states(model_dir, ids))))
     return 0
 

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +18,12 @@ def _available(device: str) -> str | None:
     return None
 
 
-@pytest.fixture(params=["cpu", "cuda", "mps"])
+# DEVICE=cuda (or cpu, mps) runs the device-parametrised tests on that device only; unset, on every
+# device present (the others skip with a reason).
+DEVICES = [os.environ["DEVICE"]] if os.environ.get("DEVICE") else ["cpu", "cuda", "mps"]
+
+
+@pytest.fixture(params=DEVICES)
 def device(request):
     reason = _available(request.param)
     if reason:
