@@ -1,0 +1,173 @@
+"""The Llama forward pass in PyTorch, reading and writing a KV cache.
+
+    x = embed[tokens]                                          # [batch, new, hidden]
+    for each layer:
+        x = x + attention(rms_norm(x), cache)                  # writes K/V of the new tokens, reads all
+        x = x + mlp(rms_norm(x))
+    logits = rms_norm(x) @ lm_head.T                           # [batch, new, vocab]
+
+Prefill runs the whole prompt as `new` tokens; decode runs one token per step. Both call the
+same forward: only the number of new tokens and the cache length differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.checkpoint import load_checkpoint
+from common.config import LlamaConfig, load_config
+from kv_cache import KVCache
+from rope import apply_rope, cos_sin_table, inv_frequencies
+
+
+@dataclass
+class Layer:
+    # Linear weights keep the checkpoint's [out_features, in_features] layout: F.linear(x, W) = x @ W.T
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]: q, k, v stacked
+    wo: torch.Tensor  # [hidden, n_heads * head_dim]
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
+    w_down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class Model:
+    config: LlamaConfig
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[Layer]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
+    cos: torch.Tensor  # [max_positions, head_dim], in the model dtype
+    sin: torch.Tensor  # [max_positions, head_dim]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+
+def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, max_positions: int | None = None) -> Model:
+    """`max_positions` bounds the RoPE table (default: the model's whole context)."""
+    config = load_config(model_dir)
+    w = load_checkpoint(model_dir, config)  # NumPy float32 arrays
+
+    def t(*names: str) -> torch.Tensor:
+        # Stacking q/k/v (and gate/up) makes one matmul read one weight: fewer, larger kernels,
+        # which is most of what decode speed is about when a token is a matrix-vector product.
+        arrays = [torch.from_numpy(w[n]) for n in names]
+        return torch.cat(arrays).to(device=device, dtype=dtype) if len(arrays) > 1 else arrays[0].to(device, dtype)
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        layers.append(
+            Layer(
+                attn_norm=t(p + "input_layernorm.weight"),
+                wqkv=t(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                wo=t(p + "self_attn.o_proj.weight"),
+                mlp_norm=t(p + "post_attention_layernorm.weight"),
+                w_gate_up=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                w_down=t(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = t("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else t("lm_head.weight")
+    # Angles in float32, then cast: the same rounding as the reference, which also applies RoPE
+    # in the activation dtype.
+    cos, sin = cos_sin_table(inv_frequencies(config), max_positions or config.max_position_embeddings)
+    return Model(config, embed, layers, t("model.norm.weight"), lm_head, cos.to(device, dtype), sin.to(device, dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight: chapter 01's formula as one fused kernel (it
+    accumulates in float32 for bf16/fp16 inputs). Eight small ops become one, 61 times per token."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def attention_mask(cache_len: int, new: int, pad: torch.Tensor | None, device) -> torch.Tensor | None:
+    """Which cached slots each new token may attend to: True = attend.  # [batch or 1, 1, new, cache_len + new]
+
+    Causal: slot j is visible from slot i when j <= i. Left padding: slots below a sequence's
+    pad count hold no token and are hidden. A padding query would then see nothing (a softmax
+    over nothing is NaN), so it may see itself; its output is never used.
+    None for a single new token without padding: it may see every filled slot.
+    """
+    if new == 1 and pad is None:
+        return None
+    q_slot = torch.arange(cache_len, cache_len + new, device=device)[:, None]  # [new, 1]
+    k_slot = torch.arange(cache_len + new, device=device)[None, :]  # [1, cache_len + new]
+    allowed = k_slot <= q_slot  # [new, cache_len + new]
+    if pad is not None:
+        allowed = (allowed & (k_slot >= pad[:, None, None])) | (k_slot == q_slot)  # [batch, new, cache_len + new]
+    return allowed.unsqueeze(-3)
+
+
+def attention(x, layer: Layer, i: int, cos, sin, cache: KVCache, mask, config: LlamaConfig) -> torch.Tensor:
+    """Grouped-query self-attention over the cache.  x: [batch, new, hidden] -> [batch, new, hidden]"""
+    batch, new, _ = x.shape
+    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    qkv = F.linear(x, layer.wqkv).view(batch, new, nh + 2 * nkv, hd)
+    # q and k heads are rotated together: they sit side by side in qkv.
+    qk = apply_rope(qkv[:, :, : nh + nkv], cos, sin)  # [batch, new, nh + nkv, hd]
+    q = qk[:, :, :nh].transpose(1, 2)  # [batch, nh, new, hd]
+    k = qk[:, :, nh:].transpose(1, 2)  # [batch, nkv, new, hd]
+    v = qkv[:, :, nh + nkv :].transpose(1, 2)  # [batch, nkv, new, hd]
+    k_all, v_all = cache.write(i, k, v)  # [batch, nkv, cache_len + new, hd]
+    if x.device.type == "cpu" and x.dtype != torch.float32:
+        # On CPU, torch's bf16 attention kernel was 3-7x slower than widening q/k/v to float32
+        # and running the float32 kernel (measured on an AVX2 machine, contexts 64-1024); the
+        # cache itself stays in the compact dtype. GPUs run attention in bf16 natively.
+        q, k_all, v_all = q.float(), k_all.float(), v_all.float()
+    # enable_gqa: query head h reads KV head h // n_rep, as chapter 01's np.repeat did, without
+    # materialising the repeated K and V.
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=nkv != nh).to(x.dtype)
+    return F.linear(out.transpose(1, 2).reshape(batch, new, nh * hd), layer.wo)
+
+
+def mlp(x: torch.Tensor, layer: Layer) -> torch.Tensor:
+    """SwiGLU: down( silu(gate(x)) * up(x) ).  [batch, new, hidden] -> [batch, new, hidden]"""
+    gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, layer.w_down)
+
+
+def forward(
+    model: Model,
+    tokens: torch.Tensor,
+    cache: KVCache,
+    pad: torch.Tensor | None = None,
+    capture: dict | None = None,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """Runs `tokens` ([batch, new]) at cache slots cache.length .. cache.length+new-1, fills
+    those slots, and returns logits [batch, new, vocab] ([batch, 1, vocab] when `last_only`).
+
+    `pad` ([batch]) is how many leading slots of each sequence are left padding. `capture`
+    receives the embedding and each layer's output for batch row 0 (see common.parity)."""
+    config = model.config
+    batch, new = tokens.shape
+    start = cache.length
+    slots = torch.arange(start, start + new, device=tokens.device)[None, :]  # [1, new]
+    positions = slots if pad is None else (slots - pad[:, None]).clamp(min=0)  # [batch or 1, new]
+    cos, sin = model.cos[positions].unsqueeze(2), model.sin[positions].unsqueeze(2)  # [batch or 1, new, 1, hd]
+    mask = attention_mask(start, new, pad, tokens.device)
+
+    x = model.embed[tokens]  # [batch, new, hidden]
+    if capture is not None:
+        capture["embedding"] = x[0].float().cpu().numpy()
+    for i, layer in enumerate(model.layers):
+        x = x + attention(rms_norm(x, layer.attn_norm, config.rms_norm_eps), layer, i, cos, sin, cache, mask, config)
+        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+        if capture is not None:
+            capture[f"layer.{i}"] = x[0].float().cpu().numpy()
+    cache.length += new
+    if last_only:
+        x = x[:, -1:]
+    return F.linear(rms_norm(x, model.norm, config.rms_norm_eps), model.lm_head)

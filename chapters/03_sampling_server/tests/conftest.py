@@ -1,0 +1,31 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CHAPTER = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(CHAPTER), str(CHAPTER.parents[1])]  # this chapter's modules, then common/
+
+
+def _available(device: str) -> str | None:
+    """None when usable, else why not."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device (run on a GPU node: DEVICE=cuda make test-chapterN)"
+    if device == "mps" and not torch.backends.mps.is_available():
+        return "no MPS device (Apple silicon only)"
+    return None
+
+
+# DEVICE=cuda (or cpu, mps) runs the device-parametrised tests on that device only; unset, on every
+# device present (the others skip with a reason).
+DEVICES = [os.environ["DEVICE"]] if os.environ.get("DEVICE") else ["cpu", "cuda", "mps"]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    reason = _available(request.param)
+    if reason:
+        pytest.skip(reason)
+    return torch.device(request.param)

@@ -1,0 +1,56 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+CHAPTER = Path(__file__).resolve().parents[1]
+
+
+def run(*args, stdin=None):
+    return subprocess.run([sys.executable, str(CHAPTER / "cli.py"), *args], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
+
+
+def test_one_shot_streams_an_answer():
+    r = run("--prompt", "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "20")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "tok/s" in r.stderr and "finish: stop" in r.stderr
+
+
+def test_interactive_chat_keeps_history():
+    r = run("--temperature", "0", "--max-new-tokens", "16",
+            stdin="What is the capital of France?\nAnd what did I just ask you?\n/reset\nHi\n/quit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("model> ") == 3 and "Paris" in r.stdout
+    prompt_sizes = [int(line.split()[0][1:]) for line in r.stderr.splitlines() if "prompt tokens" in line]
+    assert len(prompt_sizes) == 3
+    assert prompt_sizes[1] > prompt_sizes[0] + 10  # the second turn carries the first exchange
+    assert prompt_sizes[2] < prompt_sizes[1]  # /reset forgot it
+
+
+def test_raw_completion_and_stop_string():
+    r = run("--raw", "--prompt", "1, 2, 3, 4,", "--temperature", "0", "--max-new-tokens", "20", "--stop", " 7")
+    assert r.returncode == 0, r.stderr
+    assert "5" in r.stdout and " 7" not in r.stdout and "finish: stop" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"), (["--model", "/nope"], "no such directory")],
+)
+def test_bad_flags_are_clear_errors(args, message):
+    r = run("--prompt", "hi", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_server_bench_runs_and_saves_figures(tmp_path):
+    r = subprocess.run([sys.executable, str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--requests", "2",
+                        "--max-tokens", "8", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    result = json.loads((tmp_path / "ch03_server_stream_tiny-llama3.json").read_text())
+    assert result["requests"] == 2 and result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0
