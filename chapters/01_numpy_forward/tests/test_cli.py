@@ -46,3 +46,12 @@ def test_bench_runs_and_saves_figures(tmp_path):
     rows = json.loads((tmp_path / "ch01_cost_per_token_tiny-llama3.json").read_text())["rows"]
     assert [row["context_tokens"] for row in rows] == [8, 32] and all(row["ms_per_token"] > 0 for row in rows)
     assert (tmp_path / "ch01_cost_per_token_tiny-llama3.png").stat().st_size > 1000
+
+
+def test_engine_imports_numpy_only():
+    """Chapter 01 is the NumPy chapter: its engine must not pull in torch (directly or through common/).
+    parity.py may: it runs HF transformers as the reference."""
+    code = "import sys; import model, rope, generate; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=CHAPTER,
+                       env={"PYTHONPATH": f"{CHAPTER}:{REPO}", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr

@@ -1,5 +1,7 @@
 """The engine against HF transformers, layer by layer."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -84,3 +86,17 @@ def test_parity_table_names_first_diverging_layer(tiny):
     ours["layer.2"] = ours["layer.2"] + 1e-3
     with pytest.raises(AssertionError, match="parity failed first at layer.2"):
         assert_parity(ours, hf_hidden_states(d, ids), atol=1e-4)
+
+
+USER_MODEL = os.environ.get("MODEL", "")
+
+
+@pytest.mark.skipif(USER_MODEL in ("", "smollm2-135m", "tiny-llama3"),
+                    reason="set MODEL=/path/to/a Llama 3.x checkpoint to check a real model too")
+def test_user_model_every_layer_and_greedy():
+    d = resolve_model(USER_MODEL)
+    model, tok = load_model(d), Tokenizer(d)
+    ids = tok.encode(TEXT)[:64]
+    assert_parity(run_with_capture(model, ids), hf_hidden_states(d, ids), rtol=1e-4, min_top1=0.98)
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
+    assert list(generate(model, prompt, 16)) == hf_greedy(d, prompt, 16)

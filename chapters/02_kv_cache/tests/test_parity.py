@@ -1,5 +1,7 @@
 """The cached torch engine against HF transformers, against a full recompute, and against chapter 01."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -119,3 +121,16 @@ def test_batched_greedy_equals_hf_generate_per_prompt():
     d, model, tok = engine("smollm2-135m")
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     assert generate_all(model, prompts, 16) == [hf_greedy(d, p, 16) for p in prompts]
+
+
+USER_MODEL = os.environ.get("MODEL", "")
+
+
+@pytest.mark.skipif(USER_MODEL in ("", "smollm2-135m", "tiny-llama3"),
+                    reason="set MODEL=/path/to/a Llama 3.x checkpoint to check a real model too")
+def test_user_model_every_layer_and_greedy(device):
+    d, model, tok = engine(USER_MODEL, device)
+    ids = tok.encode(TEXT)[:64]
+    assert_parity(run_with_capture(model, ids), hf_hidden_states(d, ids), rtol=1e-4, min_top1=0.98)
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
+    assert generate_all(model, [prompt], 16)[0] == hf_greedy(d, prompt, 16)
