@@ -59,6 +59,7 @@ class Engine:
         eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = model.config.max_position_embeddings
+        self._masks: dict = {}  # (stop ids, device) -> [vocab] bool mask, for min_tokens
 
     @staticmethod
     def read_generation_config(model_dir: str | Path) -> dict:
@@ -148,8 +149,6 @@ class Engine:
             # flush() may still find a stop string that only the end of the text could confirm
             return Event(i, text, [token], lps, "stop" if matcher.stopped else "length")
         return Event(i, text, [token], lps)
-
-    _masks: dict = {}
 
     def _id_mask(self, ids: set[int], device) -> torch.Tensor:
         key = (frozenset(ids), str(device))

@@ -58,6 +58,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         first = e.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
+            loc = ""  # pydantic's loc is then a byte offset, not a parameter
             message = f"malformed JSON body: {first.get('msg')}"
         else:
             message = f"{loc}: {first.get('msg')}" if loc else str(first.get("msg"))
@@ -151,8 +152,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 choices = []
                 for ev in events:
                     n_tokens += len(ev.token_ids)
-                    choices.append(stream_choice(ev, chat, req.params.logprobs is not None))
-                yield chunk(choices)
+                    # A token that ends inside a character adds no text yet: nothing to send.
+                    if ev.text or ev.finish_reason or req.params.logprobs is not None:
+                        choices.append(stream_choice(ev, chat, req.params.logprobs is not None))
+                if choices:
+                    yield chunk(choices)
             if include_usage:
                 yield chunk([], usage_of(req, n_tokens))
         except Exception as e:  # the status line is gone already: report in-band, then end the stream
@@ -188,10 +192,9 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     def completion_logprobs(lps) -> dict:
         tokens = [piece(t.token_id) for t in lps]
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
+        ids = [t.token_id for t in lps]
+        # Offsets from decoding each prefix: a character split over several tokens counts once.
+        offsets = [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
                 "top_logprobs": [{piece(i): v for i, v in t.top} for t in lps], "text_offset": offsets}
 

@@ -168,6 +168,8 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status, fragment):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert fragment in error["message"] and error["type"]
+    if isinstance(body, bytes):
+        assert error["param"] is None
 
 
 def test_server_still_serves_after_errors(client, base_url):
