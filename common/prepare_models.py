@@ -53,7 +53,6 @@ def prepare_smollm2(out: Path) -> None:
     # save_pretrained refuses a GGUF-loaded model ("quantized with gguf"): rebuild a plain model
     # from its config and move the dequantized weights into it.
     config = gguf_model.config
-    config.quantization_config = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.max_position_embeddings = SMOLLM2_CONTEXT

@@ -14,10 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common.checkpoint import CheckpointError, checkpoint_files, read_header  # noqa: E402
-from common.config import ConfigError, LlamaConfig, load_config  # noqa: E402
-from common.models import ModelNotFoundError, resolve_model  # noqa: E402
-from common.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from common.checkpoint import checkpoint_files, read_header  # noqa: E402
+from common.cli import run_main  # noqa: E402
+from common.config import LlamaConfig, load_config  # noqa: E402
+from common.models import resolve_model  # noqa: E402
+from common.tokenizer import Tokenizer  # noqa: E402
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 CONTEXTS = {"2k": 2048, "8k": 8192, "128k": 131072}
@@ -121,13 +122,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a name (smollm2-135m, tiny-llama3) or a checkpoint directory")
     args = ap.parse_args()
-    try:
-        print_report(resolve_model(args.model))
-    except (ModelNotFoundError, ConfigError, CheckpointError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print_report(resolve_model(args.model))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -24,7 +25,9 @@ sys.path[:0] = [str(HERE), str(REPO)]
 import torch  # noqa: E402
 
 from common.bench import machine, peak_memory_bytes, summarize  # noqa: E402
+from common.checkpoint import expected_shapes  # noqa: E402
 from common.cli import run_main  # noqa: E402
+from common.config import load_config  # noqa: E402
 from common.device import pick_device, pick_dtype, synchronize  # noqa: E402
 from common.models import resolve_model  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
@@ -154,12 +157,8 @@ def main() -> int:
             raise RuntimeError(f"engine {engine} failed")
         results.append(json.loads(r.stdout.strip().splitlines()[-1]))
 
-    from common.config import load_config
-
-    config = load_config(model_dir)
-    n_params = sum(
-        p for p in __import__("common.checkpoint", fromlist=["x"]).expected_shapes(config).values() for p in [_numel(p)]
-    )
+    # Every weight is read once per decoded token (a tied LM head is the embedding, counted once).
+    n_params = sum(math.prod(shape) for shape in expected_shapes(load_config(model_dir)).values())
     print(f"{model_dir.name}, {device}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (ch01: {args.ch01_new_tokens})")
     print(f"{'engine':<6} {'dtype':<9} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode tok/s':>12} "
           f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'GB/s':>6} {'peak MiB':>9}")
@@ -182,13 +181,6 @@ def main() -> int:
     plot(results, out / f"{stem}.png", f"{model_dir.name}, {dtype_name}, prompt {args.prompt_tokens} tokens")
     print(f"saved {out / stem}.json/.png")
     return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def plot(results, path: Path, title: str) -> None:
