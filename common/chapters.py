@@ -4,6 +4,9 @@ Every chapter has its own `model.py` and imports its siblings by plain name (`im
 `load_chapter(2)` imports the requested modules with the chapter folder first on sys.path, then
 renames them in sys.modules (`ch02.model`) and removes the plain names, so that loading chapter
 3 next imports chapter 3's files rather than reusing chapter 2's.
+
+Chapters are found in the `chapters/` folder beside this package: in a clone, the repository's.
+A chapter copied on its own has no neighbours; tests that compare with one skip (common.testing).
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ from pathlib import Path
 CHAPTERS_DIR = Path(__file__).resolve().parent.parent / "chapters"
 
 
+class ChapterNotFoundError(FileNotFoundError):
+    pass
+
+
 def chapter_dir(number: int) -> Path:
     matches = sorted(CHAPTERS_DIR.glob(f"{number:02d}_*"))
     if not matches:
-        raise FileNotFoundError(f"no chapter {number:02d} under {CHAPTERS_DIR}")
+        raise ChapterNotFoundError(f"no chapter {number:02d} in {CHAPTERS_DIR}")
     return matches[0]
+
+
+def chapter_exists(number: int) -> bool:
+    return any(CHAPTERS_DIR.glob(f"{number:02d}_*"))
 
 
 def load_chapter(number: int, *module_names: str) -> types.SimpleNamespace:

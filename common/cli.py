@@ -1,4 +1,4 @@
-"""The command-line conventions every chapter's entry points share (see DESIGN.md).
+"""The command-line conventions every chapter's entry points share (see ARCHITECTURE.md).
 
 --model NAME_OR_PATH, --prompt, --max-new-tokens, --chat; generated text on stdout, statistics
 on stderr, and a one-line `error: ...` (exit 2) instead of a traceback for bad input.
@@ -57,3 +57,6 @@ def run_main(main) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # `| head` closed the pipe: the reader has what it wanted
+        sys.stderr.close()
+        sys.exit(0)

@@ -1,4 +1,8 @@
-"""Model registry: a name (`smollm2-135m`, `tiny-llama3`) or a path -> a checkpoint directory."""
+"""Model registry: a name (`smollm2-135m`, `tiny-llama3`) or a path -> a checkpoint directory.
+
+Named models live in MODELS_DIR: `models/` beside this package (the repository's, in a clone),
+or wherever the MODELS_DIR environment variable points, e.g. for a chapter copied elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +33,11 @@ def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
     if name_or_path in REGISTRY:
         path = MODELS_DIR / name_or_path
         if not is_prepared(path):
-            raise ModelNotFoundError(f"model {name_or_path!r} is not prepared at {path}: run `make models`")
+            raise ModelNotFoundError(
+                f"model {name_or_path!r} is not prepared at {path}: run `make models` in the repository "
+                f"(or `python -m common.prepare_models` where `common` is importable), or set MODELS_DIR "
+                f"to the folder that holds {name_or_path}/"
+            )
         return path
     path = Path(name_or_path).expanduser()
     if path.is_dir():

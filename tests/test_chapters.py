@@ -42,8 +42,22 @@ def make(*args):
 
 def test_make_diff_chapter_shows_the_lesson():
     r = make("diff-chapter2")
-    assert r.returncode == 0
-    assert "Only in chapters/02_kv_cache: kv_cache.py" in r.stdout and "+import torch" in r.stdout
+    assert r.returncode == 0, r.stderr
+    assert "+import torch" in r.stdout and "kv_cache.py" in r.stdout.split("\n= ")[2]  # listed as new code
+    r = make("diff-chapter3")
+    assert r.returncode == 0, r.stderr
+    assert "+def sample(" in r.stdout
+    ch02, ch03 = chapter_dir(2), chapter_dir(3)
+    plus_lines = {line[1:] for line in r.stdout.splitlines() if line.startswith("+")}
+    new_code = [p for p in ch03.glob("*.py") if not (ch02 / p.name).exists() and p.name != "bench.py"]
+    assert new_code, "chapter 03 adds modules"
+    for path in new_code:  # every new module, in full
+        missing = [line for line in path.read_text().splitlines() if line not in plus_lines]
+        assert not missing, f"{path.name}: {missing[:3]}"
+    # Code first: the README and tests are listed in the summary, and diffed only with ALL=1, after the code.
+    assert "README.md" in r.stdout and "= README.md (changed)" not in r.stdout
+    everything = make("diff-chapter3", "ALL=1").stdout
+    assert everything.index("= sampling.py (new file)") < everything.index("= README.md (changed)")
 
 
 def test_make_run_each_chapter():

@@ -8,17 +8,14 @@ splits text.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from common.checkpoint import checkpoint_files, read_header  # noqa: E402
-from common.cli import run_main  # noqa: E402
-from common.config import LlamaConfig, load_config  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from common.tokenizer import Tokenizer  # noqa: E402
+from common.checkpoint import checkpoint_files, read_header
+from common.cli import run_main
+from common.config import LlamaConfig, load_config
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 CONTEXTS = {"2k": 2048, "8k": 8192, "128k": 131072}

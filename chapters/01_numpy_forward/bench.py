@@ -12,19 +12,15 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(REPO)]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from common.cli import run_main  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from model import forward, load_model  # noqa: E402
+from common.bench import RESULTS_DIR
+from common.cli import run_main
+from common.models import resolve_model
+from model import forward, load_model
 
 
 def time_forward(model, n_tokens: int, repeats: int) -> float:
@@ -43,7 +39,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", default="16,64,128,256,512,1024")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
     model = load_model(model_dir)

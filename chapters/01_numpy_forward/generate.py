@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from common.cli import base_parser, check_context, prompt_ids, run_main  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from common.tokenizer import Tokenizer  # noqa: E402
-from model import Model, forward, load_model  # noqa: E402
+from common.cli import base_parser, check_context, prompt_ids, run_main
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
+from model import Model, forward, load_model
 
 
 def generate(model: Model, prompt: list[int], max_new_tokens: int, step_times: list | None = None):

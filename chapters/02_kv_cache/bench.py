@@ -18,19 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(REPO)]
+import torch
 
-import torch  # noqa: E402
-
-from common.bench import machine, peak_memory_bytes, summarize  # noqa: E402
-from common.checkpoint import expected_shapes  # noqa: E402
-from common.cli import run_main  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.device import pick_device, pick_dtype, synchronize  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from common.tokenizer import Tokenizer  # noqa: E402
+from common.bench import RESULTS_DIR, machine, peak_memory_bytes, summarize
+from common.chapters import chapter_exists, load_chapter
+from common.checkpoint import expected_shapes
+from common.cli import run_main
+from common.config import load_config
+from common.device import pick_device, pick_dtype, synchronize
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
 
 TEXT = (
     "The history of computing is a story of abstractions stacked on abstractions. Early machines were "
@@ -70,8 +67,6 @@ def run_ch02(model_dir, prompt, n_new, device, dtype) -> tuple[float, list[float
 
 
 def run_ch01(model_dir, prompt, n_new, device, dtype) -> tuple[float, list[float]]:
-    from common.chapters import load_chapter
-
     ch01 = load_chapter(1, "model")
     model = ch01.model.load_model(model_dir)
     ids = list(prompt)
@@ -137,7 +132,7 @@ def main() -> int:
     ap.add_argument("--ch01-new-tokens", type=int, default=16, help="chapter 01 is slow: time fewer steps")
     ap.add_argument("--engines", default="ch02,hf,ch01")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine in this process
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args()
     if args.engine:
         child(args)
@@ -146,8 +141,12 @@ def main() -> int:
     device = pick_device(args.device)
     dtype_name = str(pick_dtype(args.dtype, device)).removeprefix("torch.")
     model_dir = resolve_model(args.model)
+    engines = args.engines.split(",")
+    if "ch01" in engines and not chapter_exists(1):  # a copy of this chapter without its neighbour
+        print("ch01 skipped: chapter 01 is not beside this chapter", file=sys.stderr)
+        engines.remove("ch01")
     results = []
-    for engine in args.engines.split(","):
+    for engine in engines:
         cmd = [sys.executable, __file__, "--engine", engine, "--model", str(model_dir), "--device", str(device),
                "--dtype", dtype_name, "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
                str(args.new_tokens), "--ch01-new-tokens", str(args.ch01_new_tokens)]

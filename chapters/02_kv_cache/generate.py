@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+import torch
 
-import torch  # noqa: E402
-
-from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main  # noqa: E402
-from common.device import pick_device, pick_dtype, synchronize  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from common.tokenizer import Tokenizer  # noqa: E402
-from kv_cache import KVCache  # noqa: E402
-from model import Model, forward, load_model  # noqa: E402
+from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main
+from common.device import pick_device, pick_dtype, synchronize
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
+from kv_cache import KVCache
+from model import Model, forward, load_model
 
 
 @torch.inference_mode()

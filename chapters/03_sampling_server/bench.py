@@ -17,14 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from common.bench import RESULTS_DIR, machine
+from common.cli import run_main
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(REPO)]
-
-import numpy as np  # noqa: E402
-
-from common.bench import machine  # noqa: E402
-from common.cli import run_main  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -60,7 +58,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args()
     import openai
 

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1])]
-
-from common.cli import base_parser, run_main  # noqa: E402
-from engine import Engine, Request  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
+from common.cli import base_parser, run_main
+from engine import Engine, Request
+from sampling import SamplingParams
 
 
 def parse_args():

@@ -9,22 +9,17 @@ the relative error (||ours - ref|| / ||ref||) and, for the logits, how often the
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+import torch
 
-import torch  # noqa: E402
-
-from common.cli import run_main  # noqa: E402
-from common.device import pick_device, pick_dtype  # noqa: E402
-from common.hf_reference import hf_hidden_states  # noqa: E402
-from common.models import resolve_model  # noqa: E402
-from common.parity import compare, format_table  # noqa: E402
-from common.tokenizer import Tokenizer  # noqa: E402
-from kv_cache import KVCache  # noqa: E402
-from model import forward, load_model  # noqa: E402
+from common.cli import run_main
+from common.device import pick_device, pick_dtype
+from common.hf_reference import hf_hidden_states
+from common.models import resolve_model
+from common.parity import compare, format_table
+from common.tokenizer import Tokenizer
+from kv_cache import KVCache
+from model import forward, load_model
 
 DEFAULT_TEXT = (
     "The Llama architecture is a decoder-only transformer. Each layer normalizes its input with RMSNorm, "

@@ -21,16 +21,13 @@ import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1])]
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastapi import FastAPI, Request as HTTPRequest  # noqa: E402
-from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
-
-from engine import Engine, Event  # noqa: E402
-from protocol import ChatRequest, CompletionRequest, chat_request, completion_request  # noqa: E402
-from worker import Worker  # noqa: E402
+from engine import Engine, Event
+from protocol import ChatRequest, CompletionRequest, chat_request, completion_request
+from worker import Worker
 
 
 class APIError(Exception):

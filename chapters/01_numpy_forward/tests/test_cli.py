@@ -52,6 +52,7 @@ def test_engine_imports_numpy_only():
     """Chapter 01 is the NumPy chapter: its engine must not pull in torch (directly or through common/).
     parity.py may: it runs HF transformers as the reference."""
     code = "import sys; import model, rope, generate; assert 'torch' not in sys.modules, 'torch imported'"
+    # `python -c` puts the working directory (the chapter) first on sys.path, as a script would.
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=CHAPTER,
-                       env={"PYTHONPATH": f"{CHAPTER}:{REPO}", "PATH": "/usr/bin:/bin"})
+                       env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr

@@ -54,9 +54,9 @@ def test_apply_rope_matches_hf(tiny):
 
 
 def test_rope_matches_chapter_01():
-    from common.chapters import load_chapter
+    from common.testing import load_neighbour
 
-    ch01 = load_chapter(1, "rope")
+    ch01 = load_neighbour(1, "rope")
     config = load_config(resolve_model("tiny-llama3"))
     cos, sin = cos_sin_table(inv_frequencies(config), 50)
     np_cos, np_sin = ch01.rope.cos_sin(ch01.rope.inv_frequencies(config), np.arange(50))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.chapters import load_chapter
 from common.hf_reference import hf_greedy, hf_hidden_states
 from common.models import resolve_model
 from common.parity import assert_parity, compare, format_table
+from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
 from generate import generate_all
 from kv_cache import KVCache
@@ -85,7 +85,7 @@ def test_decode_with_cache_equals_full_recompute_at_every_step(name, atol, devic
 
 def test_decode_logits_equal_chapter_01_numpy():
     _, model, tok = engine("tiny-llama3")
-    ch01 = load_chapter(1, "model")
+    ch01 = load_neighbour(1, "model")
     np_model = ch01.model.load_model(resolve_model("tiny-llama3"))
     ids = tok.encode("Rivers flow into the sea because")
     cache = KVCache(model.config, 1, len(ids) + 6, "cpu", torch.float32)
@@ -102,7 +102,7 @@ def test_greedy_equals_hf_and_chapter_01(name):
     prompt = tok.encode_chat([{"role": "user", "content": CHATS[1]}])
     ours = generate_all(model, [prompt], 24)[0]
     assert ours == hf_greedy(d, prompt, 24), tok.decode(ours)
-    ch01 = load_chapter(1, "model", "generate")
+    ch01 = load_neighbour(1, "model", "generate")
     assert ours == list(ch01.generate.generate(ch01.model.load_model(d), prompt, 24))
 
 

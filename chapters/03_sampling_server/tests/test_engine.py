@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.chapters import load_chapter
+from common.testing import load_neighbour
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from engine import Engine, Request
@@ -35,7 +35,7 @@ def chat(engine, text):
 
 
 def test_greedy_equals_chapter_02(engine):
-    ch02 = load_chapter(2, "model", "generate")
+    ch02 = load_neighbour(2, "model", "generate")
     d = resolve_model("smollm2-135m")
     prompts = [chat(engine, "Write a haiku about the sea."), chat(engine, "What is 2 + 2?")]
     expected = ch02.generate.generate_all(ch02.model.load_model(d), prompts, 24)

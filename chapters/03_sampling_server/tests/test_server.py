@@ -88,11 +88,11 @@ def test_completions_streaming_equals_non_streaming(client):
 
 
 def test_greedy_equals_chapter_02(client):
-    from common.chapters import load_chapter
+    from common.testing import load_neighbour
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
 
-    ch02 = load_chapter(2, "model", "generate")
+    ch02 = load_neighbour(2, "model", "generate")
     d = resolve_model(MODEL)
     tok = Tokenizer(d)
     prompt = [{"role": "user", "content": "Name three animals that live in the ocean."}]

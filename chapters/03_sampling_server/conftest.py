@@ -1,3 +1,10 @@
+"""pytest setup for this chapter's tests.
+
+The chapter's modules import each other by plain name (`import model`), as they do when one of
+its scripts runs (Python puts a script's folder first on sys.path). The tests get the same view:
+this folder first on sys.path. `common` needs nothing: it is an installed package (pyproject.toml).
+"""
+
 import os
 import sys
 from pathlib import Path
@@ -5,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-CHAPTER = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(CHAPTER), str(CHAPTER.parents[1])]  # this chapter's modules, then common/
+CHAPTER = Path(__file__).resolve().parent
+sys.path.insert(0, str(CHAPTER))
 
 
 def _available(device: str) -> str | None:

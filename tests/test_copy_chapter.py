@@ -1,0 +1,82 @@
+"""A reader copies the newest chapter and common/ out of the repository as the start of their own
+engine: it must run and pass its own tests there, with no PYTHONPATH and no sys.path edits."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.models import MODELS_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((REPO / "chapters").glob("[0-9][0-9]_*"))
+NEWEST = CHAPTERS[-1]
+
+
+def copy_out(tmp_path: Path) -> Path:
+    root = tmp_path / "my_engine"
+    ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache")
+    shutil.copytree(REPO / "common", root / "common", ignore=ignore)
+    shutil.copytree(NEWEST, root / NEWEST.name, ignore=ignore)
+    return root
+
+
+def clean_env() -> dict:
+    """This environment without PYTHONPATH; MODELS_DIR says where the prepared models are, as a
+    reader with a copy would set it (the copy has no models/ of its own)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(MODELS_DIR=str(MODELS_DIR), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    return env
+
+
+def test_entry_points_do_not_edit_sys_path():
+    # conftest.py files may put their own chapter folder on sys.path for pytest; nothing else may.
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in REPO.glob("chapters/*/**/*.py")
+        if p.name != "conftest.py" and re.search(r"sys\.path\s*(\[|\.insert|\.append|=)", p.read_text())
+    ]
+    assert not offenders, f"sys.path edited in {offenders}"
+
+
+def test_copied_chapter_answers_a_chat_prompt(tmp_path):
+    root = copy_out(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "generate.py", "--chat", "--prompt", "What is the capital of France?",
+         "--max-new-tokens", "12", "--dtype", "float32"],
+        cwd=root / NEWEST.name, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_copied_chapter_says_where_models_are_looked_for(tmp_path):
+    root = copy_out(tmp_path)
+    env = clean_env() | {"MODELS_DIR": str(tmp_path / "no_models")}
+    r = subprocess.run([sys.executable, "generate.py", "--model", "tiny-llama3"], cwd=root / NEWEST.name,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "MODELS_DIR" in r.stderr and "common.prepare_models" in r.stderr
+
+
+def test_copied_chapter_passes_its_own_tests(tmp_path):
+    root = copy_out(tmp_path)
+    # `python -m pytest` from the copy's root puts that root first on sys.path, so the copy's own
+    # common/ is the one imported; tests that compare with another chapter skip (none is there).
+    code = "import common; print(common.__file__)"
+    where = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True)
+    assert where.stdout.strip() == str(root / "common" / "__init__.py"), where.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", NEWEST.name],
+        cwd=root, env=clean_env(), capture_output=True, text=True, timeout=1200,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert re.search(r"\d+ passed", r.stdout), r.stdout[-2000:]
+    compares = any("load_neighbour(" in p.read_text() for p in (root / NEWEST.name / "tests").glob("*.py"))
+    assert not compares or "compares with chapter" in r.stdout, r.stdout[-2000:]
