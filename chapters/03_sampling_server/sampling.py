@@ -20,6 +20,7 @@ the tail, and top-p sums that tail.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -77,6 +78,11 @@ class SamplingParams:
             _integer(self.seed, "seed", "an integer in [-2**63, 2**64)", lambda v: -(2**63) <= v < 2**64)
         if self.logprobs is not None:
             _integer(self.logprobs, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", lambda v: 0 <= v <= MAX_LOGPROBS)
+
+    def override(self, **values) -> SamplingParams:
+        """A copy with every value that is not None taken from `values`: how a request's (or a
+        command line's) settings apply over the model's defaults. The one place they merge."""
+        return dataclasses.replace(self, **{name: v for name, v in values.items() if v is not None})
 
     @classmethod
     def from_generation_config(cls, cfg: dict) -> SamplingParams:
