@@ -7,6 +7,7 @@ Per row of logits, in this order:
     x[seen]    = x / r  where x > 0, x * r where x <= 0     # repetition penalty, seen = prompt + output
     x[out]    -= presence + frequency * count(out)          # OpenAI penalties, output tokens only
     x[bias]   += logit_bias
+    x          = -inf where NaN, the largest float where +inf   # non-finite logits, see below
     temperature == 0:  token = argmax(x)                    # greedy (so is temperature < 1e-5)
     otherwise:         p = softmax(x / temperature)
                        keep the top_k most likely,
@@ -16,6 +17,12 @@ Per row of logits, in this order:
 
 Everything runs in float32 whatever the model's dtype: a bf16 softmax over 49k tokens loses
 the tail, and top-p sums that tail.
+
+Valid parameters (SamplingParams.validate) keep these steps finite on finite logits. A model can
+still produce NaN or inf (an fp16 overflow, a broken checkpoint): NaN counts as impossible (-inf),
++inf as certain (the largest float, so ties split evenly), and a row where no token is possible
+raises NoTokenError rather than drawing from NaNs: it is the model's failure, and an error says
+so where a token made up by a fallback would hide it.
 """
 
 from __future__ import annotations
@@ -37,45 +44,69 @@ TOP_P_SLACK = 1e-6
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+# Far beyond any useful setting (at 10 a distribution is already close to flat), well inside
+# float32 (1e300 would become inf there, and -inf / inf is NaN).
+MAX_TEMPERATURE = 100.0
+# The repetition penalty divides or multiplies logits: a value near 0 (1e-40 is 0 in float32) or
+# huge (1e300 is inf) would make them inf or NaN. The bounds are far past useful settings (~1.1):
+# at 100, a seen token's logit of 20 becomes 0.2.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Seeds are those torch.Generator.manual_seed takes; it reads a negative one modulo 2**64, and
+# choice_seed wraps the same way, so every accepted seed works for every choice.
+SEED_MODULUS = 2**64
 
 
 class SamplingError(ValueError):
-    """A sampling parameter out of range; the message names it and what is allowed."""
+    """A sampling parameter out of range; the message names it and what is allowed, `param` the
+    request field it came from (an OpenAI error object's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class NoTokenError(RuntimeError):
+    """A row of logits where every token is impossible (all -inf or NaN): nothing to sample."""
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # 0 => greedy; at most MAX_TEMPERATURE
     top_k: int = -1  # -1 or 0 => off
     top_p: float = 1.0  # in (0, 1]; 1 => off
     min_p: float = 0.0  # in [0, 1]; 0 => off
-    repetition_penalty: float = 1.0  # > 0; 1 => off
+    repetition_penalty: float = 1.0  # in [0.01, 100]; 1 => off
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    seed: int | None = None
+    seed: int | None = None  # in [-2**63, 2**64)
     logprobs: int | None = None  # None => none; k => the chosen token's logprob and the top k
 
     def validate(self, vocab_size: int) -> None:
         """Raises SamplingError naming the first parameter that is out of range."""
-        _number(self.temperature, "temperature", "a number >= 0 (0 means greedy)", lambda v: v >= 0)
+        _number(self.temperature, "temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
+                lambda v: 0 <= v <= MAX_TEMPERATURE)
         _integer(self.top_k, "top_k", "an integer >= -1 (-1 or 0 turn it off)", lambda v: v >= -1)
         _number(self.top_p, "top_p", "a number in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number(self.min_p, "min_p", "a number in [0, 1] (0 turns it off)", lambda v: 0 <= v <= 1)
-        _number(self.repetition_penalty, "repetition_penalty", "a number > 0 (1 turns it off)", lambda v: v > 0)
+        low, high = REPETITION_PENALTY_RANGE
+        _number(self.repetition_penalty, "repetition_penalty", f"a number in [{low:g}, {high:g}] (1 turns it off)",
+                lambda v: low <= v <= high)
         for name in ("presence_penalty", "frequency_penalty"):
             _number(getattr(self, name), name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
                     lambda v: -MAX_PENALTY <= v <= MAX_PENALTY)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise SamplingError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+                raise SamplingError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}",
+                                    "logit_bias")
             for token, bias in self.logit_bias.items():
-                _integer(token, "logit_bias key", f"a token id in [0, {vocab_size - 1}]", lambda v: 0 <= v < vocab_size)
+                _integer(token, "logit_bias key", f"a token id in [0, {vocab_size - 1}]", lambda v: 0 <= v < vocab_size,
+                         param="logit_bias")
                 _number(bias, f"logit_bias[{token}]", f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-                        lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)
+                        lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS, param="logit_bias")
         if self.seed is not None:
             # The range torch.Generator.manual_seed accepts.
-            _integer(self.seed, "seed", "an integer in [-2**63, 2**64)", lambda v: -(2**63) <= v < 2**64)
+            _integer(self.seed, "seed", "an integer in [-2**63, 2**64)", lambda v: -(2**63) <= v < SEED_MODULUS)
         if self.logprobs is not None:
             _integer(self.logprobs, "logprobs", f"an integer in [0, {MAX_LOGPROBS}]", lambda v: 0 <= v <= MAX_LOGPROBS)
 
@@ -98,15 +129,15 @@ class SamplingParams:
         return params
 
 
-def _number(value, name: str, allowed: str, ok) -> None:
+def _number(value, name: str, allowed: str, ok, param: str | None = None) -> None:
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not (real and math.isfinite(value) and ok(value)):
-        raise SamplingError(f"{name} must be {allowed}, got {value!r}")
+        raise SamplingError(f"{name} must be {allowed}, got {value!r}", param or name)
 
 
-def _integer(value, name: str, allowed: str, ok) -> None:
+def _integer(value, name: str, allowed: str, ok, param: str | None = None) -> None:
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and ok(value)):
-        raise SamplingError(f"{name} must be {allowed}, got {value!r}")
+        raise SamplingError(f"{name} must be {allowed}, got {value!r}", param or name)
 
 
 @dataclass
@@ -116,13 +147,21 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob) of the k most likely tokens, most likely first
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed` (None: unseeded). Choice 0 keeps
+    the request's seed, the others count up from it, wrapping at 2**64 so that the largest seed
+    works for every n. Negative seeds come out as the non-negative seed torch reads them as."""
+    return None if seed is None else (seed + index) % SEED_MODULUS
+
+
 def make_generator(seed: int | None, device) -> torch.Generator | None:
     """A random stream of its own for a seeded request (on the device that draws), else None: the
-    global one. A private stream makes a seeded request reproducible whatever else is running."""
+    global one. A private stream makes a seeded request reproducible whatever else is running.
+    Any integer seed works: it is taken modulo 2**64, as manual_seed does with negative ones."""
     if seed is None:
         return None
     generator = torch.Generator(device=torch.device(device))
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % SEED_MODULUS)
     return generator
 
 
@@ -143,6 +182,9 @@ def sample(
     x = logits.to(torch.float32, copy=True)  # [batch, vocab]: ours to change
     for i, p in enumerate(params):
         apply_penalties(x[i], p, prompt_tokens[i], output_tokens[i])
+    # After the penalties: they keep finite logits finite, but turn a NaN into NaN and never fix one.
+    x = finite_logits(x)
+    check_some_token_possible(x)
 
     # Greedy rows take the argmax (the first one on ties); it is computed for every row because one
     # batched argmax is cheaper than picking rows out, and sampled rows overwrite theirs.
@@ -184,6 +226,24 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], out
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+
+
+def finite_logits(x: torch.Tensor) -> torch.Tensor:
+    """x with NaN as -inf (a logit that cannot be compared is no candidate) and +inf as the
+    largest float32 (a certain token). The max of a row is then finite unless the whole row is
+    -inf, so x - max(x) has no inf - inf, and a softmax no NaN."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
+
+
+def check_some_token_possible(x: torch.Tensor) -> None:
+    """Raises NoTokenError when a row of x (finite_logits) is all -inf: its softmax would be NaN,
+    torch.multinomial would fail (on a GPU, with a device-side assert) and argmax would pick
+    token 0 for no reason. One device-to-host transfer per step, of one bool."""
+    possible = (x > float("-inf")).any(dim=-1)  # [batch]
+    if not bool(possible.all()):
+        rows = (~possible).nonzero().flatten().tolist()
+        raise NoTokenError(f"no token can be sampled for row(s) {rows}: every logit is -inf or NaN "
+                           "(the model produced non-finite logits, or every token was banned)")
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -238,7 +298,8 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
     if not rows:
         return result
     r = torch.tensor(rows, device=logits.device)
-    logprobs = torch.log_softmax(logits[r].float(), dim=-1)  # [rows, vocab]
+    # A NaN logit would make every logprob of its row NaN, and NaN is not JSON.
+    logprobs = torch.log_softmax(finite_logits(logits[r].float()), dim=-1)  # [rows, vocab]
     chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)  # [rows]
     chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1)  # [rows]
     k = min(max(params[i].logprobs for i in rows), logprobs.shape[-1])

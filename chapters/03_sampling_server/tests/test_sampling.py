@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from sampling import (
+    NoTokenError,
     SamplingError,
     SamplingParams,
     TokenLogprob,
     apply_penalties,
+    choice_seed,
     filter_probs,
     make_generator,
     sample,
@@ -86,6 +88,48 @@ def test_greedy_rows_mixed_with_sampled_rows():
     argmax = logits.argmax(-1).tolist()
     assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
     assert tokens[3] in logits[3].topk(3).indices.tolist()
+
+
+# --- non-finite logits ------------------------------------------------------------------------
+
+NAN_ROW = [float("nan"), 0.0, float("nan"), 1.0, float("nan")]
+
+
+def test_a_nan_logit_is_never_chosen(device):
+    logits = torch.tensor([NAN_ROW], device=device)
+    assert run(logits, SamplingParams(temperature=0.0))[0] == [3]  # argmax alone would pick a NaN
+    draws = run(logits.expand(200, -1), SamplingParams(), [make_generator(0, device)] * 200)[0]
+    assert set(draws) == {1, 3}
+
+
+def test_an_infinite_logit_is_certain(device):
+    logits = torch.tensor([[0.0, float("inf"), 5.0, float("inf"), float("-inf")]], device=device)
+    assert run(logits, SamplingParams(temperature=0.0))[0] == [1]  # ties: the lowest id
+    draws = run(logits.expand(200, -1), SamplingParams(top_p=0.9), [make_generator(0, device)] * 200)[0]
+    assert set(draws) == {1, 3}  # two certain tokens share the mass
+
+
+def test_extreme_valid_penalties_on_huge_logits_stay_finite():
+    # 3e38 / 0.01 overflows to inf, -3e38 * 100 to -inf: token 0 stays far ahead either way.
+    logits = torch.tensor([[3e38, 1.0, -3e38, 0.0]])
+    for r in (0.01, 100.0):
+        params = SamplingParams(repetition_penalty=r, temperature=0.7)
+        tokens, _ = run(logits.expand(50, -1), params, [make_generator(1, "cpu")] * 50, prompt=[[0, 2]] * 50)
+        assert set(tokens) == {0}
+
+
+@pytest.mark.parametrize("row", [[float("-inf")] * 4, [float("nan")] * 4, [float("nan"), float("-inf")] * 2])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_where_no_token_is_possible_raises(row, temperature):
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], row])
+    with pytest.raises(NoTokenError, match=r"row\(s\) \[1\]"):
+        run(logits, SamplingParams(temperature=temperature), [make_generator(0, "cpu")] * 2)
+
+
+def test_logprobs_of_a_row_with_nan_are_numbers():
+    _, [lp] = run(torch.tensor([NAN_ROW]), SamplingParams(temperature=0.0, logprobs=2))
+    assert lp.token_id == 3 and math.isfinite(lp.logprob)
+    assert [t for t, _ in lp.top] == [3, 1] and all(math.isfinite(v) for _, v in lp.top)
 
 
 # --- the filters ------------------------------------------------------------------------------
@@ -240,6 +284,21 @@ def test_same_seed_same_tokens_different_seed_different_tokens(device):
     assert len(set(first)) > 1
 
 
+def test_choice_seeds_count_up_from_the_request_seed_modulo_2_64():
+    assert [choice_seed(5, i) for i in range(3)] == [5, 6, 7]
+    assert choice_seed(None, 2) is None
+    top = 2**64 - 1  # the largest seed accepted: choice 1 of it would overflow manual_seed
+    assert [choice_seed(top, i) for i in range(3)] == [top, 0, 1]
+    assert choice_seed(-1, 0) == top  # how torch reads a negative seed
+    for i in range(16):
+        SamplingParams(seed=choice_seed(top, i)).validate(VOCAB)
+
+
+def test_every_integer_seed_makes_a_generator_torch_reads_modulo_2_64():
+    assert draw_sequence(2**64 + 7) == draw_sequence(7)  # the engine's seed + i past the top
+    assert draw_sequence(-1) == draw_sequence(2**64 - 1)  # unchanged: what torch did already
+
+
 def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
     logits = torch.zeros(1, 100)
     alone = [run(logits, SamplingParams(), [g])[0][0] for g in [make_generator(3, "cpu")] * 10]
@@ -293,6 +352,8 @@ NAN, INF = float("nan"), float("inf")
         ("temperature", NAN, "temperature"),
         ("temperature", INF, "temperature"),
         ("temperature", "hot", "temperature"),
+        ("temperature", 100.5, "temperature"),
+        ("temperature", 1e300, "temperature"),
         ("top_k", -2, "top_k"),
         ("top_k", 2.5, "top_k"),
         ("top_p", 0.0, "top_p"),
@@ -303,6 +364,11 @@ NAN, INF = float("nan"), float("inf")
         ("repetition_penalty", 0.0, "repetition_penalty"),
         ("repetition_penalty", -1.0, "repetition_penalty"),
         ("repetition_penalty", INF, "repetition_penalty"),
+        ("repetition_penalty", 1e-40, "repetition_penalty"),
+        ("repetition_penalty", 1e-300, "repetition_penalty"),
+        ("repetition_penalty", 0.0099, "repetition_penalty"),
+        ("repetition_penalty", 100.5, "repetition_penalty"),
+        ("repetition_penalty", 1e300, "repetition_penalty"),
         ("presence_penalty", 2.5, "presence_penalty"),
         ("presence_penalty", -2.01, "presence_penalty"),
         ("frequency_penalty", 3.0, "frequency_penalty"),
@@ -324,6 +390,7 @@ def test_invalid_values_raise_naming_the_parameter(field, value, name):
     with pytest.raises(SamplingError, match=name) as info:
         SamplingParams(**{field: value}).validate(VOCAB)
     assert isinstance(info.value, ValueError)  # servers map ValueError to HTTP 400
+    assert info.value.param == field  # the request field, for the OpenAI error's `param`
 
 
 def test_valid_values_pass():
@@ -334,6 +401,15 @@ def test_valid_values_pass():
         frequency_penalty=2, logit_bias={0: -100, VOCAB - 1: 100.0}, seed=-5, logprobs=20,
     ).validate(VOCAB)
     SamplingParams(logprobs=0, seed=2**64 - 1).validate(VOCAB)
+    SamplingParams(temperature=100, repetition_penalty=0.01).validate(VOCAB)
+    SamplingParams(temperature=100.0, repetition_penalty=100).validate(VOCAB)
+
+
+def test_override_takes_every_value_but_none():
+    defaults = SamplingParams(temperature=0.6, top_p=0.9, seed=1)
+    merged = defaults.override(temperature=0.0, top_p=None, seed=0, logit_bias={3: 1.0})
+    assert merged == SamplingParams(temperature=0.0, top_p=0.9, seed=0, logit_bias={3: 1.0})
+    assert defaults == SamplingParams(temperature=0.6, top_p=0.9, seed=1)  # a copy, not an update
 
 
 def test_from_generation_config():
