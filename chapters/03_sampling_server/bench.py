@@ -2,7 +2,8 @@
 
 Starts server.py on a free local port, sends streamed chat requests one after another with the
 official openai client (greedy, fixed length), and times the arrival of each SSE chunk. Saves
-JSON under bench/results/.
+JSON under bench/results/, and beside it a plot of the time each streamed token took, against its
+position, for every request (the first token's time is the TTFT).
 
     python chapters/03_sampling_server/bench.py --model smollm2-135m --requests 5 --max-tokens 64
 """
@@ -91,15 +92,45 @@ def main() -> int:
         "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_max": float(max(ttft)),
         "itl_ms_p50": float(np.percentile(gaps, 50)), "itl_ms_p99": float(np.percentile(gaps, 99)),
         "stream_tok_s": float(1e3 / gaps.mean()),
+        "runs": [{"ttft_ms": round(r["ttft_ms"], 3), "gaps_ms": [round(float(g), 3) for g in r["gaps_ms"]]}
+                 for r in runs],
     }
     print(f"{model}: {args.requests} streamed requests x {args.max_tokens} tokens")
     print(f"TTFT p50 {result['ttft_ms_p50']:.0f} ms (max {result['ttft_ms_max']:.0f}), ITL p50 "
           f"{result['itl_ms_p50']:.1f} ms, p99 {result['itl_ms_p99']:.1f} ms, {result['stream_tok_s']:.1f} tok/s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"ch03_server_stream_{model}.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {out / f'ch03_server_stream_{model}.json'}")
+    stem = f"ch03_server_stream_{model}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / f"{stem}.png")
+    print(f"saved {out / stem}.json/.png")
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Time per streamed token against its position, one line per request: token 1's time is the
+    TTFT (marked), each later token's the gap since the one before (the ITL)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(result["runs"]):
+        line, = ax.plot(range(2, len(r["gaps_ms"]) + 2), r["gaps_ms"], lw=1, label=f"request {i + 1}")
+        ax.plot(1, r["ttft_ms"], "o", color=line.get_color(), ms=6, mfc="none")
+    ax.plot([], [], "o", color="grey", mfc="none", label="TTFT (token 1)")
+    ax.axhline(result["itl_ms_p50"], color="grey", ls="--", lw=1, label=f"ITL p50 {result['itl_ms_p50']:.1f} ms")
+    ax.set_yscale("log")
+    ax.set_xlabel("streamed token (position in the answer)")
+    ax.set_ylabel("ms for this token (token 1: TTFT)")
+    ax.set_title(f"ch03 server, {result['model']}: {result['requests']} streamed requests, greedy, "
+                 f"{result['stream_tok_s']:.1f} tok/s", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

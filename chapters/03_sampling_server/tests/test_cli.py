@@ -54,3 +54,4 @@ def test_server_bench_runs_and_saves_figures(tmp_path):
 
     result = json.loads((tmp_path / "ch03_server_stream_tiny-llama3.json").read_text())
     assert result["requests"] == 2 and result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0
+    assert (tmp_path / "ch03_server_stream_tiny-llama3.png").stat().st_size > 1000
