@@ -133,6 +133,12 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         return "".join(self._pieces)
 
+    @property
+    def pending(self) -> int:
+        """How many added tokens are held back, not yet emitted: usually 0, more while a
+        character's UTF-8 bytes are spread over tokens that have not all arrived."""
+        return len(self._ids) - self._read
+
     def add(self, token_id: int) -> str:
         self._ids.append(int(token_id))
         return self._emit(final=False)

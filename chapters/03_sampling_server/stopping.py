@@ -25,6 +25,12 @@ class StopStringMatcher:
         self.stopped = False
         self._held = ""  # text received but not emitted: the possible start of a stop string
 
+    @property
+    def held(self) -> str:
+        """The text received but not emitted yet: a tail that could still be the start of a stop
+        string. `flush` releases it at the end of the stream."""
+        return self._held
+
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string has been found)."""
         if self.stopped:
