@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.checkpoint import load_checkpoint
+from common.checkpoint import load_checkpoint_torch
 from common.config import LlamaConfig, load_config
 from kv_cache import KVCache
-from rope import apply_rope, cos_sin_table, inv_frequencies
+from rope import apply_rope, cos_sin, inv_frequencies
 
 
 @dataclass
@@ -42,8 +42,7 @@ class Model:
     layers: list[Layer]
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied
-    cos: torch.Tensor  # [max_positions, head_dim], in the model dtype
-    sin: torch.Tensor  # [max_positions, head_dim]
+    inv_freq: torch.Tensor  # [head_dim / 2], float32: RoPE angles are computed per call from it
 
     @property
     def device(self) -> torch.device:
@@ -54,16 +53,18 @@ class Model:
         return self.embed.dtype
 
 
-def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, max_positions: int | None = None) -> Model:
-    """`max_positions` bounds the RoPE table (default: the model's whole context)."""
+def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32) -> Model:
+    """Reads config.json and the weights, checked against each other (see common.checkpoint),
+    as `dtype` tensors on `device`."""
     config = load_config(model_dir)
-    w = load_checkpoint(model_dir, config)  # NumPy float32 arrays
+    w = load_checkpoint_torch(model_dir, config, dtype, device)  # name -> tensor
 
     def t(*names: str) -> torch.Tensor:
         # Stacking q/k/v (and gate/up) makes one matmul read one weight: fewer, larger kernels,
         # which is most of what decode speed is about when a token is a matrix-vector product.
-        arrays = [torch.from_numpy(w[n]) for n in names]
-        return torch.cat(arrays).to(device=device, dtype=dtype) if len(arrays) > 1 else arrays[0].to(device, dtype)
+        # pop: each piece is freed once stacked, so memory peaks near one copy of the model.
+        parts = [w.pop(n) for n in names]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     layers = []
     for i in range(config.num_hidden_layers):
@@ -80,10 +81,7 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, max_pos
         )
     embed = t("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else t("lm_head.weight")
-    # Angles in float32, then cast: the same rounding as the reference, which also applies RoPE
-    # in the activation dtype.
-    cos, sin = cos_sin_table(inv_frequencies(config), max_positions or config.max_position_embeddings)
-    return Model(config, embed, layers, t("model.norm.weight"), lm_head, cos.to(device, dtype), sin.to(device, dtype))
+    return Model(config, embed, layers, t("model.norm.weight"), lm_head, inv_frequencies(config).to(device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,7 +154,10 @@ def forward(
     start = cache.length
     slots = torch.arange(start, start + new, device=tokens.device)[None, :]  # [1, new]
     positions = slots if pad is None else (slots - pad[:, None]).clamp(min=0)  # [batch or 1, new]
-    cos, sin = model.cos[positions].unsqueeze(2), model.sin[positions].unsqueeze(2)  # [batch or 1, new, 1, hd]
+    # Angles in float32, then cast: the same rounding as the reference, which also applies RoPE
+    # in the activation dtype.
+    cos, sin = cos_sin(model.inv_freq, positions)  # [batch or 1, new, hd]
+    cos, sin = cos.to(model.dtype).unsqueeze(2), sin.to(model.dtype).unsqueeze(2)  # [batch or 1, new, 1, hd]
     mask = attention_mask(start, new, pad, tokens.device)
 
     x = model.embed[tokens]  # [batch, new, hidden]

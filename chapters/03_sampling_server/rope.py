@@ -6,8 +6,11 @@ half"), not neighbours (2i, 2i+1) as in the Llama paper's complex-number form an
 are the same rotation on a permuted vector, and HF's conversion script permutes the q/k weight
 rows to match, so with HF weights we must rotate halves.
 
-With a KV cache, keys are rotated once, when written, at their absolute position; so cos/sin
-are tabulated once for every position the cache can hold and gathered per step.
+With a KV cache, keys are rotated once, when written, at their absolute position. cos/sin are
+computed per forward call for exactly the positions of its new tokens (a few hundred numbers
+per decode step), rather than tabulated for the whole context at load time: a table for a
+config's max_position_embeddings (131072 for Llama 3.1, and whatever a broken config claims)
+costs memory for positions no request reaches.
 """
 
 from __future__ import annotations
@@ -52,11 +55,19 @@ def llama3_scale(inv_freq: torch.Tensor, s) -> torch.Tensor:
     )
 
 
-def cos_sin_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions 0 .. max_positions-1, each half repeated to span head_dim.  # [max_positions, head_dim]"""
-    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [max_pos, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [max_pos, head_dim]
+def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every angle position * inv_freq, each half repeated to span head_dim.  # [*positions.shape, head_dim]
+
+    Angles in float32 whatever the model dtype, like the reference: in bf16 an angle near 1000
+    radians is only known to the nearest 4. The caller casts the result."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [..., head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., head_dim]
     return angles.cos(), angles.sin()
+
+
+def cos_sin_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0 .. max_positions-1 (for plots and tests).  # [max_positions, head_dim]"""
+    return cos_sin(inv_freq, torch.arange(max_positions))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,8 @@ def test_head_dim_defaults_to_hidden_over_heads():
 
 def test_eos_list_is_kept():
     raw = json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
-    raw["eos_token_id"] = [128001, 128008, 128009]
-    assert config_from_dict(raw).eos_token_ids == (128001, 128008, 128009)
+    raw["eos_token_id"] = [2, 7, 49151]
+    assert config_from_dict(raw).eos_token_ids == (2, 7, 49151)
 
 
 def test_non_llama_architecture_is_rejected_by_name(tmp_path):
@@ -78,3 +78,71 @@ def test_missing_directory_and_files(tmp_path):
 def test_unknown_model_name():
     with pytest.raises(ModelNotFoundError, match="not a known name"):
         resolve_model("llama-9000")
+
+
+def _smollm2():
+    return json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
+
+
+BAD_FIELDS = [
+    # (field, value, what the message must say)
+    ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false, got \"false\" \\(a string\\)"),
+    ("hidden_size", "256", "'hidden_size' must be an integer, got \"256\" \\(a string\\)"),
+    ("max_position_embeddings", -1, "'max_position_embeddings' must be at least 1, got -1"),
+    ("max_position_embeddings", 1e8, "'max_position_embeddings' must be an integer, got 100000000.0 \\(a number\\)"),
+    ("num_hidden_layers", 1e7, "'num_hidden_layers' must be an integer, got 10000000.0"),
+    ("num_hidden_layers", True, "'num_hidden_layers' must be an integer, got true \\(a boolean\\)"),
+    ("num_key_value_heads", 0, "'num_key_value_heads' must be at least 1"),
+    ("vocab_size", None, "'vocab_size' must be an integer, got null"),
+    ("rms_norm_eps", "1e-5", "'rms_norm_eps' must be a number"),
+    ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be a finite number"),
+    ("rope_theta", 0, "'rope_theta' must be a finite number greater than 0"),
+    ("rope_scaling", "llama3", "'rope_scaling' must be an object"),
+    ("attention_bias", "no", "'attention_bias' must be true or false"),
+    ("head_dim", 33, "head_dim=33 must be even"),
+    ("hidden_act", "gelu", "unsupported hidden_act 'gelu'"),
+    ("eos_token_id", 49152, "'eos_token_id' must hold token ids in 0..49151"),
+    ("eos_token_id", [2, "3"], "'eos_token_id' must hold token ids"),
+    ("bos_token_id", [1, 2], "'bos_token_id' must be one token id"),
+    ("architectures", "LlamaForCausalLM", "'architectures' must be a list of names"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", BAD_FIELDS, ids=[f"{f}={v!r}" for f, v, _ in BAD_FIELDS])
+def test_wrongly_typed_field_is_named(tmp_path, field, value, message):
+    raw = _smollm2() | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"config.json: .*{message}"):
+        load_config(tmp_path)
+
+
+def test_llama3_scaling_fields_are_checked():
+    raw = json.loads((resolve_model("tiny-llama3") / "config.json").read_text())
+    raw["rope_parameters"] = raw["rope_parameters"] | {"original_max_position_embeddings": "8192"}
+    with pytest.raises(ConfigError, match="\\(rope scaling\\): field 'original_max_position_embeddings' must be an integer"):
+        config_from_dict(raw)
+    raw["rope_parameters"] |= {"original_max_position_embeddings": 8192, "high_freq_factor": 1.0}
+    with pytest.raises(ConfigError, match="high_freq_factor \\(1.0\\) must be greater than low_freq_factor \\(1.0\\)"):
+        config_from_dict(raw)
+    del raw["rope_parameters"]["factor"]
+    with pytest.raises(ConfigError, match="lacks the field\\(s\\) factor"):
+        config_from_dict(raw)
+
+
+def test_large_integer_context_is_accepted():
+    # 100,000,000 positions is a legal integer: what must not happen is a table for all of them
+    # (see test_model_loading.py).
+    assert config_from_dict(_smollm2() | {"max_position_embeddings": 100_000_000}).max_position_embeddings == 100_000_000
+
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "a list"), ('"llama"', "a string"), ("null", "null")])
+def test_config_that_is_not_an_object(tmp_path, text, kind):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=f"config.json: must hold a JSON object, got {kind}"):
+        load_config(tmp_path)
+
+
+def test_config_that_is_not_utf8(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_config(tmp_path)
