@@ -53,7 +53,7 @@ def run_main(main) -> None:
     try:
         sys.exit(main())
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e or type(e).__name__}", file=sys.stderr)  # MemoryError() has no text of its own
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -11,13 +11,12 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from common.checkpoint import checkpoint_files, read_header
+from common.checkpoint import DTYPE_SIZES, checkpoint_files, read_header
 from common.cli import run_main
 from common.config import LlamaConfig, load_config
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 CONTEXTS = {"2k": 2048, "8k": 8192, "128k": 131072}
 SAMPLE_TEXT = "Hello world!  Héllo 世界 🙂\n"
 
@@ -48,7 +47,7 @@ def weight_bytes_by_dtype(model_dir: Path) -> dict[str, tuple[int, int]]:
             for d in info["shape"]:
                 n *= d
             elements[info["dtype"]] += n
-    return {dt: (n, n * DTYPE_BYTES.get(dt, 0)) for dt, n in elements.items()}
+    return {dt: (n, n * DTYPE_SIZES[dt]) for dt, n in elements.items()}
 
 
 def kv_cache_table(config: LlamaConfig) -> list[tuple[str, int, dict[str, int]]]:
