@@ -13,8 +13,12 @@ import sys
 import time
 
 from common.cli import base_parser, run_main
-from engine import Engine, Request
+from engine import Engine, Request, build_engine
 from sampling import SamplingParams
+
+# request setting -> its type; the flag is --top-k for top_k
+SAMPLING_FLAGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
+                  "seed": int}
 
 
 def parse_args():
@@ -24,19 +28,16 @@ def parse_args():
     ap.add_argument("--system", default=None, help="a system message (the template may add a default one)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    for name, kind in (("temperature", float), ("top-k", int), ("top-p", float), ("min-p", float),
-                       ("repetition-penalty", float), ("seed", int)):
-        ap.add_argument(f"--{name}", type=kind, default=None, help="default: the model's generation_config.json")
+    for name, kind in SAMPLING_FLAGS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                        help="default: the model's generation_config.json")
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     return ap.parse_args()
 
 
 def request_params(args, engine: Engine) -> SamplingParams:
-    params = engine.default_params()
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
-        if getattr(args, name) is not None:
-            setattr(params, name, getattr(args, name))
-    return params
+    """The model's defaults, with the sampling flags that were given over them."""
+    return engine.default_params().override(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
 
 
 def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
@@ -93,8 +94,6 @@ def chat_loop(engine: Engine, args) -> None:
 
 def main() -> int:
     args = parse_args()
-    from server import build_engine
-
     engine, _ = build_engine(args.model, args.device, args.dtype)
     request_params(args, engine).validate(engine.model.config.vocab_size)  # bad flags fail before any prompt
     if args.prompt is None:

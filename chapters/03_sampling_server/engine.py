@@ -1,6 +1,7 @@
 """A request in, a stream of text out: sampling, stop rules and detokenizing around the model.
 
-One request runs as one batch of `n` rows (its `n` choices share the prompt). Per step:
+One request runs as one batch of `n` rows (its `n` choices share the prompt). The prompt runs
+once, batch 1, and its cache rows and logits are copied to the n rows. Then per step:
 
     logits  = forward(model, last tokens)                     # [n, vocab]
     tokens  = sample(logits, params, ...)                     # sampling.py
@@ -8,6 +9,11 @@ One request runs as one batch of `n` rows (its `n` choices share the prompt). Pe
                   text += detokenizer.add(token)              # detokenizer.py: never half a character
                   stop on a stop string                       # stopping.py: across token boundaries
                   stop at max_tokens or at the context end    # finish_reason "length"
+
+The cache starts at the prompt plus a chunk and doubles when full (memory.py). Operator limits:
+`max_model_len` caps the context, `max_tokens_default` bounds a request that sets no
+max_tokens, and `memory_budget` refuses (in `validate`, before any work) a request whose
+estimated memory exceeds it.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from common.device import pick_device, pick_dtype
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
 from kv_cache import KVCache
-from model import Model, forward
-from sampling import SamplingParams, TokenLogprob, make_generator, sample
+from memory import GiB, MemoryEstimate, estimate, first_capacity, next_capacity, resize
+from model import Model, forward, load_model
+from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample
 from stopping import StopStringMatcher
 
 
@@ -30,7 +40,7 @@ from stopping import StopStringMatcher
 class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None  # None: up to the end of the context
+    max_tokens: int | None = None  # None: the engine's max_tokens_default, within the context
     min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens exist
     n: int = 1
     stop: list[str] = field(default_factory=list)
@@ -51,14 +61,28 @@ class Event:
     finish_reason: str | None = None  # "stop" or "length" on the last event of a choice
 
 
+# What a request that sets no max_tokens may generate. Up to the end of the context would let one
+# chat without max_tokens hold the worker for 8192 tokens (minutes on a CPU) when most replies
+# end far sooner; a client that wants more says so.
+DEFAULT_MAX_TOKENS = 1024
+
+
 class Engine:
-    def __init__(self, model: Model, tokenizer, generation_config: dict | None = None):
+    def __init__(self, model: Model, tokenizer, generation_config: dict | None = None, *,
+                 max_model_len: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
+                 memory_budget: int | None = None):
+        """max_model_len: the context, at most the model's (default: the model's).
+        memory_budget: bytes one request may use beyond the weights (None: no check)."""
         self.model = model
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
-        self.context = model.config.max_position_embeddings
+        self.context = _context(model.config.max_position_embeddings, max_model_len)
+        if max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
+        self.max_tokens_default = max_tokens_default
+        self.memory_budget = memory_budget
         self._masks: dict = {}  # (stop ids, device) -> [vocab] bool mask, for min_tokens
 
     @staticmethod
@@ -69,6 +93,15 @@ class Engine:
     def default_params(self) -> SamplingParams:
         """What a request gets for every value it leaves out: the model's generation_config.json."""
         return SamplingParams.from_generation_config(self.generation_config)
+
+    def max_tokens_for(self, req: Request) -> int:
+        """How many tokens `req` may generate: its max_tokens, or the default within the context."""
+        if req.max_tokens is not None:
+            return req.max_tokens
+        return min(self.max_tokens_default, self.context - len(req.prompt_ids))
+
+    def memory_needed(self, req: Request) -> MemoryEstimate:
+        return estimate(self.model.config, self.model.dtype, req.n, len(req.prompt_ids), self.max_tokens_for(req))
 
     def validate(self, req: Request) -> None:
         """Raises ValueError with a message fit for the client."""
@@ -94,6 +127,18 @@ class Engine:
                 f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
                 f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
             )
+        self._check_memory(req)
+
+    def _check_memory(self, req: Request) -> None:
+        if self.memory_budget is None:
+            return
+        need = self.memory_needed(req)
+        if need.total > self.memory_budget:
+            raise ValueError(
+                f"this request would need about {need.describe()}; this server allows "
+                f"{self.memory_budget / GiB:.2f} GiB per request: lower n ({req.n}), max_tokens "
+                f"({self.max_tokens_for(req)}) or the prompt's length ({len(req.prompt_ids)} tokens)"
+            )
 
     @torch.inference_mode()
     def stream(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[Event]]:
@@ -101,18 +146,18 @@ class Engine:
         Stops early, without a final event, when `cancelled()` turns true (client gone)."""
         self.validate(req)
         model, n, prompt = self.model, req.n, req.prompt_ids
-        max_tokens = req.max_tokens or self.context - len(prompt)
+        max_tokens = self.max_tokens_for(req)
+        n_total = len(prompt) + max_tokens  # the most slots the cache may need
         device = model.device
-        cache = KVCache(model.config, n, len(prompt) + max_tokens, device, model.dtype)
         # n>1 with a seed: each choice gets its own stream, reproducibly.
-        generators = [make_generator(None if req.params.seed is None else req.params.seed + i, device) for i in range(n)]
+        generators = [make_generator(choice_seed(req.params.seed, i), device) for i in range(n)]
         stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         detoks = [IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, prompt) for _ in range(n)]
         matchers = [StopStringMatcher(req.stop, req.include_stop_str_in_output) for _ in range(n)]
         outputs: list[list[int]] = [[] for _ in range(n)]
         finished = [False] * n
 
-        logits = forward(model, torch.tensor([prompt] * n, device=device), cache, last_only=True)[:, -1]
+        cache, logits = self._prefill(prompt, n, first_capacity(len(prompt), n_total))
         while not all(finished):
             if cancelled():
                 return
@@ -133,7 +178,20 @@ class Engine:
             if events:
                 yield events
             if not all(finished):
+                if cache.length == cache.max_seq:
+                    resize(cache, n, next_capacity(cache.max_seq, n_total))
                 logits = forward(model, torch.tensor(tokens, device=device)[:, None], cache)[:, -1]
+
+    def _prefill(self, prompt: list[int], n: int, capacity: int) -> tuple[KVCache, torch.Tensor]:
+        """Runs the prompt once, batch 1, then gives each of the n choices a copy of its cache row
+        and last logits: the choices only differ from their first sampled token on, and n passes
+        over a long prompt would cost n times the time and the attention memory."""
+        model = self.model
+        cache = KVCache(model.config, 1, capacity, model.device, model.dtype)
+        logits = forward(model, torch.tensor([prompt], device=model.device), cache, last_only=True)[:, -1]
+        if n > 1:
+            resize(cache, n, capacity)
+        return cache, logits.float().repeat(n, 1)  # [n, vocab]: a row each, to mask on its own
 
     def _advance(self, i, token, logprob, output, detok, matcher, stop_ids, max_tokens) -> Event:
         lps = [logprob] if logprob is not None else []
@@ -157,6 +215,25 @@ class Engine:
             mask[list(ids)] = True
             self._masks[key] = mask
         return self._masks[key][None, :]
+
+
+def build_engine(model: str | None, device: str = "auto", dtype: str = "auto", **limits) -> tuple[Engine, str]:
+    """Loads a model (a known name or a checkpoint directory) onto a device; -> the engine, and
+    the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
+    model_dir = resolve_model(model)
+    dev = pick_device(device)
+    engine = Engine(load_model(model_dir, dev, pick_dtype(dtype, dev)), Tokenizer(model_dir),
+                    Engine.read_generation_config(model_dir), **limits)
+    return engine, model_dir.name if model in (None, "") or Path(model).is_dir() else model
+
+
+def _context(model_context: int, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return model_context
+    if not 2 <= max_model_len <= model_context:
+        raise ValueError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
+                         f"got {max_model_len}")
+    return max_model_len
 
 
 def _remaining_text(detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> str:

@@ -28,7 +28,7 @@ def base_url():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, str(CHAPTER / "server.py"), "--model", MODEL, "--port", str(port), "--device", "cpu",
-         "--dtype", "float32"],
+         "--dtype", "float32", "--memory-budget-gb", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -220,3 +220,35 @@ def test_client_disconnect_stops_generation(client, base_url):
     assert not httpx.get(base_url + "/health").json()["busy"]
     r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=10)
     assert "Paris" in r.choices[0].message.content
+
+
+def wait_until_idle(base_url, seconds: float) -> dict:
+    """/health once the worker has nothing to do, or when `seconds` are up."""
+    deadline = time.time() + seconds
+    while True:
+        health = httpx.get(base_url + "/health").json()
+        if (not health["busy"] and health["queued"] == 0) or time.time() > deadline:
+            return health
+        time.sleep(0.2)
+
+
+def test_abandoned_non_streaming_requests_free_the_worker(client, base_url):
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    for _ in range(3):  # one runs, two wait; every client gives up after 0.5 s
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base_url + "/v1/completions", json=body, timeout=0.5)
+    # 3 x 4000 tokens would hold the worker for many minutes on this CPU: all three must be dropped.
+    health = wait_until_idle(base_url, 30)
+    assert not health["busy"] and health["queued"] == 0, health
+    r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=10)
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_a_request_over_the_memory_budget_is_refused_before_it_is_queued(base_url):
+    # n=8 x (2000 + 64) tokens of KV cache and a 2000-token prompt pass: about 1.2 GB, over --memory-budget-gb 1
+    body = {"model": MODEL, "prompt": [5] * 2000, "max_tokens": 64, "n": 8, "temperature": 1}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "GiB per request" in message and "lower n (8), max_tokens (64) or the prompt's length (2000" in message
+    assert httpx.get(base_url + "/health").json()["busy"] is False
