@@ -108,8 +108,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """add_special_tokens lets tokenizer.json's post-processor add what the model expects
-        (Llama 3 prepends <|begin_of_text|>; SmolLM2 adds nothing)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        (Llama 3 prepends <|begin_of_text|>; SmolLM2 adds nothing).
+
+        encode_batch of one text, not encode: the library releases the GIL only in its batch
+        call, so a server that tokenizes a huge prompt in a thread keeps answering meanwhile."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
