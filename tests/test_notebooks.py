@@ -7,7 +7,6 @@ chapter's notebook is picked up by the glob; there is nothing to register.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 

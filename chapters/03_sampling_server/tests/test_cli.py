@@ -56,18 +56,6 @@ def test_bad_flags_are_clear_errors(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_server_bench_runs_and_saves_figures(tmp_path):
-    r = subprocess.run([sys.executable, str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--requests", "2",
-                        "--max-tokens", "8", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr
-    import json
-
-    result = json.loads((tmp_path / "ch03_server_stream_tiny-llama3.json").read_text())
-    assert result["requests"] == 2 and result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0
-    assert (tmp_path / "ch03_server_stream_tiny-llama3.png").stat().st_size > 1000
-
-
 def test_the_terminal_chat_does_not_load_the_http_layer():
     code = (
         "import sys\n"

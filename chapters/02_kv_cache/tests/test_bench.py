@@ -1,0 +1,25 @@
+"""bench.py runs and saves its figures (timings are printed and saved, never asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+CHAPTER = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_bench_runs_and_saves_figures(tmp_path):
+    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--prompt-tokens", "16", "--new-tokens", "8",
+            "--ch01-new-tokens", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "ch02_decode_tiny-llama3_float32.json").read_text())
+    # ch01 runs when chapter 01 sits beside this one (a copied chapter has no neighbour to time)
+    assert {"ch02", "hf"} <= {e["engine"] for e in result["engines"]} <= {"ch02", "hf", "ch01"}
+    for e in result["engines"]:
+        assert e["decode_tok_s"] > 0 and e["ttft_ms"] > 0 and e["itl_p50_ms"] > 0
+    assert (tmp_path / "ch02_decode_tiny-llama3_float32.png").stat().st_size > 1000

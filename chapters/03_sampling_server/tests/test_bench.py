@@ -1,0 +1,22 @@
+"""bench.py runs and saves its figures (timings are printed and saved, never asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+CHAPTER = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_server_bench_runs_and_saves_figures(tmp_path):
+    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--requests", "2", "--max-tokens", "8",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "ch03_server_stream_tiny-llama3.json").read_text())
+    assert result["requests"] == 2 and result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0
+    assert (tmp_path / "ch03_server_stream_tiny-llama3.png").stat().st_size > 1000
