@@ -4,12 +4,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=CHAPTER, timeout=300)
 
 
 def test_generate_answers_a_chat_prompt():

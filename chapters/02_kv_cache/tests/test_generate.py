@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=CHAPTER, timeout=600)
 
 
 # A bf16 answer is only as fixed as its closest greedy step. "What is the capital of France?" starts

@@ -5,12 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=CHAPTER, timeout=600)
 
 
 def test_server_bench_runs_and_saves_figures(tmp_path):

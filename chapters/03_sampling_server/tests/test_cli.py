@@ -8,13 +8,12 @@ import pytest
 
 from sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parents[3]
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args, stdin=None):
     return subprocess.run([sys.executable, str(CHAPTER / "cli.py"), *args], input=stdin, capture_output=True,
-                          text=True, cwd=REPO, timeout=600)
+                          text=True, cwd=CHAPTER, timeout=600)
 
 
 # Exact answers are checked in float32: --dtype auto means bf16 on a GPU, where greedy picks at

@@ -3,17 +3,16 @@ translation into engine Requests, with the real tokenizer. A few requests go thr
 (in-process, on the tiny model) to see the OpenAI error object a client gets."""
 
 import json
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from protocol import ChatRequest, CompletionRequest, RequestError, chat_request, completion_request, sampling_params
 from sampling import SamplingParams
 
-MODELS = Path(__file__).resolve().parents[3] / "models"
-TINY = MODELS / "tiny-llama3"
+TINY = resolve_model("tiny-llama3")
 HI = [{"role": "user", "content": "hi"}]
 
 
