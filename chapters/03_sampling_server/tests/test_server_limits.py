@@ -156,13 +156,7 @@ def test_idle_connections_do_not_lock_out_other_clients(limited):
         r = httpx.get(url + "/health", timeout=10)
         assert r.status_code in (200, 503) and time.time() - t0 < 10  # an answer, not a hang
         # --timeout-headers 2 closes the sockets that never sent a request
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        wait_until_healthy(url)
         for s in idle:
             s.settimeout(10)
             assert s.recv(1) == b""  # closed by the server
@@ -170,6 +164,17 @@ def test_idle_connections_do_not_lock_out_other_clients(limited):
         for s in idle:
             s.close()
     assert log.stat().st_size - log_before < 2000, log.read_text()[-2000:]
+
+
+def wait_until_healthy(url: str, within_s: float = 30) -> None:
+    """Polls /health until it answers 200 (the server has recovered), then asserts it does."""
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        time.sleep(0.5)
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and sets another process's limits (Linux)")
@@ -190,13 +195,7 @@ def test_running_out_of_file_descriptors_is_logged_once_not_a_million_times(tmp_
             for s in sockets:
                 s.close()
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        wait_until_healthy(url)
         text = log.read_text()
     assert "out of system resource" in text  # it did happen, and was said
     assert len(text) < 20_000, f"{len(text)} bytes of log: {text[:1000]}"
