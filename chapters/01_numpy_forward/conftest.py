@@ -1,12 +1,8 @@
 """pytest setup for this chapter's tests.
 
 The chapter's modules import each other by plain name (`import model`), as they do when one of
-its scripts runs (Python puts a script's folder first on sys.path). The tests get the same view:
-this folder first on sys.path. `common` needs nothing: it is an installed package (pyproject.toml).
+its scripts runs (Python puts a script's folder first on sys.path). The tests get the same view
+from this file's presence alone: pytest (in its default "prepend" import mode) puts the folder of
+a conftest.py that is not inside a package first on sys.path before importing it. `common` needs
+nothing: it is an installed package (pyproject.toml).
 """
-
-import sys
-from pathlib import Path
-
-CHAPTER = Path(__file__).resolve().parent
-sys.path.insert(0, str(CHAPTER))
