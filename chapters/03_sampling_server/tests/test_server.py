@@ -1,52 +1,23 @@
 """The OpenAI-compatible server, live on localhost, driven by the official openai client."""
 
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-CHAPTER = Path(__file__).resolve().parents[1]
+from live_server import serve
+
 MODEL = "smollm2-135m"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(CHAPTER / "server.py"), "--model", MODEL, "--port", str(port), "--device", "cpu",
-         "--dtype", "float32", "--memory-budget-gb", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not come up in 180 s")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+def base_url(tmp_path_factory):
+    with serve(tmp_path_factory.mktemp("server"), MODEL, "--memory-budget-gb", "1") as (url, _proc, _log):
+        yield url
 
 
 @pytest.fixture(scope="module")

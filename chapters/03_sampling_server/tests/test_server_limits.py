@@ -16,45 +16,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from live_server import serve
+
 CHAPTER = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama3"
 HI = [{"role": "user", "content": "hi"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(tmp_path, *flags):
-    """A server on a free port with these flags; -> (base url, its process, the path of its stderr)."""
-    port = free_port()
-    log = tmp_path / f"server-{port}.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, str(CHAPTER / "server.py"), "--model", MODEL, "--port", str(port),
-                                 "--device", "cpu", "--dtype", "float32", *flags],
-                                stdout=subprocess.DEVNULL, stderr=err)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {log.read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.3)
-        else:
-            pytest.fail("server did not come up in 180 s")
-        yield url, proc, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 LIMITS = ["--max-body-mb", "0.01", "--timeout-body", "1", "--timeout-headers", "2", "--limit-concurrency", "8",
@@ -63,7 +29,7 @@ LIMITS = ["--max-body-mb", "0.01", "--timeout-body", "1", "--timeout-headers", "
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("limited"), *LIMITS) as (url, proc, log):
+    with serve(tmp_path_factory.mktemp("limited"), MODEL, *LIMITS) as (url, proc, log):
         yield url, log
 
 
@@ -181,7 +147,7 @@ def wait_until_healthy(url: str, within_s: float = 30) -> None:
 def test_running_out_of_file_descriptors_is_logged_once_not_a_million_times(tmp_path):
     import resource
 
-    with serve(tmp_path) as (url, proc, log):
+    with serve(tmp_path, MODEL) as (url, proc, log):
         port = int(url.rsplit(":", 1)[1])
         in_use = len(os.listdir(f"/proc/{proc.pid}/fd"))
         soft, hard = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
