@@ -195,12 +195,12 @@ def raise_open_file_limit() -> int | None:
     except ImportError:
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = 1 << 20  # Linux refuses more than fs.nr_open, 1M by default
-    if soft == resource.RLIM_INFINITY or soft >= hard:
+    # Linux refuses more than fs.nr_open, 1M by default, even under an unlimited hard limit.
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= target:
         return soft
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError):
         return soft
-    return hard
+    return target
