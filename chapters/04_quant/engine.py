@@ -1,0 +1,244 @@
+"""A request in, a stream of text out: sampling, stop rules and detokenizing around the model.
+
+One request runs as one batch of `n` rows (its `n` choices share the prompt). The prompt runs
+once, batch 1, and its cache rows and logits are copied to the n rows. Then per step:
+
+    logits  = forward(model, last tokens)                     # [n, vocab]
+    tokens  = sample(logits, params, ...)                     # sampling.py
+    for each row: stop on EOS / stop_token_ids,              # unless ignore_eos, or min_tokens not reached
+                  text += detokenizer.add(token)              # detokenizer.py: never half a character
+                  stop on a stop string                       # stopping.py: across token boundaries
+                  stop at max_tokens or at the context end    # finish_reason "length"
+
+The cache starts at the prompt plus a chunk and doubles when full (memory.py). Operator limits:
+`max_model_len` caps the context, `max_tokens_default` bounds a request that sets no
+max_tokens, and `memory_budget` refuses (in `validate`, before any work) a request whose
+estimated memory exceeds it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from common.tokenizer import Tokenizer
+from detokenizer import IncrementalDetokenizer
+from kv_cache import KVCache
+from loading import load
+from memory import GiB, MemoryEstimate, estimate, first_capacity, next_capacity, resize
+from model import Model, forward
+from quant import QuantSpec
+from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample
+from stopping import StopStringMatcher
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: the engine's max_tokens_default, within the context
+    min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens exist
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Event:
+    """What one step adds to one choice."""
+
+    index: int  # which of the n choices
+    text: str  # new text (may be "")
+    token_ids: list[int]  # tokens this event accounts for
+    logprobs: list[TokenLogprob]  # one per token in token_ids, when requested
+    finish_reason: str | None = None  # "stop" or "length" on the last event of a choice
+
+
+# What a request that sets no max_tokens may generate. Up to the end of the context would let one
+# chat without max_tokens hold the worker for 8192 tokens (minutes on a CPU) when most replies
+# end far sooner; a client that wants more says so.
+DEFAULT_MAX_TOKENS = 1024
+
+
+class Engine:
+    def __init__(self, model: Model, tokenizer, generation_config: dict | None = None, *,
+                 max_model_len: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
+                 memory_budget: int | None = None):
+        """max_model_len: the context, at most the model's (default: the model's).
+        memory_budget: bytes one request may use beyond the weights (None: no check)."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config or {}
+        eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
+        self.context = _context(model.config.max_position_embeddings, max_model_len)
+        if max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
+        self.max_tokens_default = max_tokens_default
+        self.memory_budget = memory_budget
+        self._masks: dict = {}  # (stop ids, device) -> [vocab] bool mask, for min_tokens
+
+    @staticmethod
+    def read_generation_config(model_dir: str | Path) -> dict:
+        path = Path(model_dir) / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def default_params(self) -> SamplingParams:
+        """What a request gets for every value it leaves out: the model's generation_config.json."""
+        return SamplingParams.from_generation_config(self.generation_config)
+
+    def max_tokens_for(self, req: Request) -> int:
+        """How many tokens `req` may generate: its max_tokens, or the default within the context."""
+        if req.max_tokens is not None:
+            return req.max_tokens
+        return min(self.max_tokens_default, self.context - len(req.prompt_ids))
+
+    def memory_needed(self, req: Request) -> MemoryEstimate:
+        return estimate(self.model.config, self.model.dtype, req.n, len(req.prompt_ids), self.max_tokens_for(req))
+
+    def validate(self, req: Request) -> None:
+        """Raises ValueError with a message fit for the client."""
+        req.params.validate(self.model.config.vocab_size)
+        n_prompt = len(req.prompt_ids)
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if req.n < 1 or req.n > 16:
+            raise ValueError(f"n must be between 1 and 16, got {req.n}")
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if req.min_tokens < 0 or (req.max_tokens is not None and req.min_tokens > req.max_tokens):
+            raise ValueError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in req.stop) or len(req.stop) > 16:
+            raise ValueError("stop must be a string or a list of at most 16 non-empty strings")
+        bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        if n_prompt >= self.context:
+            raise ValueError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
+        if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:
+            raise ValueError(
+                f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
+                f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
+            )
+        self._check_memory(req)
+
+    def _check_memory(self, req: Request) -> None:
+        if self.memory_budget is None:
+            return
+        need = self.memory_needed(req)
+        if need.total > self.memory_budget:
+            raise ValueError(
+                f"this request would need about {need.describe()}; this server allows "
+                f"{self.memory_budget / GiB:.2f} GiB per request: lower n ({req.n}), max_tokens "
+                f"({self.max_tokens_for(req)}) or the prompt's length ({len(req.prompt_ids)} tokens)"
+            )
+
+    @torch.inference_mode()
+    def stream(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[Event]]:
+        """Yields, per decode step, the events of the choices that produced text or finished.
+        Stops early, without a final event, when `cancelled()` turns true (client gone)."""
+        self.validate(req)
+        model, n, prompt = self.model, req.n, req.prompt_ids
+        max_tokens = self.max_tokens_for(req)
+        n_total = len(prompt) + max_tokens  # the most slots the cache may need
+        device = model.device
+        # n>1 with a seed: each choice gets its own stream, reproducibly.
+        generators = [make_generator(choice_seed(req.params.seed, i), device) for i in range(n)]
+        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        detoks = [IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, prompt) for _ in range(n)]
+        matchers = [StopStringMatcher(req.stop, req.include_stop_str_in_output) for _ in range(n)]
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        finished = [False] * n
+
+        cache, logits = self._prefill(prompt, n, first_capacity(len(prompt), n_total))
+        while not all(finished):
+            if cancelled():
+                return
+            logits = logits.float()
+            if req.min_tokens and stop_ids:
+                # Too early to stop: make the stop tokens impossible for the rows that are short.
+                short = torch.tensor([len(o) < req.min_tokens for o in outputs], device=device)
+                logits[short[:, None] & self._id_mask(stop_ids, device)] = float("-inf")
+            tokens, logprobs = sample(logits, [req.params] * n, generators, [prompt] * n, outputs)
+            events = []
+            for i, token in enumerate(tokens):
+                if finished[i]:
+                    continue
+                event = self._advance(i, token, logprobs[i], outputs[i], detoks[i], matchers[i], stop_ids, max_tokens)
+                finished[i] = event.finish_reason is not None
+                if event.text or event.finish_reason or event.token_ids:
+                    events.append(event)
+            if events:
+                yield events
+            if not all(finished):
+                if cache.length == cache.max_seq:
+                    resize(cache, n, next_capacity(cache.max_seq, n_total))
+                logits = forward(model, torch.tensor(tokens, device=device)[:, None], cache)[:, -1]
+
+    def _prefill(self, prompt: list[int], n: int, capacity: int) -> tuple[KVCache, torch.Tensor]:
+        """Runs the prompt once, batch 1, then gives each of the n choices a copy of its cache row
+        and last logits: the choices only differ from their first sampled token on, and n passes
+        over a long prompt would cost n times the time and the attention memory."""
+        model = self.model
+        cache = KVCache(model.config, 1, capacity, model.device, model.dtype)
+        logits = forward(model, torch.tensor([prompt], device=model.device), cache, last_only=True)[:, -1]
+        if n > 1:
+            resize(cache, n, capacity)
+        return cache, logits.float().repeat(n, 1)  # [n, vocab]: a row each, to mask on its own
+
+    def _advance(self, i, token, logprob, output, detok, matcher, stop_ids, max_tokens) -> Event:
+        lps = [logprob] if logprob is not None else []
+        if token in stop_ids:
+            # The stop token is not part of the text; what the matcher held back is.
+            return Event(i, _remaining_text(detok, matcher), [token], lps, "stop")
+        output.append(token)
+        text, hit = matcher.feed(detok.add(token))
+        if hit:
+            return Event(i, text, [token], lps, "stop")
+        if len(output) >= max_tokens:
+            text += _remaining_text(detok, matcher)
+            # flush() may still find a stop string that only the end of the text could confirm
+            return Event(i, text, [token], lps, "stop" if matcher.stopped else "length")
+        return Event(i, text, [token], lps)
+
+    def _id_mask(self, ids: set[int], device) -> torch.Tensor:
+        key = (frozenset(ids), str(device))
+        if key not in self._masks:
+            mask = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=device)
+            mask[list(ids)] = True
+            self._masks[key] = mask
+        return self._masks[key][None, :]
+
+
+def build_engine(model: str | None, device: str = "auto", dtype: str = "auto", quant: QuantSpec | None = None,
+                 matmul: str = "fast", **limits) -> tuple[Engine, str]:
+    """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
+    quantized on load when `quant` is given, onto a device; -> the engine, and the name to call
+    it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
+    loaded, model_dir = load(model, device, dtype, quant, matmul)
+    engine = Engine(loaded, Tokenizer(model_dir), Engine.read_generation_config(model_dir), **limits)
+    named = model not in (None, "") and not Path(model).exists()
+    return engine, model if named else Path(model or model_dir).name
+
+
+def _context(model_context: int, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return model_context
+    if not 2 <= max_model_len <= model_context:
+        raise ValueError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
+                         f"got {max_model_len}")
+    return max_model_len
+
+
+def _remaining_text(detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> str:
+    """At the end of a choice: what the detokenizer still holds (an unfinished character), passed
+    through the stop-string matcher like any other text, then what the matcher held back."""
+    text, hit = matcher.feed(detok.flush())
+    return text if hit else text + matcher.flush()

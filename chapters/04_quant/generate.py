@@ -1,0 +1,109 @@
+"""Greedy generation with a KV cache: one prefill over the prompt, then one token per decode step.
+
+    python chapters/04_quant/generate.py --chat --prompt "What is the capital of France?" --quant int4
+    python chapters/04_quant/generate.py --model models/smollm2-135m-int8 --prompt "The sky is"
+    python chapters/04_quant/generate.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --chat
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main
+from common.device import synchronize
+from common.tokenizer import Tokenizer
+from kv_cache import KVCache
+from loading import add_quant_args, load, quant_spec
+from model import Model, forward
+
+
+@torch.inference_mode()
+def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_seq: int | None = None):
+    """Greedy decoding of a batch of prompts of any lengths. Yields, once per step, one entry per
+    prompt: its new token id, or None once that prompt has finished (EOS or context end).
+
+    Prompts are left-padded to a common length so every sequence writes the same cache slot at
+    each step; `pad` tells attention and RoPE which slots are padding."""
+    config, device = model.config, model.device
+    longest = max(len(p) for p in prompts)
+    for p in prompts:
+        check_context(len(p), max_new_tokens, config.max_position_embeddings)
+    max_seq = max_seq or min(longest + max_new_tokens, config.max_position_embeddings)
+    if longest >= max_seq:
+        raise ValueError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")
+    cache = KVCache(config, len(prompts), max_seq, device, model.dtype)
+
+    pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0  # any id: padded slots are masked
+    tokens = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=device)  # [batch, longest]
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)  # [batch]
+    pad = pad if pad.any() else None
+
+    logits = forward(model, tokens, cache, pad, last_only=True)  # prefill: [batch, 1, vocab]
+    finished = [False] * len(prompts)
+    for i in range(max_new_tokens):
+        next_ids = logits[:, -1].argmax(-1)  # [batch]
+        step = []
+        for b, token in enumerate(next_ids.tolist()):
+            finished[b] = finished[b] or token in config.eos_token_ids
+            step.append(None if finished[b] else token)
+        if all(finished):
+            return
+        yield step
+        if i + 1 == max_new_tokens or cache.length >= max_seq:
+            return
+        logits = forward(model, next_ids[:, None], cache, pad)  # decode: [batch, 1, vocab]
+
+
+def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in generate(model, prompts, max_new_tokens, **kw):
+        for b, token in enumerate(step):
+            if token is not None:
+                out[b].append(token)
+    return out
+
+
+def main() -> int:
+    ap = base_parser(__doc__, batch=True)
+    ap.add_argument("--device", default=None, help="auto, cpu, cuda, mps (default: $DEVICE, else auto)")
+    ap.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA and for quantized weights), "
+                    "float32, bfloat16, float16 (default: $DTYPE, else auto)")
+    ap.add_argument("--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)")
+    add_quant_args(ap)
+    args = ap.parse_args()
+    model, model_dir = load(args.model, args.device, args.dtype, quant_spec(args), args.matmul)
+    device, dtype = model.device, model.dtype
+    tokenizer = Tokenizer(model_dir)
+    prompts = [prompt_ids(tokenizer, p, args.chat) for p in (args.prompt or [DEFAULT_PROMPT])]
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    step_times = []
+    synchronize(device)
+    t0 = time.perf_counter()
+    for step in generate(model, prompts, args.max_new_tokens, args.max_seq):
+        step_times.append(time.perf_counter())  # .tolist() inside generate already waited for the GPU
+        for b, token in enumerate(step):
+            if token is not None:
+                outputs[b].append(token)
+    for out in outputs:
+        print(tokenizer.decode(out, skip_special_tokens=True))
+    if step_times:
+        ttft = step_times[0] - t0
+        n_prompt = sum(len(p) for p in prompts)
+        decode_s = step_times[-1] - step_times[0]
+        decoded = sum(len(o) for o in outputs) - len([o for o in outputs if o])
+        print(
+            f"[ch04 torch {device.type} {str(dtype).removeprefix('torch.')}, {model.quant.name if model.quant else 'no quantization'}, "
+            f"{model.weight_bytes / 1e6:.0f} MB of weights] batch {len(prompts)}, "
+            f"prompt {n_prompt} tokens, TTFT {ttft * 1e3:.0f} ms (prefill {n_prompt / ttft:.0f} tok/s), "
+            f"decode {decoded} tokens at {decoded / decode_s if decode_s else float('nan'):.1f} tok/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
