@@ -41,7 +41,13 @@ def peak_memory_bytes(device) -> int:
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across fork and exec, so a bench child
+    # would report its parent's peak when that was higher.
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def machine() -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, machine, summarize
+from common.bench import RESULTS_DIR, machine, peak_memory_bytes, summarize
 from common.chapters import chapter_exists, load_chapter
 from common.cli import run_main
 from common.models import resolve_model
@@ -52,8 +51,10 @@ FORMATS = {
     "int4-g64-sym": (QuantSpec(4, 64, True), "bfloat16"),
     "int4-g128-sym": (QuantSpec(4, 128, True), "bfloat16"),
     "int4-g32-head4": (QuantSpec(4, 32, head_bits=4), "bfloat16"),
+    "int4-g32-head-bf16": (QuantSpec(4, 32, head_bits=None), "bfloat16"),
     "gguf-q4_1": ("gguf", "bfloat16"),
 }
+UNLABELLED = {"int4-g64", "int4-g128", "int4-g32-sym", "int4-g64-sym", "int4-g128-sym"}
 TEXT = ("The history of computing is a story of abstractions stacked on abstractions. Early machines were "
         "programmed by rewiring panels; then came stored programs, assemblers, compilers and operating systems. ")
 
@@ -111,7 +112,7 @@ def child(args) -> dict:
             r = perplexity(model, ids, args.context, args.stride)
             result = {"perplexity": r.ppl, "tokens_scored": r.n_scored, "seconds": r.seconds}
     result.pop("step_ms", None)
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = peak_memory_bytes(torch.device("cpu"))
     return result
 
 
@@ -153,10 +154,14 @@ def peers(args, prompt: list[int]) -> list[dict]:
     if reason:
         print(f"llama.cpp skipped: {reason}", file=sys.stderr)
         return []
+    paths = {fmt: gguf_path(fmt) for fmt in PEER_FORMATS}
+    runs_of: dict[str, list[dict]] = {fmt: [] for fmt in PEER_FORMATS}
+    for _ in range(args.repeats):  # interleaved, like our formats
+        for fmt, path in paths.items():
+            runs_of[fmt].append(run_llama_cpp(path, prompt, args.new_tokens, args.threads))
     rows = []
-    for fmt in PEER_FORMATS:
-        path = gguf_path(fmt)
-        runs = [run_llama_cpp(path, prompt, args.new_tokens, args.threads) for _ in range(args.repeats)]
+    for fmt, path in paths.items():
+        runs = runs_of[fmt]
         rows.append({"format": f"llama.cpp {fmt}", "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
                      "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
                      "decode_runs": [r["decode_tok_s"] for r in runs], "file_bytes": runs[0]["file_bytes"],
@@ -281,8 +286,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         peer = r["format"].startswith("llama.cpp")
         ax.scatter(r["weight_bytes"] / 1e6, r["decode_tok_s"], marker="s" if peer else "o",
                    color="tab:orange" if peer else "tab:blue")
+        if r["format"] in UNLABELLED:
+            continue  # the int4 variants overlap: one label below stands for them
+        below = r["format"] in ("llama.cpp BF16", "int4-g32")
         ax.annotate(r["format"], (r["weight_bytes"] / 1e6, r["decode_tok_s"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+                    xytext=(4, -9 if below else 3), textcoords="offset points")
+    variants = [r for r in points if r["format"] in UNLABELLED]
+    if variants:
+        ax.annotate("int4 G=64/128, sym", (min(r["weight_bytes"] for r in variants) / 1e6,
+                                           min(r["decode_tok_s"] for r in variants)),
+                    fontsize=7, xytext=(-10, -14), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("MB of weights read per decoded token")

@@ -36,7 +36,7 @@ def test_profile_splits_a_decode_step(tmp_path):
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "ch04_profile_decode.json").read_text())
     int4 = result["int4-g32"]
-    assert int4["ops_per_token"] > 10 and int4["self_ms_per_token"]["matmul (int4)"] > 0
+    assert int4["ops_per_token"] > 10 and int4["ms_per_token"]["matmul int4"] > 0
 
 
 def test_unknown_format_is_a_clear_error():
