@@ -429,7 +429,8 @@ def main() -> int:
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown)
     filter_repeats(["", "uvicorn", "uvicorn.access"])  # after uvicorn.Config: it sets up its handlers
     budget = "none" if engine.memory_budget is None else f"{engine.memory_budget / GiB:.2f} GiB"
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
+    weights = engine.model.quant.name if engine.model.quant else "unquantized"
+    print(f"serving {name} ({weights} weights) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
           f"{engine.max_tokens_default}, memory budget {budget} per request)", file=sys.stderr, flush=True)
     uvicorn.Server(config).run()
     return 0
