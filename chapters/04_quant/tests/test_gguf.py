@@ -19,15 +19,22 @@ CHAPTER = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
+def reader():
+    """The gguf package's own reading of the file (parsing its vocabulary takes seconds: once)."""
+    import gguf
+
+    return gguf.GGUFReader(find_gguf())
+
+
+@pytest.fixture(scope="module")
 def gguf_model():
     return read_gguf(find_gguf())  # (config dict, {checkpoint name: weight})
 
 
-def test_every_q4_1_tensor_equals_int4_g32_of_its_float_dequantization(gguf_model):
+def test_every_q4_1_tensor_equals_int4_g32_of_its_float_dequantization(gguf_model, reader):
     import gguf
 
     _, ours = gguf_model
-    reader = gguf.GGUFReader(find_gguf())
     heads = {"q_proj": reader.fields["llama.attention.head_count"].contents(),
              "k_proj": reader.fields["llama.attention.head_count_kv"].contents()}
     checked = 0
@@ -71,11 +78,11 @@ def test_the_bf16_checkpoint_requantizes_to_the_same_codes(gguf_model):
             assert torch.equal(g, plain[name].float()), name  # the F32 norms
 
 
-def test_the_q8_0_embedding_is_requantized_per_row_within_half_a_step(gguf_model):
+def test_the_q8_0_embedding_is_requantized_per_row_within_half_a_step(gguf_model, reader):
     import gguf
 
     _, ours = gguf_model
-    t = next(t for t in gguf.GGUFReader(find_gguf()).tensors if t.name == "token_embd.weight")
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert t.tensor_type.name == "Q8_0"
     q8_0 = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     emb = ours["model.embed_tokens.weight"]
