@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama3", "smollm2-135m"])
-def test_greedy_tokens_agree_from_chapter_01_to_04(name):
+def test_greedy_tokens_agree_from_chapter_01_to_05(name):
     d = resolve_model(name)
     tok = Tokenizer(d)
     prompt = tok.encode_chat([{"role": "user", "content": "Give me two facts about owls."}])
@@ -31,7 +31,15 @@ def test_greedy_tokens_agree_from_chapter_01_to_04(name):
     engine = ch04.engine.Engine(ch04.model.load_model(d), tok, {})
     req = ch04.engine.Request(prompt, ch04.sampling.SamplingParams(temperature=0), max_tokens=n)
     out04 = [t for events in engine.stream(req) for ev in events for t in ev.token_ids if t not in engine.eos_ids]
-    assert out01 == out02 == out03 == out04, tok.decode(out01)
+    # chapter 05: the same request through the paged cache and the scheduler, beside two others
+    ch05 = load_chapter(5, "model", "engine", "sampling")
+    engine = ch05.engine.Engine(ch05.model.load_model(d), tok, {}, num_blocks=64)
+    greedy = ch05.sampling.SamplingParams(temperature=0)
+    others = [ch05.engine.Request(tok.encode_chat([{"role": "user", "content": q}]), greedy, max_tokens=n)
+              for q in ("What is a prime number?", "Name a color.")]
+    out05 = engine.generate([others[0], ch05.engine.Request(prompt, greedy, max_tokens=n), others[1]], [0, 0, 3])[1][0]
+    out05 = [t for t in out05.token_ids if t not in engine.eos_ids]
+    assert out01 == out02 == out03 == out04 == out05, tok.decode(out01)
 
 
 def test_chapter_modules_load_under_unique_names():
@@ -80,3 +88,7 @@ def test_make_run_each_chapter():
     r = make("run", "CHAPTER=04", "MAX_NEW_TOKENS=16")
     assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
     assert "int4 G=32" in r.stderr
+    # chapter 05 (the newest, `make run`'s default): the same, through the continuous-batching engine
+    r = make("run", "MAX_NEW_TOKENS=16")
+    assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
+    assert "int4 G=32" in r.stderr and "KV cache" in r.stderr
