@@ -17,7 +17,7 @@ longest and its block table to the group's widest, and a mask says what is real.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,16 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q, K] bool: query q of sequence b may read key slot k
     valid: torch.Tensor  # [B, Q] bool: which queries are real tokens
     padded: bool  # some queries are padding (not every sequence adds Q tokens)
+    whole_step: bool  # the group is the step's every token, in order (a step of decodes only)
+    _bias: dict = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias (0 or -inf), made once per step for all layers: given a
+        bool mask, attention would convert it in every layer."""
+        if dtype not in self._bias:
+            self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 @dataclass
@@ -67,12 +77,12 @@ def build_step(work: list[Work], block_size: int, device, all_logits: bool = Fal
     last = [f + len(w.tokens) - 1 for f, w in zip(first, work)]
     decode = [(f, w) for f, w in zip(first, work) if len(w.tokens) == 1]
     prefill = [(f, w) for f, w in zip(first, work) if len(w.tokens) > 1]
-    groups = [_group(g, block_size, device) for g in (decode, prefill) if g]
+    groups = [_group(g, block_size, device, whole_step=len(g) == len(work)) for g in (decode, prefill) if g]
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return StepBatch(as_tensor(tokens), as_tensor(positions), as_tensor(slots), groups, as_tensor(last), all_logits)
 
 
-def _group(work: list[tuple[int, Work]], block_size: int, device) -> AttentionGroup:
+def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bool) -> AttentionGroup:
     """work: (index of the sequence's first token in the flat list, its Work) per sequence."""
     n_queries = max(len(w.tokens) for _, w in work)
     n_blocks = max(-(-(w.start + len(w.tokens)) // block_size) for _, w in work)
@@ -91,5 +101,6 @@ def _group(work: list[tuple[int, Work]], block_size: int, device) -> AttentionGr
     # slots past the sequence's end and the padding blocks. A padding query reads slot 0 only, so
     # its softmax is over something (over nothing it is NaN); its output is dropped.
     mask = key_pos[None, None, :] <= query_pos.clamp(min=0)[:, :, None]  # [B, Q, K]
+    padded = not bool(valid.all())
     return AttentionGroup(index.to(device), tables.to(device), mask[:, None].to(device), valid.to(device),
-                          padded=not bool(valid.all()))
+                          padded, whole_step and not padded)

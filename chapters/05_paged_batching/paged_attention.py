@@ -36,15 +36,19 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_pool.shape[2]
     for g in groups:  # at most two: the decodes and the prefill chunks
-        queries = q[g.token_index].transpose(1, 2)  # [B, n_heads, Q, dim]
+        B, Q = g.token_index.shape
+        # A step of decodes only: the queries are already [B, 1] in order, no gather needed.
+        queries = (q.view(B, Q, *q.shape[1:]) if g.whole_step else q[g.token_index]).transpose(1, 2)  # [B, n_heads, Q, dim]
         keys, values = gather(k_pool, g.block_tables), gather(v_pool, g.block_tables)  # [B, n_kv_heads, K, dim]
         if q.device.type == "cpu" and q.dtype != torch.float32:
             # As in chapter 04: torch's CPU attention is several times faster in float32 than in
             # bf16; the pool itself stays in the compact dtype.
             queries, keys, values = queries.float(), keys.float(), values.float()
         # enable_gqa: query head h reads KV head h // n_rep without copying K/V n_rep times.
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.bias(queries.dtype), enable_gqa=gqa)
         o = o.transpose(1, 2).to(q.dtype)  # [B, Q, n_heads, dim]
+        if g.whole_step:
+            return o.reshape(q.shape)
         if g.padded:
             out[g.token_index[g.valid]] = o[g.valid]
         else:

@@ -58,6 +58,14 @@ class Job:
             self.cancelled.set()
 
 
+def _deliver(batch: list) -> None:
+    """On the event loop: a step's events to the handlers that wait for them."""
+    for job, events, done in batch:
+        job.events.put_nowait(events)
+        if done:
+            job.events.put_nowait(_DONE)
+
+
 class Worker:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -120,12 +128,20 @@ class Worker:
                     job.put(e)
                 self._jobs.clear()
                 results = []
+            deliveries: dict[asyncio.AbstractEventLoop, list] = {}
             for rid, events, done in results:
                 job = self._jobs.get(rid)
                 if job is None:
                     continue
-                job.put(events)
+                deliveries.setdefault(job.loop, []).append((job, events, done))
                 if done:
-                    job.put(_DONE)
                     del self._jobs[rid]
+            # One wake-up of the event loop per step, not one per request: with 32 streams, 32
+            # cross-thread calls per step would each write to the loop's wake-up pipe.
+            for loop, batch in deliveries.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, batch)
+                except RuntimeError:  # the loop is closed (the server is shutting down): nobody waits
+                    for job, _, _ in batch:
+                        job.cancelled.set()
             self.stats = self.engine.stats()
