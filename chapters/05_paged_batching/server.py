@@ -402,6 +402,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     limits.add_argument("--max-model-len", type=int, default=None, help="the context in tokens (default: the model's)")
     limits.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
                         help="max_tokens for a request that sets none (default: %(default)s)")
+    limits.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
+                        help="request body size limit, over it a 413 (default: %(default)s)")
+    limits.add_argument("--limit-concurrency", type=int, default=128,
+                        help="open connections; more get a 503 (default: %(default)s)")
+    limits.add_argument("--timeout-headers", type=float, default=10.0,
+                        help="seconds for a request's headers to arrive (default: %(default)s)")
+    limits.add_argument("--timeout-body", type=float, default=BODY_TIMEOUT_S,
+                        help="seconds for a request's body to arrive, over it a 408 (default: %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=int, default=5,
+                        help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    limits.add_argument("--timeout-graceful-shutdown", type=int, default=10,
+                        help="seconds open requests get to finish on shutdown (default: %(default)s)")
     batching = ap.add_argument_group("continuous batching")
     batching.add_argument("--kv-cache-memory-gb", type=float, default=None,
                           help="the KV block pool; a request that could never fit it gets a 400 (default: a quarter "
@@ -416,18 +428,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="run each prompt whole in one step (running streams wait for it)")
     batching.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                           help="never reuse the KV blocks of a prompt prefix seen before")
-    limits.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
-                        help="request body size limit, over it a 413 (default: %(default)s)")
-    limits.add_argument("--limit-concurrency", type=int, default=128,
-                        help="open connections; more get a 503 (default: %(default)s)")
-    limits.add_argument("--timeout-headers", type=float, default=10.0,
-                        help="seconds for a request's headers to arrive (default: %(default)s)")
-    limits.add_argument("--timeout-body", type=float, default=BODY_TIMEOUT_S,
-                        help="seconds for a request's body to arrive, over it a 408 (default: %(default)s)")
-    limits.add_argument("--timeout-keep-alive", type=int, default=5,
-                        help="seconds an idle keep-alive connection stays open (default: %(default)s)")
-    limits.add_argument("--timeout-graceful-shutdown", type=int, default=10,
-                        help="seconds open requests get to finish on shutdown (default: %(default)s)")
     return ap.parse_args(argv)
 
 
