@@ -171,6 +171,9 @@ class Engine:
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        if req.min_tokens > 0 and len(stop_ids) >= self.model.config.vocab_size:
+            raise ValueError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
         if n_prompt >= self.context:
             raise ValueError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
         if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:

@@ -119,6 +119,7 @@ class Worker:
     def _run(self) -> None:
         while True:
             self._take_in()
+            self.stats = self.engine.stats()  # arrivals count as waiting while the step runs
             try:
                 results = self.engine.step()
             except Exception as e:  # the step failed: fail its requests, keep serving the others

@@ -192,3 +192,12 @@ def test_batched_greedy_on_every_device_equals_each_request_alone(device):
     for req, out in zip(reqs, together):
         alone = Engine(model, tokenizer, {}, num_blocks=64).generate([req])[0][0].token_ids
         assert out[0].token_ids == alone
+
+
+def test_stop_ids_covering_the_vocabulary_with_min_tokens_are_refused_up_front(tiny):
+    """Otherwise no token could be sampled, and the failure would take the whole step's batch down."""
+    engine = make_engine(tiny)
+    vocab = engine.model.config.vocab_size
+    with pytest.raises(ValueError, match="leave no other token"):
+        engine.add(Request([8, 9], GREEDY, max_tokens=5, min_tokens=1, stop_token_ids=list(range(vocab))))
+    engine.add(Request([8, 9], GREEDY, max_tokens=5, stop_token_ids=list(range(vocab))))  # no min_tokens: may stop at once

@@ -113,3 +113,30 @@ def test_health_reports_the_engine(server):
                 "prefix_cache_hit_rate", "preemptions"):
         assert key in h
     assert h["kv_blocks_used"] + h["kv_blocks_free"] == h["kv_blocks_total"] > 0
+
+
+def test_health_counts_a_request_while_its_first_step_runs(tmp_path):
+    """The engine loop refreshes /health's figures when it takes requests in, not only after the step."""
+    import asyncio as aio
+
+    from common.models import resolve_model
+    from common.tokenizer import Tokenizer
+    from engine import Engine, Request
+    from model import load_model
+    from sampling import SamplingParams
+    from worker import Worker
+
+    d = resolve_model(MODEL)
+    engine = Engine(load_model(d), Tokenizer(d), {}, num_blocks=400, chunked_prefill=False)
+    real_step = engine.step
+    seen = []
+    engine.step = lambda: (seen.append(dict(worker.stats)), real_step())[1]
+
+    async def run():
+        job = worker.submit(Request([5] * 300, SamplingParams(temperature=0), max_tokens=1, ignore_eos=True))
+        while await job.next_events() is not None:
+            pass
+
+    worker = Worker(engine)
+    aio.run(run())
+    assert seen and seen[0]["waiting"] + seen[0]["running"] == 1
