@@ -134,6 +134,7 @@ class Engine:
         self._ids = itertools.count()
         self.n_steps = 0
         self.last_plan = None
+        self._masks: dict = {}  # (stop ids, device) -> [vocab] bool mask, for min_tokens
 
     @staticmethod
     def read_generation_config(model_dir: str | Path) -> dict:
@@ -171,8 +172,7 @@ class Engine:
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
-        if req.min_tokens > 0 and len(stop_ids) >= self.model.config.vocab_size:
+        if req.min_tokens > 0 and len(self._stop_ids(req)) >= self.model.config.vocab_size:
             raise ValueError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
         if n_prompt >= self.context:
             raise ValueError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
@@ -211,8 +211,7 @@ class Engine:
                 matcher=StopStringMatcher(req.stop, req.include_stop_str_in_output),
                 parent=seqs[0] if seqs else None,
             ))
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
-        self.requests[rid] = RequestState(req, seqs, stop_ids)
+        self.requests[rid] = RequestState(req, seqs, self._stop_ids(req))
         for seq in seqs:
             self.scheduler.add(seq)
         return rid
@@ -258,7 +257,7 @@ class Engine:
             state = self.requests[seq.request_id]
             if len(seq.output) < state.request.min_tokens and state.stop_ids:
                 # Too early to stop: make the stop tokens impossible for this choice.
-                x[i, list(state.stop_ids)] = float("-inf")
+                x[i].masked_fill_(self._id_mask(state.stop_ids, x.device)[0], float("-inf"))
         seqs = [seq for _, seq in ready]
         tokens, logprobs = sample(x, [s.params for s in seqs], [s.generator for s in seqs],
                                   [s.prompt for s in seqs], [s.output for s in seqs])
@@ -293,6 +292,17 @@ class Engine:
             # flush() may still find a stop string that only the end of the text could confirm
             return Event(seq.index, text, [token], lps, "stop" if seq.matcher.stopped else "length")
         return Event(seq.index, text, [token], lps)
+
+    def _stop_ids(self, req: Request) -> set[int]:
+        return set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+
+    def _id_mask(self, ids: set[int], device) -> torch.Tensor:
+        key = (frozenset(ids), str(device))
+        if key not in self._masks:
+            mask = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=device)
+            mask[list(ids)] = True
+            self._masks[key] = mask
+        return self._masks[key][None, :]
 
     # --- for scripts and tests ------------------------------------------------------------------
 
