@@ -18,13 +18,13 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: setup models run test test-common notebooks bench clean help serve
+.PHONY: setup models kernels kernels-cuda-check run test test-common notebooks bench clean help serve
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make run    - set up (first time) and chat with the most complete engine (PROMPT=, MODEL=, CHAPTER=, QUANT=)"
 	@echo "make test   - set up (first time) and run every chapter's tests and tests/"
-	@echo "make test-chapterN, make diff-chapterN, make models, make bench, make clean"
+	@echo "make test-chapterN, make diff-chapterN, make models, make kernels, make kernels-cuda-check, make bench, make clean"
 
 # --- setup: a venv with pinned requirements, then the models. Stamps make the second run instant.
 $(VENV)/.stamp: requirements.txt pyproject.toml
@@ -39,10 +39,18 @@ $(VENV)/.stamp: requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
-setup: $(VENV)/.stamp models
+setup: $(VENV)/.stamp models kernels
 
 models: $(VENV)/.stamp
 	@$(PY) -m common.prepare_models
+
+# --- kernels/: the C++ CPU half always, the CUDA half where torch is a CUDA build (a minute, once).
+kernels: $(VENV)/.stamp
+	@$(PY) -m kernels.build
+
+# Every .cu file through nvcc for sm_80 and sm_90, without torch: runs where nvcc is, GPU or not.
+kernels-cuda-check:
+	@bash kernels/csrc/cuda/check_compile.sh
 
 # --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
 run: setup
@@ -61,6 +69,9 @@ test: setup
 	for d in $(CHAPTERS); do \
 	  echo "=== $$d"; $(PY) -m pytest $(PYTEST_FLAGS) $$d/tests || failed="$$failed $$d"; \
 	done; \
+	echo "=== kernels/"; $(PY) -m pytest $(PYTEST_FLAGS) kernels/tests || failed="$$failed kernels/"; \
+	echo "=== kernels/ CUDA sources (nvcc)"; if command -v nvcc >/dev/null; then bash kernels/csrc/cuda/check_compile.sh || failed="$$failed kernels-cuda-check"; \
+	  else echo "skipped: no nvcc on PATH"; fi; \
 	echo "=== tests/"; $(PY) -m pytest $(PYTEST_FLAGS) tests || failed="$$failed tests/"; \
 	if [ -n "$$failed" ]; then echo "FAILED:$$failed"; exit 1; fi; echo "all test suites passed"
 
@@ -83,5 +94,5 @@ serve: setup
 	  $(if $(and $(wildcard $(CHAPTER_DIR)/quantize.py),$(filter-out none,$(QUANT))),--quant $(QUANT))
 
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) models .pytest_cache kernels/build
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

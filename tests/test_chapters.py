@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama3", "smollm2-135m"])
-def test_greedy_tokens_agree_from_chapter_01_to_05(name):
+def test_greedy_tokens_agree_from_chapter_01_to_06(name):
     d = resolve_model(name)
     tok = Tokenizer(d)
     prompt = tok.encode_chat([{"role": "user", "content": "Give me two facts about owls."}])
@@ -39,7 +39,12 @@ def test_greedy_tokens_agree_from_chapter_01_to_05(name):
               for q in ("What is a prime number?", "Name a color.")]
     out05 = engine.generate([others[0], ch05.engine.Request(prompt, greedy, max_tokens=n), others[1]], [0, 0, 3])[1][0]
     out05 = [t for t in out05.token_ids if t not in engine.eos_ids]
-    assert out01 == out02 == out03 == out04 == out05, tok.decode(out01)
+    # chapter 06: the same, with kernels/ (C++ on this CPU) for norms, RoPE and decode attention
+    ch06 = load_chapter(6, "model", "engine", "sampling")
+    engine = ch06.engine.Engine(ch06.model.load_model(d, kernels="on"), tok, {}, num_blocks=64)
+    req = ch06.engine.Request(prompt, ch06.sampling.SamplingParams(temperature=0), max_tokens=n)
+    out06 = [t for events in engine.stream(req) for ev in events for t in ev.token_ids if t not in engine.eos_ids]
+    assert out01 == out02 == out03 == out04 == out05 == out06, tok.decode(out01)
 
 
 def test_chapter_modules_load_under_unique_names():
@@ -88,7 +93,11 @@ def test_make_run_each_chapter():
     r = make("run", "CHAPTER=04", "MAX_NEW_TOKENS=16")
     assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
     assert "int4 G=32" in r.stderr
-    # chapter 05 (the newest, `make run`'s default): the same, through the continuous-batching engine
-    r = make("run", "MAX_NEW_TOKENS=16")
+    # chapter 05: the same, through the continuous-batching engine
+    r = make("run", "CHAPTER=05", "MAX_NEW_TOKENS=16")
     assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
     assert "int4 G=32" in r.stderr and "KV cache" in r.stderr
+    # chapter 06 (the newest, `make run`'s default): the same engine on kernels/' C++ kernels
+    r = make("run", "MAX_NEW_TOKENS=16")
+    assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
+    assert "int4 G=32" in r.stderr and "kernels: on" in r.stderr

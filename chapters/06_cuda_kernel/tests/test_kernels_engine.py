@@ -1,0 +1,117 @@
+"""Chapter 06's engine with kernels/ against chapter 05's, and against itself with --kernels off."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.models import resolve_model
+from common.testing import load_neighbour
+from common.tokenizer import Tokenizer
+from engine import Engine, Request, build_engine
+from model import forward_sequence, load_model
+from ops import KernelOps, TorchOps
+from quant import QuantSpec
+from sampling import SamplingParams
+
+HERE = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+           "Explain what a KV cache is in one sentence."]
+
+
+def greedy_tokens(engine, prompt_ids, n):
+    req = Request(prompt_ids, GREEDY, max_tokens=n)
+    return [t for events in engine.stream(req) for ev in events for t in ev.token_ids]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "smollm2-135m"])
+def test_greedy_output_equals_chapter_05_on_every_test_prompt(name):
+    ch05 = load_neighbour(5, "engine")
+    d = resolve_model(name)
+    ours, _ = build_engine(str(d), "cpu", "float32", kernels="on", num_blocks=256)
+    theirs, _ = ch05.engine.build_engine(str(d), "cpu", "float32", num_blocks=256)
+    assert isinstance(ours.model.ops, KernelOps)
+    tok = Tokenizer(d)
+    for text in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": text}])
+        req = ch05.engine.Request(ids, ch05.engine.SamplingParams(temperature=0), max_tokens=24)
+        expected = [t for events in theirs.stream(req) for ev in events for t in ev.token_ids]
+        assert greedy_tokens(ours, ids, 24) == expected, text
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return resolve_model("smollm2-135m")
+
+
+@pytest.mark.parametrize("quant", [None, QuantSpec(bits=4), QuantSpec(bits=8)], ids=["fp32", "int4", "int8"])
+def test_kernels_on_and_off_give_the_same_logits(smollm2_dir, quant):
+    # Every position of a prompt (the prefill path: norms, RoPE, the int matmuls for <= 16 rows are
+    # not used there, so decode them too) on both paths, float32 activations.
+    ids = Tokenizer(smollm2_dir).encode("The quick brown fox jumps over the lazy dog. " * 3)
+    on = load_model(smollm2_dir, "cpu", torch.float32, quant, "fast", kernels="on")
+    off = load_model(smollm2_dir, "cpu", torch.float32, quant, "reference", kernels="off")
+    assert isinstance(off.ops, TorchOps)
+    torch.testing.assert_close(forward_sequence(on, ids), forward_sequence(off, ids), atol=2e-3, rtol=1e-3)
+    e_on = Engine(on, Tokenizer(smollm2_dir), {}, num_blocks=64)
+    e_off = Engine(off, Tokenizer(smollm2_dir), {}, num_blocks=64)
+    assert greedy_tokens(e_on, ids[:20], 16) == greedy_tokens(e_off, ids[:20], 16)
+
+
+def test_padded_static_decode_steps_equal_the_eager_engine():
+    # cuda_graphs=True on a CPU: decode steps padded to their bucket, on fixed buffers, with
+    # fixed-width block tables: everything the CUDA graphs replay, except the capture itself.
+    d = resolve_model("tiny-llama3")
+    model, tok = load_model(d, kernels="on"), Tokenizer(d)
+    rng = random.Random(0)
+    reqs = [Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 5, 17, 40]))], GREEDY,
+                    max_tokens=rng.randrange(1, 25), ignore_eos=True) for _ in range(11)]
+    arrivals = [rng.randrange(0, 12) for _ in reqs]
+    padded = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16, cuda_graphs=True)
+    eager = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16, cuda_graphs=False)
+    assert padded.graphs is not None and padded.graphs.buckets[:4] == [1, 2, 4, 8]
+    assert padded.generate(reqs, arrivals) == eager.generate(reqs, arrivals)
+
+
+def test_cuda_graphs_need_the_kernels():
+    d = resolve_model("tiny-llama3")
+    with pytest.raises(ValueError, match="CUDA graphs need the kernels"):
+        Engine(load_model(d, kernels="off"), Tokenizer(d), {}, num_blocks=8, cuda_graphs=True)
+
+
+def test_kernels_where_they_cannot_run():
+    from ops import pick_ops
+
+    ops, why = pick_ops("auto", torch.device("mps"))
+    assert isinstance(ops, TorchOps) and why == "kernels/ has no mps implementation"
+    with pytest.raises(ValueError, match="--kernels on: kernels/ has no mps implementation"):
+        pick_ops("on", torch.device("mps"))
+    with pytest.raises(ValueError, match="kernels must be 'auto', 'on' or 'off'"):
+        pick_ops("yes", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_generate_with_and_without_kernels(flag):
+    r = subprocess.run([sys.executable, str(HERE / "generate.py"), "--chat", "--prompt", "What is the capital of France?",
+                        "--max-new-tokens", "12", "--dtype", "float32", "--kernels", flag],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run slurm/gpu_check.sh on a GPU node)")
+def test_cuda_graphs_replay_equals_eager_on_cuda():
+    d = resolve_model("tiny-llama3")
+    model, tok = load_model(d, "cuda", torch.float32, kernels="on"), Tokenizer(d)
+    rng = random.Random(1)
+    reqs = [Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 9, 33]))], GREEDY, max_tokens=20,
+                    ignore_eos=True) for _ in range(7)]
+    graphs = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8)
+    assert graphs.graphs is not None and graphs.graphs.capture
+    eager = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8, cuda_graphs=False)
+    assert graphs.generate(reqs, [0, 0, 1, 2, 3, 5, 8]) == eager.generate(reqs, [0, 0, 1, 2, 3, 5, 8])
+    assert graphs.graphs.graphs, "no decode step was captured"

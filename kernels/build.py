@@ -1,0 +1,159 @@
+"""Builds the kernel library on first use, and loads it.
+
+    python -m kernels.build          # what `make kernels` runs: build (if needed) and report
+
+torch.utils.cpp_extension compiles csrc/ into a Python module with the host C++ compiler (and
+nvcc for csrc/cuda/ when torch is a CUDA build), through ninja, into kernels/build/. A second
+load finds the module built and takes a fraction of a second; a changed source file is
+recompiled. Two processes building at once wait for each other (cpp_extension locks the folder).
+
+The CPU half is compiled for any x86-64 (no -march=native: the module must run on the machine
+that did not build it, e.g. a cluster's other nodes); its AVX2 and AVX512 paths are chosen at
+run time (csrc/cpu/isa.cpp). OpenMP: the module links libgomp.so.1, and since torch has already
+loaded its own copy under that name, both share one thread pool. Two OpenMP runtimes would each
+keep threads spinning, and on two cores that costs 10x.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built here; the message says why and what to do."""
+
+
+def cuda_build_possible() -> str | None:
+    """None when the CUDA half can be built, else why not."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return "nvcc was not found (set CUDA_HOME to the CUDA toolkit)"
+    return None
+
+
+def sources(with_cuda: bool) -> list[Path]:
+    files = [CSRC / "bindings.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    return files + (sorted((CSRC / "cuda").glob("*.cu")) if with_cuda else [])
+
+
+def _variant(with_cuda: bool) -> str:
+    """One build folder per torch and Python: a module built against one does not load in another."""
+    import torch
+
+    flavour = f"cu{torch.version.cuda.replace('.', '')}" if with_cuda else "cpu"
+    return f"torch{torch.__version__.split('+')[0]}-{flavour}-py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def build_dir(with_cuda: bool) -> Path:
+    return Path(os.environ.get("KERNELS_BUILD_DIR", HERE / "build")) / _variant(with_cuda)
+
+
+def _check_tools() -> None:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"no C++ compiler: `{compiler}` is not on PATH. Install one (Debian/Ubuntu: "
+                               "`apt install g++`; or set CXX), then run `make kernels`.")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  the pip package puts a ninja binary next to python
+        except ImportError:
+            raise KernelBuildError("ninja is missing: `pip install ninja` (it is in requirements.txt)") from None
+        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
+
+
+def _up_to_date(folder: Path, name: str, files: list[Path]) -> bool:
+    built = list(folder.glob(f"{name}*.so"))
+    return bool(built) and all(f.stat().st_mtime <= built[0].stat().st_mtime for f in files + list(CSRC.rglob("*.h")))
+
+
+class _Ticker:
+    """One progress line while the compiler works: seconds so far, rewritten in place on a terminal."""
+
+    def __init__(self, what: str):
+        self.what, self.start, self.done = what, time.monotonic(), threading.Event()
+        self.tty = sys.stderr.isatty()
+
+    def __enter__(self):
+        print(f"kernels: building {self.what} (first use: about a minute) ...", file=sys.stderr, flush=True)
+        if self.tty:
+            threading.Thread(target=self._tick, daemon=True).start()
+        return self
+
+    def _tick(self):
+        while not self.done.wait(1.0):
+            print(f"\rkernels: compiling ... {time.monotonic() - self.start:4.0f} s", end="", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.tty:
+            print(file=sys.stderr)
+        if exc[0] is None:
+            print(f"kernels: built in {time.monotonic() - self.start:.0f} s", file=sys.stderr, flush=True)
+
+
+_module = None
+
+
+def load(verbose: bool = False):
+    """The compiled module (see csrc/bindings.cpp for its functions), built first if needed."""
+    global _module
+    if _module is not None:
+        return _module
+    import torch  # noqa: F401  first: its libgomp must be the one loaded (see above)
+    from torch.utils import cpp_extension
+
+    with_cuda = cuda_build_possible() is None
+    name = "llm_kernels_cuda" if with_cuda else "llm_kernels_cpu"
+    files = sources(with_cuda)
+    folder = build_dir(with_cuda)
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh = _up_to_date(folder, name, files)
+    if not fresh:
+        _check_tools()
+    cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
+    cuda_flags = ["-O3", "-std=c++17", "-DWITH_CUDA", "-gencode=arch=compute_80,code=sm_80",
+                  "-gencode=arch=compute_90,code=sm_90"]
+    what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
+    try:
+        if fresh:
+            _module = cpp_extension.load(name, [str(f) for f in files], extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
+                                         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
+        else:
+            with _Ticker(what):
+                _module = cpp_extension.load(name, [str(f) for f in files], extra_cflags=cflags,
+                                             extra_cuda_cflags=cuda_flags, extra_ldflags=["-fopenmp"],
+                                             build_directory=str(folder), verbose=verbose)
+    except (RuntimeError, OSError, ImportError) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
+        tail = "\n".join(str(e).strip().splitlines()[-25:])
+        raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
+    return _module
+
+
+def main() -> int:
+    try:
+        ext = load()
+    except KernelBuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    why_not = cuda_build_possible()
+    print(f"kernels: {ext.__file__}")
+    print(f"  cpu: {ext.cpu_isa()} (best here: {ext.best_cpu_isa()})")
+    print(f"  cuda: {'built' if ext.with_cuda else 'not built: ' + why_not}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+// The C++ CPU twins of the CUDA kernels: the same algorithms, parallel over OpenMP threads and
+// vectorised with AVX2 / AVX512 chosen at run time (isa.cpp). Torch-free: raw pointers and sizes.
+// Shapes are given as [dims] in row-major order; "stride" is in elements.
+#pragma once
+
+#include <cstdint>
+
+#include "../kernels.h"
+
+namespace kernels::cpu {
+
+// --- instruction set, chosen once at run time ------------------------------------------------
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+Isa best_isa();           // what this CPU supports, capped by ATEN_CPU_CAPABILITY if set (default|avx2|avx512)
+Isa isa();                // the one in use
+void set_isa(Isa isa);    // tests force each path in turn; a level the CPU lacks is an error (throws)
+const char* isa_name(Isa isa);
+
+// --- paged decode attention (flash-decoding) -------------------------------------------------
+// One query token per sequence, attending to its context_lens[b] keys, read block by block
+// through its block table. The keys are cut into partitions of `partition_size` slots; each
+// (sequence, kv head, partition) is one task: an online softmax over its keys for every query
+// head of the kv head's group (GQA: query head h reads kv head h / (n_heads / n_kv_heads)),
+// leaving a partial output with its running max and sum. A second pass merges the partitions.
+//   out          [batch, n_heads, head_dim]                      contiguous
+//   q            [batch, n_heads, head_dim]                      token stride q_stride, heads contiguous
+//   k/v_pool     [num_blocks, block_size, n_kv_heads, head_dim]  contiguous
+//   block_tables int32 [batch, max_blocks]                       entries past the context are not read
+//   context_lens int32 [batch]                                   1 <= len <= max_blocks * block_size
+//   workspace    float32, partial outputs [batch, n_heads, n_partitions, head_dim]
+//                then partial max and sum [batch, n_heads, n_partitions] each, where
+//                n_partitions = ceil(max_blocks * block_size / partition_size)
+// partition_size is a multiple of block_size. scale = 1 / sqrt(head_dim) for Llama.
+void paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                            const int32_t* block_tables, const int32_t* context_lens, float* workspace,
+                            int batch, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                            int partition_size, float scale, DType dtype);
+
+// --- RMSNorm, with the residual add fused --------------------------------------------------
+// For each of `rows` rows of `hidden` values:
+//   if delta: x = x + delta          (x updated in place, rounded to dtype: the residual stream)
+//   out = x / sqrt(mean(x^2) + eps) * weight
+// x, delta, out: [rows, hidden] contiguous; weight [hidden]. out may not alias x.
+void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
+                  DType dtype);
+
+// --- RoPE, rotate-half convention (HF Llama), in place ---------------------------------------
+// qk: [tokens, n_heads, head_dim] with token stride `token_stride`, heads contiguous (q and k
+// heads side by side in the qkv projection's output). cos, sin: float32 [tokens, head_dim / 2].
+// Pair (i, i + head_dim/2) of every head of token t is rotated by the angle whose cos/sin are
+// cos[t, i], sin[t, i]; computed in float32, rounded once.
+void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim,
+          int64_t token_stride, DType dtype);
+
+// --- quantized linear layers for decode: y = x @ W.T, W dequantized in registers -------------
+// x [rows, n_in], y [rows, n_out], contiguous. Each weight row is read once and used for every
+// row of x (rows is small in decode: one per sequence in the step).
+// int4, group-wise: W[o, i] = min[o, i / G] + scale[o, i / G] * code(o, i), code 0..15;
+//   packed uint8 [n_out, n_in / 2], element 2j in the low nibble of byte j, 2j+1 in the high one;
+//   scale, min float32 [n_out, n_in / G]; G a multiple of 32, n_in a multiple of G.
+void int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min,
+                 int rows, int n_in, int n_out, int group_size, DType dtype);
+// int8, per output row: W[o, i] = scale[o] * q[o, i].  q int8 [n_out, n_in], scale float32 [n_out].
+void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                 DType dtype);
+
+}  // namespace kernels::cpu

@@ -1,0 +1,192 @@
+// RMSNorm with the residual add fused in, and RoPE: two small element-wise kernels.
+//
+// Both are memory-bound and tiny in decode (one row of a few hundred values per sequence), so the
+// point of fusing is fewer passes over memory and fewer calls, not arithmetic. Each is written
+// once over a vector type (vec.h) and compiled for scalar, AVX2 and AVX512; the threads only
+// join in when a call has enough rows to pay for waking them (a prompt chunk, not a decode step).
+#include <omp.h>
+
+#include <cmath>
+
+#include "cpu_kernels.h"
+#include "vec.h"
+
+namespace kernels::cpu {
+
+namespace {
+
+// Below this many elements a call runs on the calling thread: waking the others costs more.
+constexpr int64_t kParallelElements = int64_t(1) << 15;
+
+// --- add_rms_norm ----------------------------------------------------------------------------
+
+struct NormArgs {
+    void* out;
+    void* x;
+    const void* delta;
+    const void* weight;
+    int hidden;
+    float eps;
+};
+
+template <class S, DType D>
+KERNELS_INLINE void add_rms_norm_row(const NormArgs& a, int64_t row) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    const int n = a.hidden, vec_end = n - n % W;
+    const int64_t base = row * n;
+
+    // Pass 1: the residual add, and the sum of squares of x as stored. The norm must see the
+    // rounded residual, the value the next layer will read back, or the two would disagree.
+    V ss = S::zero();
+    float ss_tail = 0.f;
+    int i = 0;
+    for (; i < vec_end; i += W) {
+        V v = S::template load_as<D>(a.x, base + i);
+        if (a.delta) {
+            v = S::add(v, S::template load_as<D>(a.delta, base + i));
+            S::template store_as<D>(a.x, base + i, v);
+            if constexpr (D != DType::f32) v = S::template load_as<D>(a.x, base + i);
+        }
+        ss = S::fma(v, v, ss);
+    }
+    for (; i < n; ++i) {
+        float v = load_as_float<D>(a.x, base + i);
+        if (a.delta) {
+            v = round_to<D>(v + load_as_float<D>(a.delta, base + i));
+            store_from_float<D>(a.x, base + i, v);
+        }
+        ss_tail += v * v;
+    }
+    const float inv_rms = 1.f / std::sqrt((S::reduce_add(ss) + ss_tail) / float(n) + a.eps);
+
+    // Pass 2: normalise and scale, rounding once. The row is still in L1.
+    const V vinv = S::set1(inv_rms);
+    for (i = 0; i < vec_end; i += W) {
+        V v = S::mul(S::template load_as<D>(a.x, base + i), vinv);
+        S::template store_as<D>(a.out, base + i, S::mul(v, S::template load_as<D>(a.weight, i)));
+    }
+    for (; i < n; ++i)
+        store_from_float<D>(a.out, base + i, load_as_float<D>(a.x, base + i) * inv_rms * load_as_float<D>(a.weight, i));
+}
+
+template <class S>
+KERNELS_INLINE void add_rms_norm_rows(const NormArgs& a, DType dtype, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+        switch (dtype) {
+            case DType::f32: add_rms_norm_row<S, DType::f32>(a, r); break;
+            case DType::bf16: add_rms_norm_row<S, DType::bf16>(a, r); break;
+            case DType::f16: add_rms_norm_row<S, DType::f16>(a, r); break;
+        }
+    }
+}
+
+void add_rms_norm_scalar(const NormArgs& a, DType d, int64_t r0, int64_t r1) {
+    add_rms_norm_rows<Scalar>(a, d, r0, r1);
+}
+#ifdef KERNELS_X86
+KERNELS_AVX2 __attribute__((flatten)) void add_rms_norm_avx2(const NormArgs& a, DType d, int64_t r0, int64_t r1) {
+    add_rms_norm_rows<Avx2>(a, d, r0, r1);
+}
+KERNELS_AVX512 __attribute__((flatten)) void add_rms_norm_avx512(const NormArgs& a, DType d, int64_t r0, int64_t r1) {
+    add_rms_norm_rows<Avx512>(a, d, r0, r1);
+}
+#endif
+
+// --- rope ------------------------------------------------------------------------------------
+
+struct RopeArgs {
+    void* qk;
+    const float* cos;
+    const float* sin;
+    int n_heads;
+    int head_dim;
+    int64_t token_stride;
+};
+
+template <class S, DType D>
+KERNELS_INLINE void rope_token(const RopeArgs& a, int64_t t) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    const int half = a.head_dim / 2, vec_end = half - half % W;
+    const float* c = a.cos + t * half;
+    const float* s = a.sin + t * half;
+    for (int h = 0; h < a.n_heads; ++h) {
+        const int64_t lo = t * a.token_stride + int64_t(h) * a.head_dim, hi = lo + half;
+        int i = 0;
+        for (; i < vec_end; i += W) {
+            V x1 = S::template load_as<D>(a.qk, lo + i), x2 = S::template load_as<D>(a.qk, hi + i);
+            V cv = S::load(c + i), sv = S::load(s + i);
+            S::template store_as<D>(a.qk, lo + i, S::fnma(x2, sv, S::mul(x1, cv)));  // x1 cos - x2 sin
+            S::template store_as<D>(a.qk, hi + i, S::fma(x1, sv, S::mul(x2, cv)));   // x2 cos + x1 sin
+        }
+        for (; i < half; ++i) {
+            float x1 = load_as_float<D>(a.qk, lo + i), x2 = load_as_float<D>(a.qk, hi + i);
+            store_from_float<D>(a.qk, lo + i, x1 * c[i] - x2 * s[i]);
+            store_from_float<D>(a.qk, hi + i, x2 * c[i] + x1 * s[i]);
+        }
+    }
+}
+
+template <class S>
+KERNELS_INLINE void rope_tokens(const RopeArgs& a, DType dtype, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+        switch (dtype) {
+            case DType::f32: rope_token<S, DType::f32>(a, t); break;
+            case DType::bf16: rope_token<S, DType::bf16>(a, t); break;
+            case DType::f16: rope_token<S, DType::f16>(a, t); break;
+        }
+    }
+}
+
+void rope_scalar(const RopeArgs& a, DType d, int64_t t0, int64_t t1) { rope_tokens<Scalar>(a, d, t0, t1); }
+#ifdef KERNELS_X86
+KERNELS_AVX2 __attribute__((flatten)) void rope_avx2(const RopeArgs& a, DType d, int64_t t0, int64_t t1) {
+    rope_tokens<Avx2>(a, d, t0, t1);
+}
+KERNELS_AVX512 __attribute__((flatten)) void rope_avx512(const RopeArgs& a, DType d, int64_t t0, int64_t t1) {
+    rope_tokens<Avx512>(a, d, t0, t1);
+}
+#endif
+
+// Runs fn(args, dtype, begin, end) over [0, n) items of `item_elements` each: on this thread
+// when the whole is small, else split in equal contiguous ranges over the OpenMP threads.
+template <class Fn, class Args>
+void run_rows(Fn fn, const Args& args, DType dtype, int64_t n, int64_t item_elements) {
+    if (n * item_elements <= kParallelElements || omp_get_max_threads() == 1) {
+        fn(args, dtype, 0, n);
+        return;
+    }
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t begin = n * t / nt, end = n * (t + 1) / nt;
+        if (begin < end) fn(args, dtype, begin, end);
+    }
+}
+
+}  // namespace
+
+void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
+                  DType dtype) {
+    const NormArgs args{out, x, delta, weight, hidden, eps};
+    auto fn = add_rms_norm_scalar;
+#ifdef KERNELS_X86
+    if (isa() == Isa::avx512) fn = add_rms_norm_avx512;
+    else if (isa() == Isa::avx2) fn = add_rms_norm_avx2;
+#endif
+    run_rows(fn, args, dtype, rows, hidden);
+}
+
+void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim, int64_t token_stride,
+          DType dtype) {
+    const RopeArgs args{qk, cos, sin, n_heads, head_dim, token_stride};
+    auto fn = rope_scalar;
+#ifdef KERNELS_X86
+    if (isa() == Isa::avx512) fn = rope_avx512;
+    else if (isa() == Isa::avx2) fn = rope_avx2;
+#endif
+    run_rows(fn, args, dtype, tokens, int64_t(n_heads) * head_dim);
+}
+
+}  // namespace kernels::cpu

@@ -1,0 +1,336 @@
+// Paged decode attention, flash-decoding style, on CPU threads.
+//
+// One decode step has one query per sequence, so the work per sequence is a matrix-vector product
+// over its keys, then another over its values. Splitting by sequence and head alone leaves
+// threads idle when a few long sequences dominate (or there is only one): instead the keys of
+// each sequence are cut into partitions, and every (sequence, kv head, partition) is a task of
+// its own. Each task runs softmax over its keys without knowing the others, keeping what a merge
+// needs: its running max m, its sum l of exp(score - m), and its unnormalised output
+// acc = sum exp(score - m) * v. A second pass rescales each partition to the common max and
+// combines them, which gives exactly softmax over all keys.
+//
+// A task serves all query heads of its kv head's group (GQA), so each key and value row it reads
+// from memory is used group-size times while it is hot in L1.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "vec.h"
+
+namespace kernels::cpu {
+
+namespace {
+
+struct AttnArgs {
+    void* out;
+    const void* q;
+    int64_t q_stride;
+    const void* k_pool;
+    const void* v_pool;
+    const int32_t* block_tables;
+    const int32_t* context_lens;
+    float* part_out;  // [batch, n_heads, n_partitions, head_dim]
+    float* part_max;  // [batch, n_heads, n_partitions]
+    float* part_sum;  // [batch, n_heads, n_partitions]
+    int batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, n_partitions;
+    float scale;
+};
+
+// Per-thread scratch of a task: per query head of the group, its query (scaled, as float), the
+// scores of one block of keys, and the running max and sum of its softmax; and one block of
+// keys and of values widened to float.
+struct TaskScratch {
+    float* q;       // [group, head_dim]
+    float* scores;  // [group, block_size]
+    float* m;       // [group]
+    float* l;       // [group]
+    float* k;       // [block_size, head_dim]
+    float* v;       // [block_size, head_dim]
+};
+
+// n rows of head_dim values, `row_stride` apart from `offset` on, as float rows: widened into
+// `scratch` once per block, since every query head of the group reads them (float32 pools are
+// read in place). Returns the rows and their stride.
+template <class S, DType D>
+KERNELS_INLINE const float* rows_as_float(const void* pool, int64_t offset, int64_t row_stride, int n, int hd,
+                                          float* scratch, int64_t* stride) {
+    if constexpr (D == DType::f32) {
+        *stride = row_stride;
+        return static_cast<const float*>(pool) + offset;
+    } else {
+        constexpr int W = S::W;
+        for (int j = 0; j < n; ++j) {
+            const int64_t src = offset + j * row_stride;
+            float* dst = scratch + int64_t(j) * hd;
+            int i = 0;
+            for (; i + W <= hd; i += W) S::store(dst + i, S::template load_as<D>(pool, src + i));
+            for (; i < hd; ++i) dst[i] = load_as_float<D>(pool, src + i);
+        }
+        *stride = hd;
+        return scratch;
+    }
+}
+
+template <class S>
+KERNELS_INLINE float dot(const float* a, const float* b, int n) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    // Two accumulators: consecutive FMAs into one register wait on each other's latency.
+    V acc0 = S::zero(), acc1 = S::zero();
+    int i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {
+        acc0 = S::fma(S::load(a + i), S::load(b + i), acc0);
+        acc1 = S::fma(S::load(a + i + W), S::load(b + i + W), acc1);
+    }
+    if (i + W <= n) {
+        acc0 = S::fma(S::load(a + i), S::load(b + i), acc0);
+        i += W;
+    }
+    float s = S::reduce_add(S::add(acc0, acc1));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+template <class S, DType D>
+KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch, int b, int kvh, int p) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, bs = a.block_size;
+    const int vec_end = hd - hd % W;
+    const int context = a.context_lens[b];
+    const int start = p * a.partition_size, end = std::min(start + a.partition_size, context);
+    auto slot = [&](int g) { return (int64_t(b) * a.n_heads + int64_t(kvh) * group + g) * a.n_partitions + p; };
+
+    if (start >= end) {  // past this sequence's context: nothing to contribute
+        for (int g = 0; g < group; ++g) {
+            a.part_max[slot(g)] = -std::numeric_limits<float>::infinity();
+            a.part_sum[slot(g)] = 0.f;
+        }
+        return;
+    }
+
+    // The scale folded into the query: one multiply per query element instead of per score.
+    for (int g = 0; g < group; ++g) {
+        const int64_t src = int64_t(b) * a.q_stride + int64_t(kvh * group + g) * hd;
+        float* qg = scratch.q + int64_t(g) * hd;
+        for (int i = 0; i < hd; ++i) qg[i] = load_as_float<D>(a.q, src + i) * a.scale;
+    }
+    float* m = scratch.m;
+    float* l = scratch.l;
+    for (int g = 0; g < group; ++g) {
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+        float* acc = a.part_out + slot(g) * hd;
+        for (int i = 0; i < hd; ++i) acc[i] = 0.f;
+    }
+
+    const int64_t row_stride = int64_t(a.n_kv_heads) * hd;  // from one slot's K row to the next's
+    const int32_t* table = a.block_tables + int64_t(b) * a.max_blocks;
+    // Partitions start on block boundaries (partition_size is a multiple of block_size).
+    for (int first = start; first < end; first += bs) {
+        const int n = std::min(bs, end - first);
+        const int64_t base = (int64_t(table[first / bs]) * bs * a.n_kv_heads + kvh) * hd;
+        int64_t ks, vs;
+        const float* k = rows_as_float<S, D>(a.k_pool, base, row_stride, n, hd, scratch.k, &ks);
+        const float* v = rows_as_float<S, D>(a.v_pool, base, row_stride, n, hd, scratch.v, &vs);
+
+        for (int g = 0; g < group; ++g) {
+            const float* qg = scratch.q + int64_t(g) * hd;
+            float* s = scratch.scores + int64_t(g) * bs;
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int j = 0; j < n; ++j) {
+                s[j] = dot<S>(qg, k + j * ks, hd);
+                block_max = std::max(block_max, s[j]);
+            }
+            // Online softmax, a block at a time: if this block raises the max, everything summed
+            // so far was weighted by exp(score - old max) and is rescaled by exp(old - new) to
+            // match. (The first block: exp(-inf) = 0 times the zeros so far.)
+            const float m_new = std::max(m[g], block_max);
+            const float alpha = std::exp(m[g] - m_new);
+            float sum = 0.f;
+            int j = 0;
+            for (; j + W <= n; j += W) {
+                const V e = S::exp(S::sub(S::load(s + j), S::set1(m_new)));
+                S::store(s + j, e);
+                sum += S::reduce_add(e);
+            }
+            for (; j < n; ++j) {
+                s[j] = std::exp(s[j] - m_new);
+                sum += s[j];
+            }
+            l[g] = l[g] * alpha + sum;
+            m[g] = m_new;
+
+            // acc = alpha * acc + sum_j p_j v_j, over 4 register widths of head_dim at a time:
+            // 4 independent FMA chains through the block's keys, each acc element loaded and
+            // stored once per block.
+            float* acc = a.part_out + slot(g) * hd;
+            const V va = S::set1(alpha);
+            int i = 0;
+            for (; i + 4 * W <= vec_end; i += 4 * W) {
+                V o0 = S::mul(S::load(acc + i), va), o1 = S::mul(S::load(acc + i + W), va);
+                V o2 = S::mul(S::load(acc + i + 2 * W), va), o3 = S::mul(S::load(acc + i + 3 * W), va);
+                for (int jj = 0; jj < n; ++jj) {
+                    const V pj = S::set1(s[jj]);
+                    const float* vj = v + jj * vs + i;
+                    o0 = S::fma(pj, S::load(vj), o0);
+                    o1 = S::fma(pj, S::load(vj + W), o1);
+                    o2 = S::fma(pj, S::load(vj + 2 * W), o2);
+                    o3 = S::fma(pj, S::load(vj + 3 * W), o3);
+                }
+                S::store(acc + i, o0);
+                S::store(acc + i + W, o1);
+                S::store(acc + i + 2 * W, o2);
+                S::store(acc + i + 3 * W, o3);
+            }
+            for (; i < vec_end; i += W) {
+                V o = S::mul(S::load(acc + i), va);
+                for (int jj = 0; jj < n; ++jj) o = S::fma(S::set1(s[jj]), S::load(v + jj * vs + i), o);
+                S::store(acc + i, o);
+            }
+            for (; i < hd; ++i) {
+                float o = acc[i] * alpha;
+                for (int jj = 0; jj < n; ++jj) o += s[jj] * v[jj * vs + i];
+                acc[i] = o;
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        a.part_max[slot(g)] = m[g];
+        a.part_sum[slot(g)] = l[g];
+    }
+}
+
+// Merges the partitions of one (sequence, head): with M the largest partition max, each
+// partition's sum and output were computed relative to its own max m_p, so both are scaled by
+// exp(m_p - M) before they are added up; the output is then divided by the total sum.
+template <class S, DType D>
+KERNELS_INLINE void merge_partitions(const AttnArgs& a, float* weights, int b, int h) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    const int hd = a.head_dim, vec_end = hd - hd % W;
+    const int live = (a.context_lens[b] + a.partition_size - 1) / a.partition_size;
+    const int64_t first = (int64_t(b) * a.n_heads + h) * a.n_partitions;
+    float M = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < live; ++p) M = std::max(M, a.part_max[first + p]);
+    float total = 0.f;
+    for (int p = 0; p < live; ++p) {
+        weights[p] = std::exp(a.part_max[first + p] - M);
+        total += weights[p] * a.part_sum[first + p];
+    }
+    for (int p = 0; p < live; ++p) weights[p] /= total;
+
+    const float* acc = a.part_out + first * hd;
+    const int64_t dst = (int64_t(b) * a.n_heads + h) * hd;
+    int i = 0;
+    for (; i < vec_end; i += W) {
+        V o = S::zero();
+        for (int p = 0; p < live; ++p) o = S::fma(S::set1(weights[p]), S::load(acc + int64_t(p) * hd + i), o);
+        S::template store_as<D>(a.out, dst + i, o);
+    }
+    for (; i < hd; ++i) {
+        float o = 0.f;
+        for (int p = 0; p < live; ++p) o += weights[p] * acc[int64_t(p) * hd + i];
+        store_from_float<D>(a.out, dst + i, o);
+    }
+}
+
+template <class S>
+KERNELS_INLINE void attention_task_any(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh, int p) {
+    switch (d) {
+        case DType::f32: attention_task<S, DType::f32>(a, s, b, kvh, p); break;
+        case DType::bf16: attention_task<S, DType::bf16>(a, s, b, kvh, p); break;
+        case DType::f16: attention_task<S, DType::f16>(a, s, b, kvh, p); break;
+    }
+}
+
+template <class S>
+KERNELS_INLINE void merge_any(const AttnArgs& a, DType d, float* weights, int b, int h) {
+    switch (d) {
+        case DType::f32: merge_partitions<S, DType::f32>(a, weights, b, h); break;
+        case DType::bf16: merge_partitions<S, DType::bf16>(a, weights, b, h); break;
+        case DType::f16: merge_partitions<S, DType::f16>(a, weights, b, h); break;
+    }
+}
+
+using TaskFn = void (*)(const AttnArgs&, DType, const TaskScratch&, int, int, int);
+using MergeFn = void (*)(const AttnArgs&, DType, float*, int, int);
+
+void task_scalar(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh, int p) {
+    attention_task_any<Scalar>(a, d, s, b, kvh, p);
+}
+void merge_scalar(const AttnArgs& a, DType d, float* w, int b, int h) { merge_any<Scalar>(a, d, w, b, h); }
+#ifdef KERNELS_X86
+KERNELS_AVX2 __attribute__((flatten)) void task_avx2(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh,
+                                                     int p) {
+    attention_task_any<Avx2>(a, d, s, b, kvh, p);
+}
+KERNELS_AVX2 __attribute__((flatten)) void merge_avx2(const AttnArgs& a, DType d, float* w, int b, int h) {
+    merge_any<Avx2>(a, d, w, b, h);
+}
+KERNELS_AVX512 __attribute__((flatten)) void task_avx512(const AttnArgs& a, DType d, const TaskScratch& s, int b,
+                                                         int kvh, int p) {
+    attention_task_any<Avx512>(a, d, s, b, kvh, p);
+}
+KERNELS_AVX512 __attribute__((flatten)) void merge_avx512(const AttnArgs& a, DType d, float* w, int b, int h) {
+    merge_any<Avx512>(a, d, w, b, h);
+}
+#endif
+
+}  // namespace
+
+void paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                            const int32_t* block_tables, const int32_t* context_lens, float* workspace, int batch,
+                            int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                            int partition_size, float scale, DType dtype) {
+    const int n_partitions = (max_blocks * block_size + partition_size - 1) / partition_size;
+    const int64_t heads_parts = int64_t(batch) * n_heads * n_partitions;
+    AttnArgs a{out, q, q_stride, k_pool, v_pool, block_tables, context_lens,
+               workspace, workspace + heads_parts * head_dim, workspace + heads_parts * head_dim + heads_parts,
+               batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, n_partitions, scale};
+    const int group = n_heads / n_kv_heads;
+
+    TaskFn task = task_scalar;
+    MergeFn merge = merge_scalar;
+#ifdef KERNELS_X86
+    if (isa() == Isa::avx512) task = task_avx512, merge = merge_avx512;
+    else if (isa() == Isa::avx2) task = task_avx2, merge = merge_avx2;
+#endif
+
+    // A step of a few short contexts is done before other threads would have woken up.
+    int64_t keys = 0;
+    for (int b = 0; b < batch; ++b) keys += context_lens[b];
+    const bool parallel = keys * n_heads * head_dim > (int64_t(1) << 15) && omp_get_max_threads() > 1;
+
+    const int64_t tasks = int64_t(batch) * n_kv_heads * n_partitions;
+    // Tasks differ in size (contexts differ, and partitions past a context are empty): dynamic.
+#pragma omp parallel if (parallel)
+    {
+        thread_local std::vector<float> buffer;
+        buffer.resize(size_t(group) * (head_dim + block_size + 2) + size_t(2) * block_size * head_dim);
+        float* q_scratch = buffer.data();
+        float* scores = q_scratch + size_t(group) * head_dim;
+        float* m = scores + size_t(group) * block_size;
+        float* k = m + 2 * group;
+        const TaskScratch scratch{q_scratch, scores, m, m + group, k, k + size_t(block_size) * head_dim};
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int p = int(t % n_partitions);
+            const int kvh = int(t / n_partitions % n_kv_heads);
+            const int b = int(t / (int64_t(n_partitions) * n_kv_heads));
+            task(a, dtype, scratch, b, kvh, p);
+        }
+        // (the implicit barrier of `omp for`: every partition is written before any merge)
+        thread_local std::vector<float> weights;
+        weights.resize(size_t(n_partitions));
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < int64_t(batch) * n_heads; ++bh)
+            merge(a, dtype, weights.data(), int(bh / n_heads), int(bh % n_heads));
+    }
+}
+
+}  // namespace kernels::cpu

@@ -1,0 +1,622 @@
+// Quantized linear layers for decode: y = x @ W.T with W stored as int4 or int8 codes.
+//
+// In decode, x has one row per sequence, so each weight is used `rows` times and then never
+// again in this step: the kernel is a matrix-vector product, and its speed is how fast it streams
+// the weights from memory. Storing W as 4 or 8-bit codes reads 4x or 2x fewer bytes than bf16;
+// the price is turning codes back into numbers, in registers, as the bytes arrive, which must
+// cost less than the memory system's time to deliver them. Everything here serves that:
+//   - each weight row is read once per call and used for every row of x;
+//   - x is converted to float, and rearranged for the codes (below), once per call;
+//   - several weight rows are handled per step, giving the CPU independent chains of FMAs;
+//   - threads take contiguous slices of output rows, and each prefetches its slice well ahead.
+//     The hardware prefetchers alone left a third or more of the bandwidth unused (the int8 LM
+//     head streamed at 14 GB/s without, 35 with): they stop at every 4 KiB page, and a
+//     matrix-vector product has too little work per byte to hide the misses.
+//
+// int4. Two codes share a byte: element 2j in the low nibble, 2j+1 in the high one. Widening L
+// bytes to L 32-bit lanes puts the codes of L even and L odd inputs in one register, in order;
+// rather than interleave them (shuffles, per weight, every call), x is deinterleaved once per
+// call: in every block of 2L inputs, the L even ones, then the L odd ones.
+//
+// With one row of x, the fewest instructions per weight win, and two identities remove work
+// from the inner loop. Per group of G inputs with scale s and min m,
+//     sum_i (m + s * code_i) * x_i  =  s * sum_i code_i * x_i  +  m * sum_i x_i
+// so raw codes multiply x, a group's sum is scaled once, and the min term is a short dot product
+// of the row's mins with the per-group sums of x (computed once per call). And rather than
+// isolate the high nibble, the whole byte b = lo + 16 hi serves: hi = (b - lo) / 16, so
+//     lo * x_even + hi * x_odd  =  lo * (x_even - x_odd / 16)  +  b * (x_odd / 16)
+// with both factors of x computed once per call. Per byte: a widening, a mask (or a lookup), two
+// conversions to float, two FMAs. AVX2 and the portable path use this form for any number of rows.
+//
+// With several rows of x, each weight is worth turning into a float once and multiplying into
+// every row: AVX512 dequantizes through a 16-entry table per group (int4_tile_avx512).
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "vec.h"
+
+namespace kernels::cpu {
+
+namespace {
+
+// Below this many multiply-adds a call runs on the calling thread.
+constexpr int64_t kParallelMacs = int64_t(1) << 15;
+// How far ahead of its reads a thread prefetches its slice of the weights (measured: 4-16 KiB
+// are alike on a 2-core Zen 4; shorter does not hide DRAM latency, longer evicts from L1).
+constexpr int kPrefetchBytes = 8192;
+
+struct LinearArgs {
+    void* y;
+    const float* xs;    // x as float, [rows, n_in]; for the SIMD int4 kernels rearranged (see the top)
+    const float* xsum;  // int4: per-group sums of x, [rows, n_in / G]
+    const void* w;      // int4: uint8 [n_out, n_in / 2]; int8: int8 [n_out, n_in]
+    const float* scale;
+    const float* min;
+    int rows, n_in, n_out, group_size;
+    DType dtype;
+};
+
+KERNELS_INLINE void prefetch(const void* p) {
+#ifdef KERNELS_X86
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+    __builtin_prefetch(p);
+#endif
+}
+
+// Keeps a loaded vector in a register. Left alone, GCC folds the load of x into each FMA that
+// uses it, reloading the same x once per weight row; with several rows of x that made the loads,
+// not the arithmetic, the bottleneck (Zen 4 loads one 64-byte vector per cycle).
+#define KERNELS_IN_REGISTER(v) __asm__("" : "+v"(v))
+
+// --- x, once per call ----------------------------------------------------------------------------
+
+template <DType D>
+void convert_x(float* xs, const void* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) xs[i] = load_as_float<D>(x, i);
+}
+
+// x as float, deinterleaved in blocks of 2 * lanes, in plain C++.
+template <DType D>
+void deinterleave_x(float* xs, const void* x, int64_t n, int lanes) {
+    for (int64_t i = 0; i < n; i += 2 * lanes)
+        for (int j = 0; j < lanes; ++j) {
+            xs[i + j] = load_as_float<D>(x, i + 2 * j);
+            xs[i + lanes + j] = load_as_float<D>(x, i + 2 * j + 1);
+        }
+}
+
+#ifdef KERNELS_X86
+// x as float, deinterleaved in blocks of 16: 8 even inputs, then 8 odd ones.
+template <DType D>
+KERNELS_AVX2 void deinterleave_x_avx2(float* xs, const void* x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256 a = Avx2::load_as<D>(x, i), b = Avx2::load_as<D>(x, i + 8);
+        // shuffle_ps picks within 128-bit lanes: [a0 a2 b0 b2 | a4 a6 b4 b6]; the 64-bit permute
+        // then puts the pieces in order.
+        __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+        __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+        even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), _MM_SHUFFLE(3, 1, 2, 0)));
+        odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), _MM_SHUFFLE(3, 1, 2, 0)));
+        _mm256_storeu_ps(xs + i, even);
+        _mm256_storeu_ps(xs + i + 8, odd);
+    }
+}
+
+// x as float, deinterleaved in blocks of 32: 16 even inputs, then 16 odd ones.
+template <DType D>
+KERNELS_AVX512 void deinterleave_x_avx512(float* xs, const void* x, int64_t n) {
+    const __m512i even_idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd_idx = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512 a = Avx512::load_as<D>(x, i), b = Avx512::load_as<D>(x, i + 16);
+        _mm512_storeu_ps(xs + i, _mm512_permutex2var_ps(a, even_idx, b));
+        _mm512_storeu_ps(xs + i + 16, _mm512_permutex2var_ps(a, odd_idx, b));
+    }
+}
+#endif
+
+template <DType D>
+void prepare_x_as(float* xs, const void* x, int64_t n, Isa level, int lanes) {
+    if (lanes == 1) return convert_x<D>(xs, x, n);
+#ifdef KERNELS_X86
+    if (level == Isa::avx512) return deinterleave_x_avx512<D>(xs, x, n);
+    if (level == Isa::avx2) return deinterleave_x_avx2<D>(xs, x, n);
+#endif
+    (void)level;
+    deinterleave_x<D>(xs, x, n, lanes);
+}
+
+// xs = x as float, [rows, n_in]; deinterleaved in blocks of 2 * lanes when lanes > 1. With
+// `factored`, also: the sum of each group of x into xsum, and each block turned from
+// (x_even, x_odd) into (x_even - x_odd / 16, x_odd / 16), the factors of the low nibble and of
+// the whole byte.
+void prepare_x(float* xs, float* xsum, const void* x, int rows, int n_in, int group_size, DType dtype, Isa level,
+               int lanes, bool factored) {
+    const int64_t n = int64_t(rows) * n_in;
+    switch (dtype) {
+        case DType::f32: prepare_x_as<DType::f32>(xs, x, n, level, lanes); break;
+        case DType::bf16: prepare_x_as<DType::bf16>(xs, x, n, level, lanes); break;
+        case DType::f16: prepare_x_as<DType::f16>(xs, x, n, level, lanes); break;
+    }
+    if (!factored) return;
+    const int groups = n_in / group_size;
+    for (int64_t g = 0; g < int64_t(rows) * groups; ++g) {  // a group is whole blocks: its sum is unchanged
+        const float* xg = xs + g * group_size;
+        float sum = 0.f;
+        for (int i = 0; i < group_size; ++i) sum += xg[i];
+        xsum[g] = sum;
+    }
+    for (int64_t i = 0; i < n; i += 2 * lanes)
+        for (int j = 0; j < lanes; ++j) {
+            const float odd = xs[i + lanes + j] * 0.0625f;  // exact: a power of two
+            xs[i + j] -= odd;
+            xs[i + lanes + j] = odd;
+        }
+}
+
+// --- int4 ----------------------------------------------------------------------------------------
+// Each SIMD kernel computes a tile: NO consecutive output rows (weight rows) times R rows of x,
+// NO * R accumulators, so that one row of x (a decode step of one sequence) still has NO
+// independent chains of FMAs, and more rows of x reuse each code vector.
+
+// Portable C++, the factored form on 16 lanes: the loops over a lane array are the shape a
+// compiler vectorises by itself (SSE2, NEON), as it cannot a float sum it would have to
+// reorder. Each lane's terms are scaled as they come (one more multiply per pair of weights),
+// so the lanes are summed once per row rather than once per group.
+constexpr int kScalarLanes = 16;
+
+void int4_range_scalar(const LinearArgs& a, int o0, int o1) {
+    constexpr int L = kScalarLanes;
+    const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
+    for (int o = o0; o < o1; ++o) {
+        const uint8_t* w = static_cast<const uint8_t*>(a.w) + int64_t(o) * (n_in / 2);
+        const float* scale = a.scale + int64_t(o) * groups;
+        const float* min = a.min + int64_t(o) * groups;
+        for (int r = 0; r < a.rows; ++r) {
+            const float* x = a.xs + int64_t(r) * n_in;
+            const float* xsum = a.xsum + int64_t(r) * groups;
+            float acc[L] = {};
+            for (int g = 0; g < groups; ++g) {
+                const float s = scale[g];
+                for (int i = g * G; i < (g + 1) * G; i += 2 * L) {
+                    const uint8_t* bytes = w + i / 2;
+                    const float* x_lo = x + i;
+                    const float* x_byte = x + i + L;
+                    for (int j = 0; j < L; ++j)
+                        acc[j] += s * (float(bytes[j] & 15) * x_lo[j] + float(bytes[j]) * x_byte[j]);
+                }
+            }
+            float sum = 0.f;
+            for (int j = 0; j < L; ++j) sum += acc[j];
+            for (int g = 0; g < groups; ++g) sum += min[g] * xsum[g];
+            store_from_float(a.y, int64_t(r) * a.n_out + o, sum, a.dtype);
+        }
+    }
+}
+
+#ifdef KERNELS_X86
+
+// AVX2, the factored form: 16 inputs (8 bytes) per step; lo = the byte masked to its low nibble.
+template <int NO, int R>
+KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
+    const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
+    const uint8_t* w[NO];
+    const float *scale[NO], *min[NO];
+    for (int n = 0; n < NO; ++n) {
+        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
+        scale[n] = a.scale + int64_t(o + n) * groups;
+        min[n] = a.min + int64_t(o + n) * groups;
+    }
+    const float* x = a.xs + int64_t(r0) * n_in;
+    const float* xsum = a.xsum + int64_t(r0) * groups;
+    // The tile's codes are one contiguous run (its rows are consecutive), read at NO * 8 bytes a
+    // step, and its scales and mins at NO floats a group: prefetch each at that pace.
+    const uint8_t* front = w[0] + kPrefetchBytes;
+    const float* scale_front = scale[0] + kPrefetchBytes * 2 / G;
+    const float* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const __m256i low_nibble = _mm256_set1_epi32(15);
+    __m256 acc[NO][R];
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();
+
+    for (int g = 0; g < groups; ++g) {
+        prefetch(scale_front + NO * g);
+        prefetch(min_front + NO * g);
+        __m256 part[NO][R];  // sum of code * x over the group
+        for (int n = 0; n < NO; ++n)
+            for (int r = 0; r < R; ++r) part[n][r] = _mm256_setzero_ps();
+        for (int i = g * G; i < (g + 1) * G; i += 16) {
+            prefetch(front + NO * (i / 2));
+            __m256 x_lo[R], x_byte[R];
+            for (int r = 0; r < R; ++r) {
+                x_lo[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i);
+                KERNELS_IN_REGISTER(x_lo[r]);
+                x_byte[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i + 8);
+                KERNELS_IN_REGISTER(x_byte[r]);
+            }
+            for (int n = 0; n < NO; ++n) {
+                __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
+                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_nibble));
+                __m256 byte = _mm256_cvtepi32_ps(bytes);
+                for (int r = 0; r < R; ++r) {
+                    part[n][r] = _mm256_fmadd_ps(lo, x_lo[r], part[n][r]);
+                    part[n][r] = _mm256_fmadd_ps(byte, x_byte[r], part[n][r]);
+                }
+            }
+        }
+        for (int n = 0; n < NO; ++n)
+            for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(part[n][r], _mm256_set1_ps(scale[n][g]), acc[n][r]);
+    }
+    // The min term, sum_g min[g] * xsum[g], folded into the same register before its sum.
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) {
+            const float* xs_r = xsum + int64_t(r) * groups;
+            int g = 0;
+            for (; g + 8 <= groups; g += 8)
+                acc[n][r] = _mm256_fmadd_ps(_mm256_loadu_ps(min[n] + g), _mm256_loadu_ps(xs_r + g), acc[n][r]);
+            float sum = Avx2::reduce_add(acc[n][r]);
+            for (; g < groups; ++g) sum += min[n][g] * xs_r[g];
+            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum, a.dtype);
+        }
+}
+
+// All rows of x for output rows o .. o + NO - 1; 16 registers allow NO * R up to 4.
+template <int NO>
+KERNELS_AVX2 inline void int4_rows_avx2(const LinearArgs& a, int o) {
+    if constexpr (NO == 4) {
+        if (a.rows == 1) {
+            int4_tile_avx2<4, 1>(a, o, 0);
+        } else {
+            int4_rows_avx2<2>(a, o);
+            int4_rows_avx2<2>(a, o + 2);
+        }
+    } else {
+        int r0 = 0;
+        for (; r0 + 2 <= a.rows; r0 += 2) int4_tile_avx2<NO, 2>(a, o, r0);
+        if (r0 < a.rows) int4_tile_avx2<NO, 1>(a, o, r0);
+    }
+}
+
+KERNELS_AVX2 void int4_range_avx2(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) int4_rows_avx2<4>(a, o);
+    for (; o < o1; ++o) int4_rows_avx2<1>(a, o);
+}
+
+// AVX512, one row of x: the factored form, 32 inputs (16 bytes) per step, with one change:
+// vpermps reads only the low 4 bits of each lane's index, so a lookup in the constant
+// (0, 1, .., 15) turns a widened byte into its low nibble as a float in one instruction.
+template <int NO>
+KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
+    const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
+    const uint8_t* w[NO];
+    const float *scale[NO], *min[NO];
+    for (int n = 0; n < NO; ++n) {
+        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
+        scale[n] = a.scale + int64_t(o + n) * groups;
+        min[n] = a.min + int64_t(o + n) * groups;
+    }
+    const float* x = a.xs;
+    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
+    const float* scale_front = scale[0] + kPrefetchBytes * 2 / G;
+    const float* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[NO];
+    for (int n = 0; n < NO; ++n) acc[n] = _mm512_setzero_ps();
+
+    for (int g = 0; g < groups; ++g) {
+        prefetch(scale_front + NO * g);
+        prefetch(min_front + NO * g);
+        __m512 part[NO];  // sum of code * x over the group
+        for (int n = 0; n < NO; ++n) part[n] = _mm512_setzero_ps();
+        for (int i = g * G; i < (g + 1) * G; i += 32) {
+            prefetch(front + NO * (i / 2));
+            const __m512 x_lo = _mm512_loadu_ps(x + i), x_byte = _mm512_loadu_ps(x + i + 16);
+            for (int n = 0; n < NO; ++n) {
+                __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
+                __m512 lo = _mm512_permutexvar_ps(bytes, nibble_values);
+                __m512 byte = _mm512_cvtepi32_ps(bytes);
+                part[n] = _mm512_fmadd_ps(lo, x_lo, part[n]);
+                part[n] = _mm512_fmadd_ps(byte, x_byte, part[n]);
+            }
+        }
+        for (int n = 0; n < NO; ++n) acc[n] = _mm512_fmadd_ps(part[n], _mm512_set1_ps(scale[n][g]), acc[n]);
+    }
+    for (int n = 0; n < NO; ++n) {
+        for (int g = 0; g < groups; g += 16) {  // the min term; a masked load for the last < 16 groups
+            const __mmask16 m = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
+            acc[n] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, min[n] + g), _mm512_maskz_loadu_ps(m, a.xsum + g),
+                                     acc[n]);
+        }
+        store_from_float(a.y, o + n, Avx512::reduce_add(acc[n]), a.dtype);
+    }
+}
+
+// AVX512, several rows of x (on x deinterleaved, not transformed): dequantize each weight once,
+// then one FMA per weight per row of x. Per group and weight row, a table of its 16 values,
+// table[c] = min + scale * c (one FMA); the low nibble looks up its weight as it stands, the
+// high one after a shift. (The factored form costs one FMA more per group and row of x, and
+// measured slower from 2 rows on; dequantizing to an L1 buffer for a blocked matrix product
+// measured slower still at these sizes.)
+template <int NO, int R>
+KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) {
+    const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
+    const uint8_t* w[NO];
+    const float *scale[NO], *min[NO];
+    for (int n = 0; n < NO; ++n) {
+        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
+        scale[n] = a.scale + int64_t(o + n) * groups;
+        min[n] = a.min + int64_t(o + n) * groups;
+    }
+    const float* x = a.xs + int64_t(r0) * n_in;
+    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
+    const float* scale_front = scale[0] + kPrefetchBytes * 2 / G;
+    const float* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[NO][R];
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
+
+    for (int g = 0; g < groups; ++g) {
+        prefetch(scale_front + NO * g);
+        prefetch(min_front + NO * g);
+        __m512 table[NO];
+        for (int n = 0; n < NO; ++n)
+            table[n] = _mm512_fmadd_ps(nibble_values, _mm512_set1_ps(scale[n][g]), _mm512_set1_ps(min[n][g]));
+        for (int i = g * G; i < (g + 1) * G; i += 32) {
+            prefetch(front + NO * (i / 2));
+            __m512 x_even[R], x_odd[R];
+            for (int r = 0; r < R; ++r) {
+                x_even[r] = _mm512_loadu_ps(x + int64_t(r) * n_in + i);
+                KERNELS_IN_REGISTER(x_even[r]);
+                x_odd[r] = _mm512_loadu_ps(x + int64_t(r) * n_in + i + 16);
+                KERNELS_IN_REGISTER(x_odd[r]);
+            }
+            for (int n = 0; n < NO; ++n) {
+                __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
+                __m512 lo = _mm512_permutexvar_ps(bytes, table[n]);
+                __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table[n]);
+                for (int r = 0; r < R; ++r) {
+                    acc[n][r] = _mm512_fmadd_ps(lo, x_even[r], acc[n][r]);
+                    acc[n][r] = _mm512_fmadd_ps(hi, x_odd[r], acc[n][r]);
+                }
+            }
+        }
+    }
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r)
+            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, Avx512::reduce_add(acc[n][r]), a.dtype);
+}
+
+// All rows of x for output rows o .. o + NO - 1, in tiles of up to 4 (NO * R accumulators,
+// 2R vectors of x and NO tables: up to 28 of the 32 registers).
+template <int NO>
+KERNELS_AVX512 inline void int4_rows_avx512(const LinearArgs& a, int o) {
+    if (a.rows == 1) return int4_factored_avx512<NO>(a, o);
+    int r0 = 0;
+    for (; r0 + 4 <= a.rows; r0 += 4) int4_tile_avx512<NO, 4>(a, o, r0);
+    switch (a.rows - r0) {
+        case 3: int4_tile_avx512<NO, 3>(a, o, r0); break;
+        case 2: int4_tile_avx512<NO, 2>(a, o, r0); break;
+        case 1: int4_tile_avx512<NO, 1>(a, o, r0); break;
+        default: break;
+    }
+}
+
+KERNELS_AVX512 void int4_range_avx512(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) int4_rows_avx512<4>(a, o);
+    for (; o < o1; ++o) int4_rows_avx512<1>(a, o);
+}
+
+#endif  // KERNELS_X86
+
+// --- int8 ----------------------------------------------------------------------------------------
+// Codes sign-extended to 32 bits, converted to float, multiplied into x; the row's scale is
+// applied once, to the sum.
+
+void int8_range_scalar(const LinearArgs& a, int o0, int o1) {
+    const int n_in = a.n_in;
+    for (int o = o0; o < o1; ++o) {
+        const int8_t* w = static_cast<const int8_t*>(a.w) + int64_t(o) * n_in;
+        for (int r = 0; r < a.rows; ++r) {
+            const float* x = a.xs + int64_t(r) * n_in;
+            float acc[kScalarLanes] = {};  // lanes, as in int4_range_scalar
+            int i = 0;
+            for (; i + kScalarLanes <= n_in; i += kScalarLanes)
+                for (int j = 0; j < kScalarLanes; ++j) acc[j] += float(w[i + j]) * x[i + j];
+            float sum = 0.f;
+            for (int j = 0; j < kScalarLanes; ++j) sum += acc[j];
+            for (; i < n_in; ++i) sum += float(w[i]) * x[i];
+            store_from_float(a.y, int64_t(r) * a.n_out + o, sum * a.scale[o], a.dtype);
+        }
+    }
+}
+
+#ifdef KERNELS_X86
+
+// One step of 8 inputs: acc[n][r] += w[n][i..] * x[r][i..].
+template <int NO, int R>
+KERNELS_AVX2 inline __attribute__((always_inline)) void int8_step_avx2(__m256 (&acc)[NO][R], const int8_t* const* w,
+                                                                       const float* x, int n_in, int i) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) {
+        xv[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i);
+        KERNELS_IN_REGISTER(xv[r]);
+    }
+    for (int n = 0; n < NO; ++n) {
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[n] + i));
+        const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(wv, xv[r], acc[n][r]);
+    }
+}
+
+// With one row of x, two sets of accumulators (alternate steps) keep 2 * NO chains in flight.
+template <int NO, int R>
+KERNELS_AVX2 inline void int8_tile_avx2(const LinearArgs& a, int o, int r0) {
+    constexpr int A = R == 1 ? 2 : 1;
+    const int n_in = a.n_in;
+    const int8_t* w[NO];
+    for (int n = 0; n < NO; ++n) w[n] = static_cast<const int8_t*>(a.w) + int64_t(o + n) * n_in;
+    const float* x = a.xs + int64_t(r0) * n_in;
+    const int8_t* front = w[0] + kPrefetchBytes;  // the tile's rows are contiguous, read NO * 8 bytes a step
+    __m256 acc[A][NO][R];
+    for (int k = 0; k < A; ++k)
+        for (int n = 0; n < NO; ++n)
+            for (int r = 0; r < R; ++r) acc[k][n][r] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 * A <= n_in; i += 8 * A)
+        for (int k = 0; k < A; ++k) {
+            prefetch(front + NO * (i + 8 * k));
+            int8_step_avx2<NO, R>(acc[k], w, x, n_in, i + 8 * k);
+        }
+    for (; i + 8 <= n_in; i += 8) int8_step_avx2<NO, R>(acc[0], w, x, n_in, i);
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) {
+            __m256 s = A == 2 ? _mm256_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
+            float sum = Avx2::reduce_add(s);
+            for (int j = i; j < n_in; ++j) sum += float(w[n][j]) * x[int64_t(r) * n_in + j];
+            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum * a.scale[o + n], a.dtype);
+        }
+}
+
+template <int NO>
+KERNELS_AVX2 inline void int8_rows_avx2(const LinearArgs& a, int o) {
+    int r0 = 0;
+    for (; r0 + 2 <= a.rows; r0 += 2) int8_tile_avx2<NO, 2>(a, o, r0);
+    if (r0 < a.rows) int8_tile_avx2<NO, 1>(a, o, r0);
+}
+
+KERNELS_AVX2 void int8_range_avx2(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) int8_rows_avx2<4>(a, o);
+    for (; o < o1; ++o) int8_rows_avx2<1>(a, o);
+}
+
+// One step of 16 inputs: acc[n][r] += w[n][i..] * x[r][i..].
+template <int NO, int R>
+KERNELS_AVX512 inline __attribute__((always_inline)) void int8_step_avx512(__m512 (&acc)[NO][R], const int8_t* const* w,
+                                                                           const float* x, int n_in, int i) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) {
+        xv[r] = _mm512_loadu_ps(x + int64_t(r) * n_in + i);
+        KERNELS_IN_REGISTER(xv[r]);
+    }
+    for (int n = 0; n < NO; ++n) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i));
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_fmadd_ps(wv, xv[r], acc[n][r]);
+    }
+}
+
+template <int NO, int R>
+KERNELS_AVX512 inline void int8_tile_avx512(const LinearArgs& a, int o, int r0) {
+    constexpr int A = R == 1 ? 2 : 1;
+    const int n_in = a.n_in;
+    const int8_t* w[NO];
+    for (int n = 0; n < NO; ++n) w[n] = static_cast<const int8_t*>(a.w) + int64_t(o + n) * n_in;
+    const float* x = a.xs + int64_t(r0) * n_in;
+    const int8_t* front = w[0] + kPrefetchBytes;  // NO * 16 bytes a step: one cache line for NO = 4
+    __m512 acc[A][NO][R];
+    for (int k = 0; k < A; ++k)
+        for (int n = 0; n < NO; ++n)
+            for (int r = 0; r < R; ++r) acc[k][n][r] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 * A <= n_in; i += 16 * A)
+        for (int k = 0; k < A; ++k) {
+            prefetch(front + NO * (i + 16 * k));
+            int8_step_avx512<NO, R>(acc[k], w, x, n_in, i + 16 * k);
+        }
+    for (; i + 16 <= n_in; i += 16) int8_step_avx512<NO, R>(acc[0], w, x, n_in, i);
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) {
+            __m512 s = A == 2 ? _mm512_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
+            float sum = Avx512::reduce_add(s);
+            for (int j = i; j < n_in; ++j) sum += float(w[n][j]) * x[int64_t(r) * n_in + j];
+            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum * a.scale[o + n], a.dtype);
+        }
+}
+
+template <int NO>
+KERNELS_AVX512 inline void int8_rows_avx512(const LinearArgs& a, int o) {
+    int r0 = 0;
+    for (; r0 + 4 <= a.rows; r0 += 4) int8_tile_avx512<NO, 4>(a, o, r0);
+    switch (a.rows - r0) {
+        case 3: int8_tile_avx512<NO, 3>(a, o, r0); break;
+        case 2: int8_tile_avx512<NO, 2>(a, o, r0); break;
+        case 1: int8_tile_avx512<NO, 1>(a, o, r0); break;
+        default: break;
+    }
+}
+
+KERNELS_AVX512 void int8_range_avx512(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) int8_rows_avx512<4>(a, o);
+    for (; o < o1; ++o) int8_rows_avx512<1>(a, o);
+}
+
+#endif  // KERNELS_X86
+
+// Splits the output rows in contiguous slices, one per thread, in whole tiles of 4 rows.
+void run_linear(void (*fn)(const LinearArgs&, int, int), const LinearArgs& a) {
+    const int64_t macs = int64_t(a.rows) * a.n_in * a.n_out;
+    if (macs <= kParallelMacs || omp_get_max_threads() == 1) {
+        fn(a, 0, a.n_out);
+        return;
+    }
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t tiles = (a.n_out + 3) / 4;
+        const int begin = int(std::min<int64_t>(a.n_out, tiles * t / nt * 4));
+        const int end = int(std::min<int64_t>(a.n_out, tiles * (t + 1) / nt * 4));
+        if (begin < end) fn(a, begin, end);
+    }
+}
+
+// The calling thread's float scratch for x: grown once, then reused by every call.
+float* x_scratch(int64_t n) {
+    thread_local std::vector<float> buffer;
+    if (int64_t(buffer.size()) < n) buffer.resize(size_t(n));
+    return buffer.data();
+}
+
+}  // namespace
+
+void int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+                 int n_in, int n_out, int group_size, DType dtype) {
+    const Isa level = isa();
+    const int lanes = level == Isa::avx512 ? 16 : level == Isa::avx2 ? 8 : kScalarLanes;
+    const int64_t n = int64_t(rows) * n_in;
+    float* xs = x_scratch(n + int64_t(rows) * (n_in / group_size));
+    float* xsum = xs + n;
+    // The factored form everywhere but in AVX512's kernel for several rows of x.
+    const bool factored = level != Isa::avx512 || rows == 1;
+    prepare_x(xs, xsum, x, rows, n_in, group_size, dtype, level, lanes, factored);
+    const LinearArgs args{y, xs, xsum, packed, scale, min, rows, n_in, n_out, group_size, dtype};
+    auto fn = int4_range_scalar;
+#ifdef KERNELS_X86
+    if (level == Isa::avx512) fn = int4_range_avx512;
+    else if (level == Isa::avx2) fn = int4_range_avx2;
+#endif
+    run_linear(fn, args);
+}
+
+void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                 DType dtype) {
+    float* xs = x_scratch(int64_t(rows) * n_in);
+    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, isa(), 1, false);
+    const LinearArgs args{y, xs, nullptr, q, scale, nullptr, rows, n_in, n_out, 0, dtype};
+    auto fn = int8_range_scalar;
+#ifdef KERNELS_X86
+    if (isa() == Isa::avx512) fn = int8_range_avx512;
+    else if (isa() == Isa::avx2) fn = int8_range_avx2;
+#endif
+    run_linear(fn, args);
+}
+
+}  // namespace kernels::cpu

@@ -1,0 +1,216 @@
+// SIMD vectors of floats, three widths behind one interface, so that a kernel is written once
+// and compiled for each instruction set: Scalar (1 lane, portable C++), Avx2 (8 lanes, __m256)
+// and Avx512 (16 lanes, __m512). Each loads and stores any DType, widening to float on load and
+// rounding once on store, which is how every kernel here computes.
+//
+// How one source serves three instruction sets without -march: the library is compiled for
+// baseline x86-64, so AVX instructions may only appear in functions marked
+// __attribute__((target(...))), and only run after isa() has said the CPU has them. The
+// members of Avx2 / Avx512 carry that attribute. A kernel is a template over the vector type,
+// marked KERNELS_INLINE (always_inline, no target of its own), and is only ever called from a
+// small entry function carrying the target and `flatten`: the template's body is compiled inside
+// that entry, with its instruction set, and `flatten` inlines the vector members into it. At -O0
+// the members stay calls, but calls between functions of the same target, which is correct.
+// (A template with a target attribute would not do: every instantiation would get the same one.)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "bf16.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define KERNELS_X86 1
+#include <immintrin.h>
+#endif
+
+#define KERNELS_INLINE inline __attribute__((always_inline))
+#define KERNELS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KERNELS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+// An AVX512 value passed between these functions changes the calling convention compared with
+// baseline code; GCC warns about it for the templates above, which never exist outside an
+// entry of the right target.
+#pragma GCC diagnostic ignored "-Wpsabi"
+// GCC 12's AVX512 headers build "undefined" registers as `__m512 __Y = __Y;`, which -Wall
+// reports as uninitialised wherever such an intrinsic is inlined.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace kernels::cpu {
+
+struct Scalar {
+    using V = float;
+    static constexpr int W = 1;
+    static V zero() { return 0.f; }
+    static V set1(float a) { return a; }
+    static V load(const float* p) { return *p; }
+    static void store(float* p, V v) { *p = v; }
+    template <DType D>
+    static V load_as(const void* p, int64_t i) { return load_as_float<D>(p, i); }
+    template <DType D>
+    static void store_as(void* p, int64_t i, V v) { store_from_float<D>(p, i, v); }
+    static V add(V a, V b) { return a + b; }
+    static V mul(V a, V b) { return a * b; }
+    static V fma(V a, V b, V c) { return a * b + c; }   // a * b + c
+    static V fnma(V a, V b, V c) { return c - a * b; }  // c - a * b
+    static float reduce_add(V a) { return a; }
+    static V sub(V a, V b) { return a - b; }
+    static V exp(V x) { return std::exp(x); }
+};
+
+// e^x in SIMD, for the softmax weights exp(score - max), which are <= 0: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7, a float's
+// rounding), times 2^n put into the exponent. x is clamped at -87, where e^x (1.6e-38) is still
+// a normal float and 2^n needs no special case; a weight that small is 0 to any sum it joins.
+namespace exp_consts {
+constexpr float lowest = -87.f, log2e = 1.44269504f;
+constexpr float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;  // ln2_hi * n is exact for |n| < 2^9
+constexpr float c2 = 1.f / 2, c3 = 1.f / 6, c4 = 1.f / 24, c5 = 1.f / 120, c6 = 1.f / 720;
+}  // namespace exp_consts
+
+#ifdef KERNELS_X86
+
+struct Avx2 {
+    using V = __m256;
+    static constexpr int W = 8;
+    KERNELS_AVX2 static V zero() { return _mm256_setzero_ps(); }
+    KERNELS_AVX2 static V set1(float a) { return _mm256_set1_ps(a); }
+    KERNELS_AVX2 static V load(const float* p) { return _mm256_loadu_ps(p); }
+    KERNELS_AVX2 static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+
+    template <DType D>
+    KERNELS_AVX2 static V load_as(const void* p, int64_t i) {
+        if constexpr (D == DType::f32) {
+            return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+        } else {
+            __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+            if constexpr (D == DType::f16) return _mm256_cvtph_ps(h);
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));  // bf16: the top half
+        }
+    }
+
+    template <DType D>
+    KERNELS_AVX2 static void store_as(void* p, int64_t i, V v) {
+        if constexpr (D == DType::f32) {
+            _mm256_storeu_ps(static_cast<float*>(p) + i, v);
+        } else {
+            __m128i h;
+            if constexpr (D == DType::f16) {
+                h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            } else {  // float_to_bf16 (bf16.h), eight at a time
+                __m256i u = _mm256_castps_si256(v);
+                __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+                __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+                __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+                __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+                __m256i r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(nan),
+                                                                 _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+                h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // 32 -> 16 bits
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
+        }
+    }
+
+    KERNELS_AVX2 static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    KERNELS_AVX2 static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    KERNELS_AVX2 static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    KERNELS_AVX2 static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+    KERNELS_AVX2 static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    KERNELS_AVX2 static V exp(V x) {
+        using namespace exp_consts;
+        x = _mm256_max_ps(x, _mm256_set1_ps(lowest));
+        const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ln2_hi), x);
+        r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ln2_lo), r);
+        V p = _mm256_fmadd_ps(_mm256_set1_ps(c6), r, _mm256_set1_ps(c5));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c4));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+        // times 2^n: n added to the exponent field
+        const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+        return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), exponent));
+    }
+    KERNELS_AVX2 static float reduce_add(V a) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+};
+
+struct Avx512 {
+    using V = __m512;
+    static constexpr int W = 16;
+    KERNELS_AVX512 static V zero() { return _mm512_setzero_ps(); }
+    KERNELS_AVX512 static V set1(float a) { return _mm512_set1_ps(a); }
+    KERNELS_AVX512 static V load(const float* p) { return _mm512_loadu_ps(p); }
+    KERNELS_AVX512 static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+
+    template <DType D>
+    KERNELS_AVX512 static V load_as(const void* p, int64_t i) {
+        if constexpr (D == DType::f32) {
+            return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+        } else {
+            __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+            if constexpr (D == DType::f16) return _mm512_cvtph_ps(h);
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+    }
+
+    template <DType D>
+    KERNELS_AVX512 static void store_as(void* p, int64_t i, V v) {
+        if constexpr (D == DType::f32) {
+            _mm512_storeu_ps(static_cast<float*>(p) + i, v);
+        } else {
+            __m256i h;
+            if constexpr (D == DType::f16) {
+                h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            } else {  // float_to_bf16 (bf16.h), sixteen at a time
+                __m512i u = _mm512_castps_si512(v);
+                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+                __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+                h = _mm512_cvtepi32_epi16(r);  // 32 -> 16 bits (the values fit)
+            }
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
+        }
+    }
+
+    KERNELS_AVX512 static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    KERNELS_AVX512 static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    KERNELS_AVX512 static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    KERNELS_AVX512 static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+    KERNELS_AVX512 static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    KERNELS_AVX512 static V exp(V x) {
+        using namespace exp_consts;
+        x = _mm512_max_ps(x, _mm512_set1_ps(lowest));
+        const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(log2e)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ln2_hi), x);
+        r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ln2_lo), r);
+        V p = _mm512_fmadd_ps(_mm512_set1_ps(c6), r, _mm512_set1_ps(c5));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c4));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c2));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+        return _mm512_scalef_ps(p, n);  // p * 2^n
+    }
+    KERNELS_AVX512 static float reduce_add(V a) {
+        __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+};
+
+#endif  // KERNELS_X86
+
+}  // namespace kernels::cpu

@@ -1,0 +1,33 @@
+// Launchers of the CUDA kernels: the same contracts as cpu/cpu_kernels.h (read it for shapes and
+// maths), on device pointers, queued on `stream`. Torch-free, so nvcc compiles them with or
+// without a CUDA build of torch. No launcher allocates memory or synchronises the device: the
+// caller passes any workspace, and errors of the launch itself are returned, not waited for.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "../kernels.h"
+
+namespace kernels::cuda {
+
+cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool,
+                                   const void* v_pool, const int32_t* block_tables, const int32_t* context_lens,
+                                   float* workspace, int batch, int n_heads, int n_kv_heads, int head_dim,
+                                   int block_size, int max_blocks, int partition_size, float scale, DType dtype,
+                                   cudaStream_t stream);
+
+cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden,
+                         float eps, DType dtype, cudaStream_t stream);
+
+cudaError_t rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim,
+                 int64_t token_stride, DType dtype, cudaStream_t stream);
+
+cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min,
+                        int rows, int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream);
+
+cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in,
+                        int n_out, DType dtype, cudaStream_t stream);
+
+}  // namespace kernels::cuda

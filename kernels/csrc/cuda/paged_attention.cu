@@ -1,0 +1,420 @@
+// Paged decode attention, flash-decoding style: the CUDA twin of the CPU kernel of the same name
+// (cpu/cpu_kernels.h has the contract: shapes, strides, the workspace layout).
+//
+// The problem. Sequence b has one new query token (n_heads vectors of head_dim) and
+// context_lens[b] keys and values, scattered over the KV pool in blocks of block_size tokens;
+// block_tables[b] lists its blocks in order. Decoding is memory-bound: a K or V byte is used for
+// a handful of multiply-adds (one per query head of its GQA group), so the kernel is as fast as it
+// reads the cache. The design is about reading every byte once, in wide coalesced loads, with
+// enough loads in flight to hide the memory latency.
+//
+// The plan (flash-decoding). One block per (sequence, head) would leave most of the GPU idle at
+// small batch, and walk long contexts slowly, so the keys are cut into partitions of
+// partition_size and each partition gets its own block:
+//
+//   kernel 1  grid (n_partitions, n_kv_heads * head_chunks, batch), 128 threads (4 warps).
+//             A block takes one partition of one sequence, for one KV head and every query head
+//             of that KV head's group (GQA: query head h reads KV head h / (n_heads / n_kv_heads)),
+//             up to kMaxHeads of them; a bigger group is split into head_chunks blocks. It reads
+//             each of its K and V vectors from global memory once, uses it for all its query
+//             heads, and leaves per head an unnormalised partial output o = sum_j e^(s_j - m) v_j,
+//             its max m and its sum l = sum_j e^(s_j - m) in the workspace.
+//   kernel 2  grid (n_heads, batch): merges a head's partitions into the output.
+//
+// The number of partitions comes from max_blocks * block_size, a number the host knows, never
+// from context_lens (device memory): the launch never waits for the GPU, so the pair can be
+// captured in a CUDA graph and replayed whatever the lengths. A partition at or past the end of
+// its sequence writes m = -inf, l = 0, o = 0 and stops.
+//
+// Inside a block: lane groups, each running an online softmax.
+// A key's head_dim vector is 128 or 256 bytes in bf16. kLanesPerKey lanes read it with one
+// 16-byte load each, so a warp reads kKeysPerWarp keys at once, one per lane group ("group").
+// Every lane holds the same slice of head_dim of the query (every head of the block, already
+// multiplied by `scale`) and of the output accumulators. A score is the lane's partial dot
+// product summed over the group's lanes by a butterfly of shuffles, after which every lane of the
+// group has it. Each group walks its own keys (group, group + kGroups, ...) with an online
+// softmax of its own: a running max m, sum l and accumulator o per head, updated key by key:
+//   m' = max(m, s),  a = e^(m - m'),  p = e^(s - m'),  l' = a l + p,  o' = a o + p v.
+//
+// Why registers, not shared memory, for K and V: a K or V element is used by exactly one lane
+// (for every head of the group), so there is nothing to share, and staging it through shared
+// memory would cost a store, a barrier and a load for nothing. Shared memory holds what threads do
+// share: the physical row of each key of the partition (looked up once in the block table, so the
+// hot loop has no division), and the final merge of the warps.
+//
+// Merging two parts (m1, l1, o1) and (m2, l2, o2) is the one rule used at every level:
+//   M = max(m1, m2),  a_i = e^(m_i - M),  l = a1 l1 + a2 l2,  o = a1 o1 + a2 o2,
+// with a_i = 0 for a part that saw no key (m_i = -inf): e^(-inf - -inf) would be NaN.
+// The groups of a warp merge through shuffles, the warps of a block through shared memory, the
+// partitions of a sequence in kernel 2, which finally divides o by l.
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "dtype.cuh"
+#include "launchers.h"
+
+namespace kernels::cuda {
+namespace {
+
+constexpr int kWarps = 4;  // warps per block of kernel 1
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxHeads = 8;            // query heads per block: their q and o live in registers
+constexpr int kSmemLimit = 48 * 1024;   // shared memory a block gets without opting in
+
+// The weight e^(m - M) of a part whose max is m in a merge whose max is M >= m; 0 for a part that
+// saw no key (m = -inf), which also covers M = -inf, where e^(m - M) would be NaN.
+__device__ __forceinline__ float rescale(float m, float M) { return m == -INFINITY ? 0.f : __expf(m - M); }
+
+// Sum of v over the LANES consecutive lanes of a lane group (LANES a power of two dividing 32):
+// a butterfly, after which every lane of the group holds the sum. xor with offsets < LANES never
+// leaves the group. Every lane of the warp must take part.
+template <int LANES>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// How kernel 1 cuts the work, for element type T, HEAD_DIM and HEADS query heads per block.
+template <typename T, int HEAD_DIM, int HEADS>
+struct Layout {
+    static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
+    static constexpr int kLanesPerKey = HEAD_DIM / kVec;           // lanes reading one key
+    static constexpr int kKeysPerWarp = 32 / kLanesPerKey;         // lane groups per warp
+    static constexpr int kGroups = kWarps * kKeysPerWarp;          // keys the block reads side by side
+    // Keys per group per step, all loaded before any is used: more bytes in flight per lane, and
+    // fewer steps, each of which waits for the memory once. Bounded by registers: q and o take
+    // 2 * HEADS * kVec floats per lane, a key's K and V 8 more words. With these values ptxas
+    // (CUDA 13) stays at <= 128 registers up to 4 heads (4 blocks of 128 threads per SM) and
+    // ~210 with 8 heads (2 blocks, as many as with a single key).
+    static constexpr int kUnroll = HEADS >= 8 ? 2 : (HEADS >= 4 ? 3 : 4);
+    // Static shared memory of the warps' merge.
+    static constexpr int kMergeBytes = kWarps * HEADS * (HEAD_DIM + 2) * static_cast<int>(sizeof(float));
+    static_assert(HEAD_DIM % kVec == 0 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0,
+                  "a key's vector is read by a power-of-two number of lanes of one warp");
+};
+
+// Everything kernel 1 needs besides its template, by value.
+struct Params {
+    const void* q;
+    int64_t q_stride;
+    const void* k_pool;
+    const void* v_pool;
+    const int32_t* block_tables;
+    const int32_t* context_lens;
+    float* part_out;  // [batch, n_heads, n_partitions, head_dim]
+    float* part_max;  // [batch, n_heads, n_partitions]
+    float* part_sum;  // [batch, n_heads, n_partitions]
+    int n_heads, n_kv_heads, block_size, max_blocks, partition_size, n_partitions, head_chunks;
+    float scale;
+};
+
+// --- kernel 1: one partition, one KV head, the query heads of its group ------------------------
+template <typename T, int HEAD_DIM, int HEADS>
+__global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
+    using L = Layout<T, HEAD_DIM, HEADS>;
+    constexpr int VEC = L::kVec;
+
+    extern __shared__ int key_rows[];  // [partition_size]: pool row (block * block_size + slot) per key
+    __shared__ float merge_max[kWarps][HEADS];
+    __shared__ float merge_sum[kWarps][HEADS];
+    __shared__ float merge_out[kWarps][HEADS][HEAD_DIM];
+
+    const int part = blockIdx.x;
+    const int kv_head = blockIdx.y / p.head_chunks;
+    const int chunk = blockIdx.y % p.head_chunks;
+    const int b = blockIdx.z;
+    const int group_heads = p.n_heads / p.n_kv_heads;  // query heads per KV head
+    const int head0 = kv_head * group_heads + chunk * HEADS;  // this block's first query head
+    const int n_here = min(HEADS, group_heads - chunk * HEADS);  // and how many it has
+
+    // Keys [key_begin, key_begin + n_keys) of sequence b. The clamp guards the block table against
+    // a context longer than the table (a broken caller); the contract says it never is.
+    const int max_keys = p.max_blocks * p.block_size;
+    const int context = min(max(p.context_lens[b], 0), max_keys);
+    const int key_begin = part * p.partition_size;
+    const int n_keys = min(p.partition_size, context - key_begin);  // <= 0: past the context
+
+    // Workspace entry (b, head0 + h, part) of the [batch, n_heads, n_partitions] arrays.
+    const auto entry = [&](int h) { return (static_cast<int64_t>(b) * p.n_heads + head0 + h) * p.n_partitions + part; };
+
+    if (n_keys <= 0) {  // the whole block takes this branch: no barrier is skipped by some threads only
+        for (int i = threadIdx.x; i < n_here * HEAD_DIM; i += kThreads) {
+            const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+            p.part_out[entry(h) * HEAD_DIM + d] = 0.f;
+            if (d == 0) {
+                p.part_max[entry(h)] = -INFINITY;
+                p.part_sum[entry(h)] = 0.f;
+            }
+        }
+        return;
+    }
+
+    // 1. Where each key of the partition lives: token t is slot t % block_size of block
+    //    block_tables[b, t / block_size]. One division per key here, none in the loop below.
+    const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
+    for (int k = threadIdx.x; k < n_keys; k += kThreads) {
+        const int t = key_begin + k;
+        key_rows[k] = table[t / p.block_size] * p.block_size + t % p.block_size;
+    }
+    __syncthreads();
+
+    // 2. This lane's place: lane group `group` reads one key at a time, this lane its elements
+    //    [d0, d0 + VEC) of head_dim.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = warp * L::kKeysPerWarp + lane / L::kLanesPerKey;
+    const int d0 = (lane % L::kLanesPerKey) * VEC;
+
+    // The query slice of every head, times scale, so that a dot product is the score itself.
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride + static_cast<int64_t>(head0) * HEAD_DIM + d0;
+    float qv[HEADS][VEC];
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) qv[h][e] = h < n_here ? load(q + h * HEAD_DIM + e) * p.scale : 0.f;
+    }
+
+    // 3. The online softmax of this lane group over its keys.
+    float m[HEADS], l[HEADS], o[HEADS][VEC];
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o[h][e] = 0.f;
+    }
+
+    const T* k_pool = static_cast<const T*>(p.k_pool);
+    const T* v_pool = static_cast<const T*>(p.v_pool);
+    const int64_t row_stride = static_cast<int64_t>(p.n_kv_heads) * HEAD_DIM;  // pool row: [n_kv_heads, head_dim]
+    const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM + d0;
+
+    // The trip count is the same for every thread of the block (it depends on n_keys only), so
+    // every lane reaches every shuffle; a group with no key in a step masks its scores to -inf.
+    for (int base = 0; base < n_keys; base += L::kGroups * L::kUnroll) {
+        // a. Issue the loads of all kUnroll keys first: they are in flight together.
+        Packed<T, VEC> kraw[L::kUnroll], vraw[L::kUnroll];
+        bool valid[L::kUnroll];
+#pragma unroll
+        for (int u = 0; u < L::kUnroll; ++u) {
+            const int k = base + u * L::kGroups + group;
+            valid[u] = k < n_keys;
+            if (valid[u]) {
+                const int64_t offset = key_rows[k] * row_stride + head_offset;
+                kraw[u] = load_packed<T, VEC, true>(k_pool + offset);
+                vraw[u] = load_packed<T, VEC, true>(v_pool + offset);
+            } else {  // zeros, not garbage: p = 0 below, and 0 * NaN would still be NaN
+                kraw[u] = zero_packed<T, VEC>();
+                vraw[u] = zero_packed<T, VEC>();
+            }
+        }
+
+        // b. Scores s[u][h] = q_h . k_u: a partial dot product per lane, summed over the group.
+        float s[L::kUnroll][HEADS];
+#pragma unroll
+        for (int u = 0; u < L::kUnroll; ++u) {
+            float kf[VEC];
+            unpack<T, VEC>(kraw[u], kf);
+#pragma unroll
+            for (int h = 0; h < HEADS; ++h) {
+                if (h >= n_here) break;  // the same for the whole block
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dot = fmaf(qv[h][e], kf[e], dot);
+                dot = group_sum<L::kLanesPerKey>(dot);
+                s[u][h] = valid[u] ? dot : -INFINITY;
+            }
+        }
+
+        // c. Per head: the new running max, the rescale of what came before, and the weights
+        //    p = e^(s - m_new) of the step's keys (in place of their scores). One rescale per step
+        //    of kUnroll keys rather than per key.
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+            if (h >= n_here) break;
+            float m_new = m[h];
+#pragma unroll
+            for (int u = 0; u < L::kUnroll; ++u) m_new = fmaxf(m_new, s[u][h]);
+            // m_new is -inf only while the group has seen no key; rescale() then gives 0, not NaN.
+            const float a = rescale(m[h], m_new);
+            l[h] *= a;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) o[h][e] *= a;
+#pragma unroll
+            for (int u = 0; u < L::kUnroll; ++u) {
+                s[u][h] = rescale(s[u][h], m_new);  // 0 for a masked key (s = -inf)
+                l[h] += s[u][h];
+            }
+            m[h] = m_new;
+        }
+
+        // d. o += p v, key by key: a V vector is converted to float once and used for every head.
+#pragma unroll
+        for (int u = 0; u < L::kUnroll; ++u) {
+            float vf[VEC];
+            unpack<T, VEC>(vraw[u], vf);
+#pragma unroll
+            for (int h = 0; h < HEADS; ++h) {
+                if (h >= n_here) break;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) o[h][e] = fmaf(s[u][h], vf[e], o[h][e]);
+            }
+        }
+    }
+
+    // 4. Merge the lane groups of the warp: lanes holding the same slice [d0, d0 + VEC) sit
+    //    kLanesPerKey apart, so xor over the group bits of the lane index pairs them up.
+#pragma unroll
+    for (int offset = L::kLanesPerKey; offset < 32; offset *= 2) {
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+            if (h >= n_here) break;
+            const float m_other = __shfl_xor_sync(0xffffffffu, m[h], offset);
+            const float l_other = __shfl_xor_sync(0xffffffffu, l[h], offset);
+            const float M = fmaxf(m[h], m_other);
+            const float a = rescale(m[h], M), a_other = rescale(m_other, M);
+            l[h] = a * l[h] + a_other * l_other;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float o_other = __shfl_xor_sync(0xffffffffu, o[h][e], offset);
+                o[h][e] = a * o[h][e] + a_other * o_other;
+            }
+            m[h] = M;
+        }
+    }
+
+    // 5. Merge the warps through shared memory: the first group of each warp (which now holds
+    //    the warp's result, as every group does) writes it, then each thread combines the warps
+    //    for some (head, d) and writes the partition's result to the workspace.
+    if (lane < L::kLanesPerKey) {
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+            if (h >= n_here) break;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) merge_out[warp][h][d0 + e] = o[h][e];
+            if (lane == 0) {
+                merge_max[warp][h] = m[h];
+                merge_sum[warp][h] = l[h];
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_here * HEAD_DIM; i += kThreads) {
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) M = fmaxf(M, merge_max[w][h]);
+        float out = 0.f, sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const float a = rescale(merge_max[w][h], M);
+            out += a * merge_out[w][h][d];
+            sum += a * merge_sum[w][h];
+        }
+        p.part_out[entry(h) * HEAD_DIM + d] = out;
+        if (d == 0) {
+            p.part_max[entry(h)] = M;  // finite: n_keys >= 1, so some group saw a key
+            p.part_sum[entry(h)] = sum;
+        }
+    }
+}
+
+// --- kernel 2: merge the partitions of one (sequence, head) -----------------------------------
+// One thread per element of head_dim. Every thread computes the global max M and the weights
+// e^(m_p - M) itself: they are a few loads of the same addresses (served once, broadcast) and
+// no barrier is needed. Partitions past the context hold m = -inf and add nothing, so only the
+// ones that hold keys are read.
+template <typename T>
+__global__ void merge_kernel(T* __restrict__ out, const float* __restrict__ part_out,
+                             const float* __restrict__ part_max, const float* __restrict__ part_sum,
+                             const int32_t* __restrict__ context_lens, int n_heads, int head_dim,
+                             int partition_size, int n_partitions, int max_keys) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int context = min(max(context_lens[b], 0), max_keys);
+    const int used = static_cast<int>((static_cast<int64_t>(context) + partition_size - 1) / partition_size);
+    const int64_t first = (static_cast<int64_t>(b) * n_heads + h) * n_partitions;  // entry of partition 0
+
+    float M = -INFINITY;
+    for (int part = 0; part < used; ++part) M = fmaxf(M, part_max[first + part]);
+
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int part = 0; part < used; ++part) {
+            const float a = rescale(part_max[first + part], M);
+            num += a * part_out[(first + part) * head_dim + d];
+            den += a * part_sum[first + part];
+        }
+        // den >= 1 whenever a key was seen (the max key has weight 1); no key gives 0, not 0/0.
+        // (A NaN in q or K still reaches the output, as it would in the reference.)
+        store(out + (static_cast<int64_t>(b) * n_heads + h) * head_dim + d, den == 0.f ? 0.f : num / den);
+    }
+}
+
+template <typename T, int HEAD_DIM, int HEADS>
+cudaError_t launch_partitions(const Params& p, int batch, cudaStream_t stream) {
+    using L = Layout<T, HEAD_DIM, HEADS>;
+    const size_t dynamic_smem = static_cast<size_t>(p.partition_size) * sizeof(int);
+    if (dynamic_smem + L::kMergeBytes > static_cast<size_t>(kSmemLimit)) return cudaErrorInvalidValue;
+    const dim3 grid(p.n_partitions, p.n_kv_heads * p.head_chunks, batch);
+    partition_kernel<T, HEAD_DIM, HEADS><<<grid, kThreads, dynamic_smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+template <typename T, int HEAD_DIM>
+cudaError_t launch_partitions(const Params& p, int batch, int heads_per_block, cudaStream_t stream) {
+    switch (heads_per_block) {
+        case 1: return launch_partitions<T, HEAD_DIM, 1>(p, batch, stream);
+        case 2: return launch_partitions<T, HEAD_DIM, 2>(p, batch, stream);
+        case 4: return launch_partitions<T, HEAD_DIM, 4>(p, batch, stream);
+        default: return launch_partitions<T, HEAD_DIM, kMaxHeads>(p, batch, stream);
+    }
+}
+
+}  // namespace
+
+cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool,
+                                   const void* v_pool, const int32_t* block_tables, const int32_t* context_lens,
+                                   float* workspace, int batch, int n_heads, int n_kv_heads, int head_dim,
+                                   int block_size, int max_blocks, int partition_size, float scale, DType dtype,
+                                   cudaStream_t stream) {
+    if (batch < 0 || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || block_size <= 0 ||
+        max_blocks <= 0 || partition_size <= 0 || partition_size % block_size != 0) {
+        return cudaErrorInvalidValue;
+    }
+    if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;  // the instantiated sizes
+    if (batch == 0) return cudaSuccess;
+    // K and V are read 16 bytes at a time: every (row, kv head) vector starts 16-byte aligned
+    // when the pools do (head_dim * sizeof(T) is a multiple of 16).
+    if (!is_aligned(k_pool, 16) || !is_aligned(v_pool, 16)) return cudaErrorInvalidValue;
+
+    const int64_t max_keys = static_cast<int64_t>(max_blocks) * block_size;
+    if (max_keys > INT_MAX) return cudaErrorInvalidValue;
+    const int n_partitions = static_cast<int>((max_keys + partition_size - 1) / partition_size);
+
+    // Query heads per block: the GQA group, rounded up to a power of two (the kernel's HEADS),
+    // or kMaxHeads at a time in head_chunks blocks when the group is bigger.
+    const int group_heads = n_heads / n_kv_heads;
+    int heads_per_block = 1;
+    while (heads_per_block < group_heads && heads_per_block < kMaxHeads) heads_per_block *= 2;
+    const int head_chunks = (group_heads + heads_per_block - 1) / heads_per_block;
+    if (static_cast<int64_t>(n_kv_heads) * head_chunks > 65535 || batch > 65535) return cudaErrorInvalidValue;
+
+    const int64_t partials = static_cast<int64_t>(batch) * n_heads * n_partitions;
+    Params p{q, q_stride, k_pool, v_pool, block_tables, context_lens,
+             workspace, workspace + partials * head_dim, workspace + partials * head_dim + partials,
+             n_heads, n_kv_heads, block_size, max_blocks, partition_size, n_partitions, head_chunks, scale};
+
+    return dispatch_dtype(dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const cudaError_t err = head_dim == 64 ? launch_partitions<T, 64>(p, batch, heads_per_block, stream)
+                                               : launch_partitions<T, 128>(p, batch, heads_per_block, stream);
+        if (err != cudaSuccess) return err;
+        merge_kernel<T><<<dim3(n_heads, batch), head_dim, 0, stream>>>(
+            static_cast<T*>(out), p.part_out, p.part_max, p.part_sum, context_lens, n_heads, head_dim,
+            partition_size, n_partitions, static_cast<int>(max_keys));
+        return cudaGetLastError();
+    });
+}
+
+}  // namespace kernels::cuda

@@ -1,0 +1,17 @@
+// What the CPU and the CUDA halves of the library share: plain types, no torch.
+//
+// Every kernel in this library comes twice, as the same algorithm: a C++ function for the CPU
+// (cpu/) and a CUDA kernel with its launcher (cuda/). Both take raw pointers, sizes and strides;
+// neither includes a torch header. bindings.cpp is the only file that knows about at::Tensor:
+// it checks the tensors, takes their pointers (and the current CUDA stream) and calls one half.
+#pragma once
+
+#include <cstdint>
+
+namespace kernels {
+
+// The element type of activations, the KV cache and norm weights. bf16 and f16 travel as their
+// 16 raw bits (uint16_t); every kernel widens them to float to compute and rounds once to store.
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+}  // namespace kernels

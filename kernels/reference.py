@@ -1,0 +1,99 @@
+"""The maths of every kernel in plain PyTorch: what the tests compare the CPU and CUDA twins with,
+and, for attention, the flash-decoding algorithm itself written out step by step.
+
+All in float32, whatever the inputs' dtype, rounded once to that dtype at the end: the kernels
+widen to float32 too, so a test's tolerance only has to cover the order of float32 sums and one
+final rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale) -> torch.Tensor:
+    """Softmax attention of each sequence's one query over its first context_lens[b] keys.
+    q [B, n_heads, D]; pools [num_blocks, block_size, n_kv_heads, D]; block_tables [B, max_blocks];
+    context_lens [B]  -> [B, n_heads, D]"""
+    block_size = k_pool.shape[1]
+    group = q.shape[1] // k_pool.shape[2]  # query heads per KV head (GQA)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        blocks = block_tables[b, : -(-n // block_size)].long()
+        keys = k_pool[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, n_heads, D]
+        values = v_pool[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[b].float(), keys) * scale  # [n_heads, n]
+        out[b] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
+    return out.to(q.dtype)
+
+
+def flash_decoding(q, k_pool, v_pool, block_tables, context_lens, scale, partition_size: int) -> torch.Tensor:
+    """The same result, computed the way the kernels do.
+
+    1. Cut each sequence's keys into partitions of `partition_size`. Each partition, on its own
+       (a thread block on a GPU, an OpenMP task on a CPU), reads its keys once and keeps, per
+       query head, a running maximum m of the scores, a running sum l of exp(score - m), and a
+       running output acc = sum exp(score - m) * value. A new key with a larger score rescales
+       the old l and acc by exp(m_old - m_new): the "online softmax" (Milakov & Gimelshein 2018),
+       so no partition ever holds all its scores at once.
+    2. Merge: with M the largest m over partitions, out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p.
+
+    The partitions are what make decode parallel at batch 1: one sequence's one query would
+    otherwise be one task (FlashDecoding, Dao et al. 2023)."""
+    block_size = k_pool.shape[1]
+    group = q.shape[1] // k_pool.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        partials = []  # (m, l, acc) per partition: [n_heads], [n_heads], [n_heads, D]
+        for start in range(0, n, partition_size):
+            m = torch.full((q.shape[1],), float("-inf"), device=q.device)
+            l = torch.zeros(q.shape[1], device=q.device)
+            acc = torch.zeros(q.shape[1:], device=q.device)
+            for pos in range(start, min(start + partition_size, n)):  # one key at a time, as a kernel walks them
+                block, offset = int(block_tables[b, pos // block_size]), pos % block_size
+                k = k_pool[block, offset].float().repeat_interleave(group, dim=0)  # [n_heads, D]
+                v = v_pool[block, offset].float().repeat_interleave(group, dim=0)
+                s = (q[b].float() * k).sum(-1) * scale  # [n_heads]
+                m_new = torch.maximum(m, s)
+                rescale = torch.exp(m - m_new)  # exp(-inf) = 0 for the first key
+                p = torch.exp(s - m_new)
+                l = l * rescale + p
+                acc = acc * rescale[:, None] + p[:, None] * v
+                m = m_new
+            partials.append((m, l, acc))
+        ms = torch.stack([m for m, _, _ in partials])  # [partitions, n_heads]
+        weights = torch.exp(ms - ms.max(0).values)  # how much each partition's sums count
+        total = (weights * torch.stack([l for _, l, _ in partials])).sum(0)  # [n_heads]
+        out[b] = (weights[..., None] * torch.stack([a for _, _, a in partials])).sum(0) / total[:, None]
+    return out.to(q.dtype)
+
+
+def add_rms_norm(x, delta, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (x + delta rounded to x's dtype: the new residual stream, rms_norm of it times weight)."""
+    if delta is not None:
+        x = (x.float() + delta.float()).to(x.dtype)
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return x, out.to(x.dtype)
+
+
+def rope(qk, cos, sin) -> torch.Tensor:
+    """Rotate-half RoPE.  qk [tokens, heads, D], cos/sin float32 [tokens, D / 2] -> a new tensor."""
+    x1, x2 = qk.float().chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(qk.dtype)
+
+
+def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
+    """x @ W.T with W[o, i] = min[o, i/G] + scale[o, i/G] * code(o, i); codes two per byte, element
+    2j in the low nibble."""
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).float()  # [n_out, n_in]
+    n_out, n_in = codes.shape
+    w = min_[..., None] + scale[..., None] * codes.view(n_out, n_in // group_size, group_size)
+    return (x.float() @ w.view(n_out, n_in).T).to(x.dtype)
+
+
+def int8_linear(x, q, scale) -> torch.Tensor:
+    return (x.float() @ (q.float() * scale[:, None]).T).to(x.dtype)

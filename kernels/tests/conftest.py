@@ -1,0 +1,49 @@
+"""Fixtures for the kernel tests: the built module, each device, and each CPU instruction-set path."""
+
+import os
+
+import pytest
+import torch
+
+import kernels
+
+
+@pytest.fixture(scope="session")
+def ops():
+    return kernels.load()
+
+
+DEVICES = [os.environ["DEVICE"]] if os.environ.get("DEVICE") in ("cpu", "cuda") else ["cpu", "cuda"]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, ops):
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device (run on a GPU node: slurm/gpu_check.sh)")
+        if not ops.with_cuda:
+            pytest.skip("kernels/ was built without its CUDA half (a CPU torch, or no nvcc)")
+    return torch.device(request.param)
+
+
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, ops):
+    """Runs a CPU test once per instruction-set path this CPU has (the others skip), restoring the
+    default afterwards. ATEN_CPU_CAPABILITY=avx2 caps the default as it caps torch's own kernels."""
+    best = ops.best_cpu_isa()
+    if ISAS.index(request.param) > ISAS.index(best):
+        pytest.skip(f"this CPU (or ATEN_CPU_CAPABILITY) offers {best} at most")
+    ops.set_cpu_isa(request.param)
+    yield request.param
+    ops.set_cpu_isa(best)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
+    """float32: to float32 summation order. bf16/fp16: one rounding of the output apart (a kernel
+    and the reference can round a value sitting near a half-way point to two neighbours)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape, expected.shape)
+    tol = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}[actual.dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")

@@ -1,0 +1,72 @@
+"""int4 group-wise and int8 per-row linear layers against dequantize-then-multiply."""
+
+import pytest
+import torch
+
+from kernels import reference
+from conftest import assert_close
+
+
+def int4_weight(n_out, n_in, group_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n_out, n_in // 2), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n_out, n_in // group_size, generator=g) * 0.02
+    min_ = -8 * scale + torch.randn(n_out, n_in // group_size, generator=g) * 0.01
+    return packed, scale, min_
+
+
+SHAPES = [(960, 576), (576, 1536), (13, 64), (3072, 576), (40, 128)]  # odd row counts too
+
+
+
+@pytest.mark.parametrize("n_out,n_in", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int4_linear(ops, device, n_out, n_in, group_size, rows, dtype):
+    if n_in % group_size:
+        pytest.skip("the group size must divide the row")
+    packed, scale, min_ = int4_weight(n_out, n_in, group_size, seed=n_out + rows)
+    x = torch.randn(rows, n_in).to(dtype)
+    expected = reference.int4_linear(x, packed, scale, min_, group_size)
+    y = ops.int4_linear(*(t.to(device) for t in (x, packed, scale, min_)), group_size)
+    assert_close(y, expected, f"{rows} x {n_in} -> {n_out}, G={group_size}")
+
+
+def test_int4_group_128(ops, device):
+    packed, scale, min_ = int4_weight(64, 512, 128)
+    x = torch.randn(2, 512)
+    y = ops.int4_linear(*(t.to(device) for t in (x, packed, scale, min_)), 128)
+    assert_close(y, reference.int4_linear(x, packed, scale, min_, 128))
+
+
+@pytest.mark.parametrize("n_out,n_in", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int8_linear(ops, device, n_out, n_in, rows, dtype):
+    g = torch.Generator().manual_seed(n_in)
+    q = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
+    scale = torch.rand(n_out, generator=g) * 0.01
+    x = torch.randn(rows, n_in, generator=g).to(dtype)
+    y = ops.int8_linear(*(t.to(device) for t in (x, q, scale)))
+    assert_close(y, reference.int8_linear(x, q, scale))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_every_cpu_path(ops, isa, rows):
+    packed, scale, min_ = int4_weight(70, 320, 32, seed=rows)
+    q = torch.randint(-127, 128, (70, 320), dtype=torch.int8)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, 320).to(dtype)
+        assert_close(ops.int4_linear(x, packed, scale, min_, 32), reference.int4_linear(x, packed, scale, min_, 32), isa)
+        assert_close(ops.int8_linear(x, q, scale[:, 0].contiguous()), reference.int8_linear(x, q, scale[:, 0]), isa)
+
+
+def test_bad_arguments_are_clear_errors(ops):
+    packed, scale, min_ = int4_weight(16, 64, 32)
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        ops.int4_linear(torch.randn(1, 32), packed, scale, min_, 32)
+    with pytest.raises(RuntimeError, match="group_size 48 must be a multiple of 32"):
+        ops.int4_linear(torch.randn(1, 64), packed, scale, min_, 48)
+    with pytest.raises(RuntimeError, match=r"scale, min: contiguous float32 \[n_out, n_in / group_size\]"):
+        ops.int4_linear(torch.randn(1, 64), packed, scale.half(), min_, 32)
