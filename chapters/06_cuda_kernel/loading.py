@@ -33,7 +33,7 @@ def add_quant_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--lm-head", choices=["int8", "int4", "none"], default="int8",
                    help="the LM head (and tied embedding) with --quant: int8 (default), int4, or none (model dtype)")
     g.add_argument("--matmul", choices=["auto", "fast", "reference"], default="auto",
-                   help="auto (default): packed int kernels for steps of a few tokens (int4: 16, int8: 6) and a dense "
+                   help="auto (default): packed int kernels for steps of a few tokens (kernels/: 8; torch's: int4 16, int8 6) and a dense "
                         "copy of each weight for larger ones (more memory); fast: the packed kernels always; "
                         "reference: dequantize-and-multiply")
     k = ap.add_argument_group("kernels")

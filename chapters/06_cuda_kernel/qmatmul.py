@@ -144,7 +144,10 @@ class KernelInt8Linear:
 #   int8             -           24.4|34.5   39.6|38.0   63.1|51.3
 # The int8 kernel loses from 8 rows on, the int4 one from about 20.
 PACKED_MAX_ROWS = {Int4Weight: 16, Int8Weight: 6}
-KERNEL_MAX_ROWS = {Int4Weight: 16, Int8Weight: 6}  # kernels/' matmuls (chapter 06): measured in README
+# kernels/' matmuls (chapter 06), per call against the dense bf16 GEMM (bench.py --parts kernels, 2 AVX512
+# cores): they win at 4 rows on every SmolLM2 layer (qkv 33 vs 47 us, head 1786 vs 5393) and lose at 16
+# (qkv 120 vs 76 us; head 6680 vs 6730): the crossover lies between, taken as 8.
+KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
 
 
 class PerStepLinear:

@@ -123,3 +123,19 @@ def test_auto_takes_the_packed_kernel_for_few_rows_and_the_dense_copy_for_many(k
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
         torch.testing.assert_close(linear(x, auto), linear(x, ref), rtol=2e-2, atol=2e-2)
     assert calls == [1, limit]  # the two small calls went through the packed kernel, the others did not
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_auto_with_the_kernels_takes_them_for_few_rows(kind):
+    """Chapter 06: with kernels/ loaded, the packed path is its own matmul, up to KERNEL_MAX_ROWS rows."""
+    import kernels
+
+    w = make(kind, 64, 96)
+    cpu = torch.device("cpu")
+    auto = prepare(w, cpu, torch.bfloat16, "auto", kernels.load())
+    assert isinstance(auto.packed, (qmatmul.KernelInt4Linear, qmatmul.KernelInt8Linear))
+    assert auto.max_rows == qmatmul.KERNEL_MAX_ROWS[type(w)]
+    ref = prepare(w, cpu, torch.bfloat16, "reference")
+    for rows in (1, auto.max_rows, auto.max_rows + 1):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        torch.testing.assert_close(linear(x, auto), linear(x, ref), rtol=2e-2, atol=2e-2)
