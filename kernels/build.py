@@ -16,6 +16,7 @@ keep threads spinning, and on two cores that costs 10x.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -128,14 +129,9 @@ def load(verbose: bool = False):
                   "-gencode=arch=compute_90,code=sm_90"]
     what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
     try:
-        if fresh:
+        with contextlib.nullcontext() if fresh else _Ticker(what):  # a message only when the compiler runs
             _module = cpp_extension.load(name, [str(f) for f in files], extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
                                          extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
-        else:
-            with _Ticker(what):
-                _module = cpp_extension.load(name, [str(f) for f in files], extra_cflags=cflags,
-                                             extra_cuda_cflags=cuda_flags, extra_ldflags=["-fopenmp"],
-                                             build_directory=str(folder), verbose=verbose)
     except (RuntimeError, OSError, ImportError) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
         tail = "\n".join(str(e).strip().splitlines()[-25:])
         raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None

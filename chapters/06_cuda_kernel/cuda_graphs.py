@@ -58,16 +58,15 @@ class DecodeGraphs:
         """A decode step (one new token per sequence) -> logits [len(work), vocab]."""
         n, bucket = len(work), self.bucket(len(work))
         bs = self.cache.block_size
-        ids = torch.zeros(3, bucket, dtype=torch.long)
-        tables = torch.full((bucket, self.max_blocks), self.pad_block, dtype=torch.int32)
-        lens = torch.ones(bucket, dtype=torch.int32)
-        ids[2, n:] = self.pad_block * bs  # padding rows write slot 0 of the spare block, read it back
-        for b, w in enumerate(work):
-            pos = w.start
-            ids[:, b] = torch.tensor([w.tokens[0], pos, w.block_table[pos // bs] * bs + pos % bs])
-            used = pos // bs + 1
-            tables[b, :used] = torch.tensor(w.block_table[:used], dtype=torch.int32)
-            lens[b] = pos + 1
+        pad = bucket - n
+        # Padding rows write slot 0 of the spare block and read it back (context 1).
+        ids = torch.tensor([[w.tokens[0] for w in work] + [0] * pad,
+                            [w.start for w in work] + [0] * pad,
+                            [w.block_table[w.start // bs] * bs + w.start % bs for w in work] + [self.pad_block * bs] * pad])
+        tables = [w.block_table[: w.start // bs + 1] for w in work]
+        tables = torch.tensor([t + [self.pad_block] * (self.max_blocks - len(t)) for t in tables]
+                              + [[self.pad_block] * self.max_blocks] * pad, dtype=torch.int32)
+        lens = torch.tensor([w.start + 1 for w in work] + [1] * pad, dtype=torch.int32)
         self.ids[:, :bucket].copy_(ids, non_blocking=True)
         self.tables[:bucket].copy_(tables, non_blocking=True)
         self.lens[:bucket].copy_(lens, non_blocking=True)

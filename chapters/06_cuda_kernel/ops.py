@@ -27,9 +27,7 @@ class TorchOps:
     """Chapter 05's operations."""
 
     name = "off"
-
-    def __init__(self, ext=None):
-        self.ext = None  # no kernels: qmatmul.prepare takes torch's packed ops
+    ext = None  # no kernels: qmatmul.prepare takes torch's packed ops
 
     @staticmethod
     def angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
