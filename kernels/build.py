@@ -1,11 +1,15 @@
 """Builds the kernel library on first use, and loads it.
 
-    python -m kernels.build          # what `make kernels` runs: build (if needed) and report
+    python -m kernels.build            # what `make kernels` runs: build (if needed) and report
+    python -m kernels.build --verbose  # and show the compiler's commands and output
 
 torch.utils.cpp_extension compiles csrc/ into a Python module with the host C++ compiler (and
-nvcc for csrc/cuda/ when torch is a CUDA build), through ninja, into kernels/build/. A second
-load finds the module built and takes a fraction of a second; a changed source file is
-recompiled. Two processes building at once wait for each other (cpp_extension locks the folder).
+nvcc for csrc/cuda/ when torch is a CUDA build), through ninja, into kernels/build/ (or
+KERNELS_BUILD_DIR), and stamps the folder with a fingerprint of every source byte and flag. A
+later load whose sources have that fingerprint imports the built module directly, without the
+compiler or ninja: a fraction of a second, also for a copy of kernels/ pointed at this build. Any
+changed byte rebuilds. Two processes building at once wait for each other (cpp_extension locks
+the folder).
 
 The CPU half is compiled for any x86-64 (no -march=native: the module must run on the machine
 that did not build it, e.g. a cluster's other nodes); its AVX2 and AVX512 paths are chosen at
@@ -16,7 +20,9 @@ keep threads spinning, and on two cores that costs 10x.
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -26,6 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
+STAMP = "sources.sha256"  # beside the built module: the fingerprint() it was built from
 
 
 class KernelBuildError(RuntimeError):
@@ -58,8 +65,14 @@ def _variant(with_cuda: bool) -> str:
     return f"torch{torch.__version__.split('+')[0]}-{flavour}-py{sys.version_info.major}{sys.version_info.minor}"
 
 
+def build_root() -> Path:
+    """kernels/build/, or KERNELS_BUILD_DIR: a copy of kernels/ pointed at another build reuses it
+    when its sources are the same bytes."""
+    return Path(os.environ.get("KERNELS_BUILD_DIR", HERE / "build"))
+
+
 def build_dir(with_cuda: bool) -> Path:
-    return Path(os.environ.get("KERNELS_BUILD_DIR", HERE / "build")) / _variant(with_cuda)
+    return build_root() / _variant(with_cuda)
 
 
 def _check_tools() -> None:
@@ -75,9 +88,26 @@ def _check_tools() -> None:
         os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
 
 
-def _up_to_date(folder: Path, name: str, files: list[Path]) -> bool:
-    built = list(folder.glob(f"{name}*.so"))
-    return bool(built) and all(f.stat().st_mtime <= built[0].stat().st_mtime for f in files + list(CSRC.rglob("*.h")))
+def fingerprint(files: list[Path], *flags: list[str]) -> str:
+    """What a build is made of: every source and header, byte for byte, and the flags. Bytes, not
+    modification times: a checkout or a copy rewrites the times of files it does not change."""
+    digest = hashlib.sha256()
+    for path in sorted({*files, *CSRC.rglob("*.h"), *CSRC.rglob("*.cuh")}):
+        digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0" + path.read_bytes())
+    digest.update(repr(flags).encode())
+    return digest.hexdigest()
+
+
+def _import_built(name: str, folder: Path, stamp: str):
+    """The module built from these exact sources, imported without the compiler or ninja (which
+    would also rebuild a folder built from another copy's paths); None when there is none."""
+    built = sorted(folder.glob(f"{name}*.so"))
+    if not built or not (folder / STAMP).exists() or (folder / STAMP).read_text() != stamp:
+        return None
+    spec = importlib.util.spec_from_file_location(name, built[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class _Ticker:
@@ -121,26 +151,33 @@ def load(verbose: bool = False):
     files = sources(with_cuda)
     folder = build_dir(with_cuda)
     folder.mkdir(parents=True, exist_ok=True)
-    fresh = _up_to_date(folder, name, files)
-    if not fresh:
-        _check_tools()
     cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
     cuda_flags = ["-O3", "-std=c++17", "-DWITH_CUDA", "-gencode=arch=compute_80,code=sm_80",
                   "-gencode=arch=compute_90,code=sm_90"]
+    stamp = fingerprint(files, cflags, cuda_flags)
+    _module = _import_built(name, folder, stamp)
+    if _module is not None:
+        return _module
+    _check_tools()
     what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
     try:
-        with contextlib.nullcontext() if fresh else _Ticker(what):  # a message only when the compiler runs
+        with _Ticker(what):
             _module = cpp_extension.load(name, [str(f) for f in files], extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
                                          extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
     except (RuntimeError, OSError, ImportError) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
         tail = "\n".join(str(e).strip().splitlines()[-25:])
         raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
+    (folder / STAMP).write_text(stamp)
     return _module
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernels.build",
+                                 description="Build kernels/csrc/ if needed, load it and say what it holds.")
+    ap.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+    args = ap.parse_args()
     try:
-        ext = load()
+        ext = load(verbose=args.verbose)
     except KernelBuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,29 +24,29 @@ namespace {
 using kernels::DType;
 
 DType dtype_of(const at::Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::f32;
-    case at::kBFloat16: return DType::bf16;
-    case at::kHalf: return DType::f16;
-    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 expected, got ", t.scalar_type());
-  }
+    switch (t.scalar_type()) {
+        case at::kFloat: return DType::f32;
+        case at::kBFloat16: return DType::bf16;
+        case at::kHalf: return DType::f16;
+        default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16 expected, got ", t.scalar_type());
+    }
 }
 
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name) {
-  TORCH_CHECK(a.device() == b.device(), name, " is on ", b.device(), ", expected ", a.device());
+    TORCH_CHECK(a.device() == b.device(), name, " is on ", b.device(), ", expected ", a.device());
 }
 
 #ifdef WITH_CUDA
 void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
+    TORCH_CHECK(err == cudaSuccess, what, ": ", cudaGetErrorString(err));
 }
 #endif
 
 void check_supported_device(const at::Tensor& t) {
-  TORCH_CHECK(t.is_cpu() || t.is_cuda(), "kernels run on cpu or cuda tensors, got ", t.device());
+    TORCH_CHECK(t.is_cpu() || t.is_cuda(), "kernels run on cpu or cuda tensors, got ", t.device());
 #ifndef WITH_CUDA
-  TORCH_CHECK(t.is_cpu(), "this build of kernels/ has no CUDA half (torch ", TORCH_VERSION,
-              " is a CPU build, or nvcc was not found when it was built); got a tensor on ", t.device());
+    TORCH_CHECK(t.is_cpu(), "this build of kernels/ has no CUDA half (torch ", TORCH_VERSION,
+                " is a CPU build, or nvcc was not found when it was built); got a tensor on ", t.device());
 #endif
 }
 
@@ -55,215 +55,221 @@ void check_supported_device(const at::Tensor& t) {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t partition_size) {
-  check_supported_device(q);
-  TORCH_CHECK(q.dim() == 3, "q: [batch, n_heads, head_dim] expected, got ", q.sizes());
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
-              "k_pool, v_pool: the same [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
-              k_pool.sizes(), " and ", v_pool.sizes());
-  const int64_t batch = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_pool.size(1), n_kv_heads = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == head_dim, "k_pool's head_dim ", k_pool.size(3), " differs from q's ", head_dim);
-  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads ", n_heads,
-              " is not a multiple of n_kv_heads ", n_kv_heads);
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim, "q: heads must be contiguous (a token's heads side by side)");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "k_pool and v_pool must be contiguous");
-  const DType dtype = dtype_of(q, "q");
-  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
-              "q, k_pool and v_pool must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == batch &&
-                  block_tables.is_contiguous(),
-              "block_tables: contiguous int32 [batch, max_blocks] expected");
-  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == batch &&
-                  context_lens.is_contiguous(),
-              "context_lens: contiguous int32 [batch] expected");
-  for (const at::Tensor* t : {&k_pool, &v_pool, &block_tables, &context_lens}) check_same_device(q, *t, "an argument");
-  TORCH_CHECK(partition_size > 0 && partition_size % block_size == 0, "partition_size ", partition_size,
-              " must be a positive multiple of block_size ", block_size);
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t n_partitions = (max_blocks * block_size + partition_size - 1) / partition_size;
+    check_supported_device(q);
+    TORCH_CHECK(q.dim() == 3, "q: [batch, n_heads, head_dim] expected, got ", q.sizes());
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
+                "k_pool, v_pool: the same [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
+                k_pool.sizes(), " and ", v_pool.sizes());
+    const int64_t batch = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
+    const int64_t block_size = k_pool.size(1), n_kv_heads = k_pool.size(2);
+    TORCH_CHECK(k_pool.size(3) == head_dim, "k_pool's head_dim ", k_pool.size(3), " differs from q's ", head_dim);
+    TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ",
+                n_kv_heads);
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim,
+                "q: heads must be contiguous (a token's heads side by side)");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "k_pool and v_pool must be contiguous");
+    const DType dtype = dtype_of(q, "q");
+    TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
+                "q, k_pool and v_pool must share a dtype");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                    block_tables.is_contiguous(),
+                "block_tables: contiguous int32 [batch, max_blocks] expected");
+    TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == batch &&
+                    context_lens.is_contiguous(),
+                "context_lens: contiguous int32 [batch] expected");
+    for (const at::Tensor* t : {&k_pool, &v_pool, &block_tables, &context_lens})
+        check_same_device(q, *t, "an argument");
+    TORCH_CHECK(partition_size > 0 && partition_size % block_size == 0, "partition_size ", partition_size,
+                " must be a positive multiple of block_size ", block_size);
+    const int64_t max_blocks = block_tables.size(1);
+    const int64_t n_partitions = (max_blocks * block_size + partition_size - 1) / partition_size;
 
-  at::Tensor out = at::empty({batch, n_heads, head_dim}, q.options());
-  if (batch == 0) return out;
-  TORCH_CHECK(max_blocks > 0, "block_tables has no blocks");
-  // partial outputs, then partial maxima and sums (cpu_kernels.h)
-  at::Tensor workspace = at::empty({batch * n_heads * n_partitions * (head_dim + 2)}, q.options().dtype(at::kFloat));
-  if (q.is_cpu()) {
-    // Lengths are checked on the CPU only: on CUDA it would cost a device-to-host copy, a wait.
-    const int32_t* lens = context_lens.data_ptr<int32_t>();
-    for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context_lens[", b, "] = ", lens[b],
-                  " is outside 1..", max_blocks * block_size, " (the block table's slots)");
-    kernels::cpu::paged_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_pool.data_ptr(),
-                                         v_pool.data_ptr(), block_tables.data_ptr<int32_t>(), lens,
-                                         workspace.data_ptr<float>(), batch, n_heads, n_kv_heads, head_dim,
-                                         block_size, max_blocks, partition_size, static_cast<float>(scale), dtype);
-  } else {
+    at::Tensor out = at::empty({batch, n_heads, head_dim}, q.options());
+    if (batch == 0) return out;
+    TORCH_CHECK(max_blocks > 0, "block_tables has no blocks");
+    // partial outputs, then partial maxima and sums (cpu_kernels.h)
+    at::Tensor workspace = at::empty({batch * n_heads * n_partitions * (head_dim + 2)}, q.options().dtype(at::kFloat));
+    if (q.is_cpu()) {
+        // Lengths are checked on the CPU only: on CUDA it would cost a device-to-host copy, a wait.
+        const int32_t* lens = context_lens.data_ptr<int32_t>();
+        for (int64_t b = 0; b < batch; ++b)
+            TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context_lens[", b, "] = ", lens[b],
+                        " is outside 1..", max_blocks * block_size, " (the block table's slots)");
+        kernels::cpu::paged_decode_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_pool.data_ptr(),
+                                             v_pool.data_ptr(), block_tables.data_ptr<int32_t>(), lens,
+                                             workspace.data_ptr<float>(), batch, n_heads, n_kv_heads, head_dim,
+                                             block_size, max_blocks, partition_size, static_cast<float>(scale), dtype);
+    } else {
 #ifdef WITH_CUDA
-    const c10::cuda::CUDAGuard guard(q.device());
-    check_cuda(kernels::cuda::paged_decode_attention(
-                   out.data_ptr(), q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                   block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), workspace.data_ptr<float>(),
-                   batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size,
-                   static_cast<float>(scale), dtype, at::cuda::getCurrentCUDAStream()),
-               "paged_decode_attention");
+        const c10::cuda::CUDAGuard guard(q.device());
+        check_cuda(kernels::cuda::paged_decode_attention(
+                       out.data_ptr(), q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                       block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), workspace.data_ptr<float>(),
+                       batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size,
+                       static_cast<float>(scale), dtype, at::cuda::getCurrentCUDAStream()),
+                   "paged_decode_attention");
 #endif
-  }
-  return out;
+    }
+    return out;
 }
 
 // --- RMSNorm (+ residual) and RoPE -------------------------------------------------------------
 
 at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
-  check_supported_device(x);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, hidden] expected, got ", x.sizes());
-  const DType dtype = dtype_of(x, "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight: contiguous [hidden] of x's dtype expected");
-  check_same_device(x, weight, "weight");
-  if (delta) {
-    TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous() && delta->scalar_type() == x.scalar_type(),
-                "delta: contiguous, of x's shape and dtype expected");
-    check_same_device(x, *delta, "delta");
-  }
-  at::Tensor out = at::empty_like(x);
-  const void* d = delta ? delta->data_ptr() : nullptr;
-  if (x.numel() == 0) return out;
-  if (x.is_cpu()) {
-    kernels::cpu::add_rms_norm(out.data_ptr(), x.data_ptr(), d, weight.data_ptr(), x.size(0), x.size(1),
-                               static_cast<float>(eps), dtype);
-  } else {
+    check_supported_device(x);
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, hidden] expected, got ", x.sizes());
+    const DType dtype = dtype_of(x, "x");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                    weight.scalar_type() == x.scalar_type(),
+                "weight: contiguous [hidden] of x's dtype expected");
+    check_same_device(x, weight, "weight");
+    if (delta) {
+        TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous() && delta->scalar_type() == x.scalar_type(),
+                    "delta: contiguous, of x's shape and dtype expected");
+        check_same_device(x, *delta, "delta");
+    }
+    at::Tensor out = at::empty_like(x);
+    const void* d = delta ? delta->data_ptr() : nullptr;
+    if (x.numel() == 0) return out;
+    if (x.is_cpu()) {
+        kernels::cpu::add_rms_norm(out.data_ptr(), x.data_ptr(), d, weight.data_ptr(), x.size(0), x.size(1),
+                                   static_cast<float>(eps), dtype);
+    } else {
 #ifdef WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_cuda(kernels::cuda::add_rms_norm(out.data_ptr(), x.data_ptr(), d, weight.data_ptr(), x.size(0), x.size(1),
-                                           static_cast<float>(eps), dtype, at::cuda::getCurrentCUDAStream()),
-               "add_rms_norm");
+        const c10::cuda::CUDAGuard guard(x.device());
+        check_cuda(kernels::cuda::add_rms_norm(out.data_ptr(), x.data_ptr(), d, weight.data_ptr(), x.size(0), x.size(1),
+                                               static_cast<float>(eps), dtype, at::cuda::getCurrentCUDAStream()),
+                   "add_rms_norm");
 #endif
-  }
-  return out;
+    }
+    return out;
 }
 
 void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
-  check_supported_device(qk);
-  TORCH_CHECK(qk.dim() == 3, "qk: [tokens, heads, head_dim] expected, got ", qk.sizes());
-  const int64_t tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2);
-  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
-  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == head_dim, "qk: heads must be contiguous");
-  for (const at::Tensor* t : {&cos, &sin}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens &&
-                    t->size(1) == head_dim / 2,
-                "cos, sin: contiguous float32 [tokens, head_dim / 2] expected, got ", t->sizes());
-    check_same_device(qk, *t, "cos/sin");
-  }
-  const DType dtype = dtype_of(qk, "qk");
-  if (qk.numel() == 0) return;
-  if (qk.is_cpu()) {
-    kernels::cpu::rope(qk.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, head_dim,
-                       qk.stride(0), dtype);
-  } else {
+    check_supported_device(qk);
+    TORCH_CHECK(qk.dim() == 3, "qk: [tokens, heads, head_dim] expected, got ", qk.sizes());
+    const int64_t tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2);
+    TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+    TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == head_dim, "qk: heads must be contiguous");
+    for (const at::Tensor* t : {&cos, &sin}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens &&
+                        t->size(1) == head_dim / 2,
+                    "cos, sin: contiguous float32 [tokens, head_dim / 2] expected, got ", t->sizes());
+        check_same_device(qk, *t, "cos/sin");
+    }
+    const DType dtype = dtype_of(qk, "qk");
+    if (qk.numel() == 0) return;
+    if (qk.is_cpu()) {
+        kernels::cpu::rope(qk.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads, head_dim,
+                           qk.stride(0), dtype);
+    } else {
 #ifdef WITH_CUDA
-    const c10::cuda::CUDAGuard guard(qk.device());
-    check_cuda(kernels::cuda::rope(qk.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads,
-                                   head_dim, qk.stride(0), dtype, at::cuda::getCurrentCUDAStream()),
-               "rope");
+        const c10::cuda::CUDAGuard guard(qk.device());
+        check_cuda(kernels::cuda::rope(qk.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), tokens, heads,
+                                       head_dim, qk.stride(0), dtype, at::cuda::getCurrentCUDAStream()),
+                   "rope");
 #endif
-  }
+    }
 }
 
 // --- quantized linear layers -----------------------------------------------------------------
 
 void check_x(const at::Tensor& x, int64_t n_in) {
-  check_supported_device(x);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, n_in] expected, got ", x.sizes());
-  TORCH_CHECK(x.size(1) == n_in, "x has ", x.size(1), " inputs, the weight ", n_in);
+    check_supported_device(x);
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, n_in] expected, got ", x.sizes());
+    TORCH_CHECK(x.size(1) == n_in, "x has ", x.size(1), " inputs, the weight ", n_in);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                        int64_t group_size) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: contiguous uint8 [n_out, n_in / 2] expected");
-  const int64_t n_out = packed.size(0), n_in = packed.size(1) * 2;
-  check_x(x, n_in);
-  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && n_in % group_size == 0, "group_size ", group_size,
-              " must be a multiple of 32 that divides n_in ", n_in);
-  for (const at::Tensor* t : {&scale, &min}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n_out &&
-                    t->size(1) == n_in / group_size,
-                "scale, min: contiguous float32 [n_out, n_in / group_size] expected, got ", t->sizes());
-    check_same_device(x, *t, "scale/min");
-  }
-  check_same_device(x, packed, "packed");
-  const DType dtype = dtype_of(x, "x");
-  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
-  if (y.numel() == 0) return y;
-  if (x.is_cpu()) {
-    kernels::cpu::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                              min.data_ptr<float>(), x.size(0), n_in, n_out, group_size, dtype);
-  } else {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+                "packed: contiguous uint8 [n_out, n_in / 2] expected");
+    const int64_t n_out = packed.size(0), n_in = packed.size(1) * 2;
+    check_x(x, n_in);
+    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && n_in % group_size == 0, "group_size ", group_size,
+                " must be a multiple of 32 that divides n_in ", n_in);
+    for (const at::Tensor* t : {&scale, &min}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n_out &&
+                        t->size(1) == n_in / group_size,
+                    "scale, min: contiguous float32 [n_out, n_in / group_size] expected, got ", t->sizes());
+        check_same_device(x, *t, "scale/min");
+    }
+    check_same_device(x, packed, "packed");
+    const DType dtype = dtype_of(x, "x");
+    at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+    if (y.numel() == 0) return y;
+    if (x.is_cpu()) {
+        kernels::cpu::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                  min.data_ptr<float>(), x.size(0), n_in, n_out, group_size, dtype);
+    } else {
 #ifdef WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_cuda(kernels::cuda::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(),
-                                          scale.data_ptr<float>(), min.data_ptr<float>(), x.size(0), n_in, n_out,
-                                          group_size, dtype, at::cuda::getCurrentCUDAStream()),
-               "int4_linear");
+        const c10::cuda::CUDAGuard guard(x.device());
+        check_cuda(kernels::cuda::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(),
+                                              scale.data_ptr<float>(), min.data_ptr<float>(), x.size(0), n_in, n_out,
+                                              group_size, dtype, at::cuda::getCurrentCUDAStream()),
+                   "int4_linear");
 #endif
-  }
-  return y;
+    }
+    return y;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
-              "q: contiguous int8 [n_out, n_in] expected");
-  const int64_t n_out = q.size(0), n_in = q.size(1);
-  check_x(x, n_in);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 && scale.size(0) == n_out,
-              "scale: contiguous float32 [n_out] expected");
-  check_same_device(x, q, "q");
-  check_same_device(x, scale, "scale");
-  const DType dtype = dtype_of(x, "x");
-  at::Tensor y = at::empty({x.size(0), n_out}, x.options());
-  if (y.numel() == 0) return y;
-  if (x.is_cpu()) {
-    kernels::cpu::int8_linear(y.data_ptr(), x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0),
-                              n_in, n_out, dtype);
-  } else {
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+                "q: contiguous int8 [n_out, n_in] expected");
+    const int64_t n_out = q.size(0), n_in = q.size(1);
+    check_x(x, n_in);
+    TORCH_CHECK(
+        scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 && scale.size(0) == n_out,
+        "scale: contiguous float32 [n_out] expected");
+    check_same_device(x, q, "q");
+    check_same_device(x, scale, "scale");
+    const DType dtype = dtype_of(x, "x");
+    at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+    if (y.numel() == 0) return y;
+    if (x.is_cpu()) {
+        kernels::cpu::int8_linear(y.data_ptr(), x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0),
+                                  n_in, n_out, dtype);
+    } else {
 #ifdef WITH_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_cuda(kernels::cuda::int8_linear(y.data_ptr(), x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                          x.size(0), n_in, n_out, dtype, at::cuda::getCurrentCUDAStream()),
-               "int8_linear");
+        const c10::cuda::CUDAGuard guard(x.device());
+        check_cuda(kernels::cuda::int8_linear(y.data_ptr(), x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                              x.size(0), n_in, n_out, dtype, at::cuda::getCurrentCUDAStream()),
+                   "int8_linear");
 #endif
-  }
-  return y;
+    }
+    return y;
 }
 
 // --- which CPU path runs ---------------------------------------------------------------------
 
 kernels::cpu::Isa isa_from(const std::string& name) {
-  for (auto i : {kernels::cpu::Isa::scalar, kernels::cpu::Isa::avx2, kernels::cpu::Isa::avx512})
-    if (name == kernels::cpu::isa_name(i)) return i;
-  TORCH_CHECK(false, "unknown CPU instruction set ", name, ": scalar, avx2 or avx512");
+    for (auto i : {kernels::cpu::Isa::scalar, kernels::cpu::Isa::avx2, kernels::cpu::Isa::avx512})
+        if (name == kernels::cpu::isa_name(i)) return i;
+    TORCH_CHECK(false, "unknown CPU instruction set ", name, ": scalar, avx2 or avx512");
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Paged decode attention, RMSNorm, RoPE and quantized linear layers: CPU (C++) and CUDA twins";
-  m.def("paged_decode_attention", &paged_decode_attention, "flash-decoding over a paged KV cache -> [batch, n_heads, head_dim]",
-        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("partition_size") = 256);
-  m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given); -> rms_norm(x) * weight", py::arg("x"),
-        py::arg("delta"), py::arg("weight"), py::arg("eps"));
-  m.def("rope_", &rope_, "rotate q and k heads in place (rotate-half)", py::arg("qk"), py::arg("cos"), py::arg("sin"));
-  m.def("int4_linear", &int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
-        py::arg("scale"), py::arg("min"), py::arg("group_size"));
-  m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
-  m.def("cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::isa())); });
-  m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
-  m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
+    m.doc() = "Paged decode attention, RMSNorm, RoPE and quantized linear layers: CPU (C++) and CUDA twins";
+    m.def("paged_decode_attention", &paged_decode_attention,
+          "flash-decoding over a paged KV cache -> [batch, n_heads, head_dim]", py::arg("q"), py::arg("k_pool"),
+          py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+          py::arg("partition_size") = 256);
+    m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given); -> rms_norm(x) * weight", py::arg("x"),
+          py::arg("delta"), py::arg("weight"), py::arg("eps"));
+    m.def("rope_", &rope_, "rotate q and k heads in place (rotate-half)", py::arg("qk"), py::arg("cos"),
+          py::arg("sin"));
+    m.def("int4_linear", &int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
+          py::arg("scale"), py::arg("min"), py::arg("group_size"));
+    m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
+    m.def("cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::isa())); });
+    m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
+    m.def(
+        "set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
 #ifdef WITH_CUDA
-  m.attr("with_cuda") = true;
+    m.attr("with_cuda") = true;
 #else
-  m.attr("with_cuda") = false;
+    m.attr("with_cuda") = false;
 #endif
 }

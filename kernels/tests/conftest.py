@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from common.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)
 
 
 @pytest.fixture(scope="session")

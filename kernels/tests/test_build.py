@@ -18,6 +18,14 @@ def test_reports_what_it_built(ops):
     assert f"cpu: {ops.best_cpu_isa()}" in r.stdout and "cuda: " in r.stdout
 
 
+def test_module_entry_runs_without_runpy_warning():
+    # `import kernels` must not import kernels.build, or runpy warns that the module it is about
+    # to run as __main__ is already in sys.modules (and the two copies would differ).
+    r = subprocess.run([sys.executable, "-m", "kernels.build", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage: python -m kernels.build" in r.stdout, r.stderr
+    assert "RuntimeWarning" not in r.stderr, r.stderr
+
+
 def test_aten_cpu_capability_caps_the_instruction_set():
     # The same variable that makes torch use another CPU's kernels makes ours do so too.
     code = "import kernels; print(kernels.load().cpu_isa())"
@@ -54,3 +62,30 @@ def test_one_openmp_runtime(ops):
         pytest.skip("no /proc/self/maps on this OS")
     gomp = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
     assert len(gomp) <= 1, gomp
+
+
+def test_a_copy_with_the_same_sources_loads_the_build_without_compiling(ops, tmp_path):
+    # What a copied chapter does (tests/test_copy_chapter.py): its own kernels/ package, the same
+    # bytes, pointed at this build. No compiler may run: CXX names none, and a build would fail.
+    import shutil
+
+    shutil.copytree(build.HERE, tmp_path / "kernels", ignore=shutil.ignore_patterns("build", "__pycache__"))
+    code = "import kernels; m = kernels.load(); print(m.__file__, kernels.__file__)"
+    env = {**os.environ, "KERNELS_BUILD_DIR": str(build.build_root()), "CXX": "no-such-c++"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "building" not in r.stderr, r.stderr
+    built, package = r.stdout.split()
+    assert built == ops.__file__ and package == str(tmp_path / "kernels" / "__init__.py")
+    # One changed byte in any source is another build: the stamp no longer matches.
+    source = tmp_path / "kernels" / "csrc" / "cpu" / "isa.cpp"
+    source.write_bytes(source.read_bytes() + b"\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no C++ compiler" in r.stderr, r.stderr
+
+
+def test_the_fingerprint_covers_sources_headers_and_flags():
+    files = build.sources(with_cuda=False)
+    base = build.fingerprint(files, ["-O3"])
+    assert build.fingerprint(files, ["-O2"]) != base
+    assert build.fingerprint(files[:-1], ["-O3"]) != base
+    assert base == build.fingerprint(list(reversed(files)), ["-O3"])

@@ -44,7 +44,7 @@ inline float f16_to_float(uint16_t h) {
         return bits_to_float(float_to_bits(f) | sign);
     }
     if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));  // inf, NaN
-    return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));     // rebias 15 -> 127
+    return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));        // rebias 15 -> 127
 }
 
 inline uint16_t float_to_f16(float f) {
@@ -52,7 +52,7 @@ inline uint16_t float_to_f16(float f) {
     uint16_t sign = uint16_t((u >> 16) & 0x8000u);
     u &= 0x7fffffffu;
     if (u >= 0x7f800000u) return sign | (u > 0x7f800000u ? 0x7e00 : 0x7c00);  // NaN, inf
-    if (u >= 0x477ff000u) return sign | 0x7c00;  // at or past 65520: rounds to inf
+    if (u >= 0x477ff000u) return sign | 0x7c00;                               // at or past 65520: rounds to inf
     if (u < 0x38800000u) {
         // Below the smallest normal f16 (2^-14): a subnormal counts steps of 2^-24. Adding 0.5,
         // whose float32 ulp is exactly 2^-24, makes the FPU round |f| to that step (ties to

@@ -11,9 +11,9 @@ namespace kernels::cpu {
 
 // --- instruction set, chosen once at run time ------------------------------------------------
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
-Isa best_isa();           // what this CPU supports, capped by ATEN_CPU_CAPABILITY if set (default|avx2|avx512)
-Isa isa();                // the one in use
-void set_isa(Isa isa);    // tests force each path in turn; a level the CPU lacks is an error (throws)
+Isa best_isa();         // what this CPU supports, capped by ATEN_CPU_CAPABILITY if set (default|avx2|avx512)
+Isa isa();              // the one in use
+void set_isa(Isa isa);  // tests force each path in turn; a level the CPU lacks is an error (throws)
 const char* isa_name(Isa isa);
 
 // --- paged decode attention (flash-decoding) -------------------------------------------------
@@ -32,8 +32,8 @@ const char* isa_name(Isa isa);
 //                n_partitions = ceil(max_blocks * block_size / partition_size)
 // partition_size is a multiple of block_size. scale = 1 / sqrt(head_dim) for Llama.
 void paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
-                            const int32_t* block_tables, const int32_t* context_lens, float* workspace,
-                            int batch, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                            const int32_t* block_tables, const int32_t* context_lens, float* workspace, int batch,
+                            int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
                             int partition_size, float scale, DType dtype);
 
 // --- RMSNorm, with the residual add fused --------------------------------------------------
@@ -49,8 +49,8 @@ void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int
 // heads side by side in the qkv projection's output). cos, sin: float32 [tokens, head_dim / 2].
 // Pair (i, i + head_dim/2) of every head of token t is rotated by the angle whose cos/sin are
 // cos[t, i], sin[t, i]; computed in float32, rounded once.
-void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim,
-          int64_t token_stride, DType dtype);
+void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim, int64_t token_stride,
+          DType dtype);
 
 // --- quantized linear layers for decode: y = x @ W.T, W dequantized in registers -------------
 // x [rows, n_in], y [rows, n_out], contiguous. Each weight row is read once and used for every
@@ -58,8 +58,8 @@ void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads,
 // int4, group-wise: W[o, i] = min[o, i / G] + scale[o, i / G] * code(o, i), code 0..15;
 //   packed uint8 [n_out, n_in / 2], element 2j in the low nibble of byte j, 2j+1 in the high one;
 //   scale, min float32 [n_out, n_in / G]; G a multiple of 32, n_in a multiple of G.
-void int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min,
-                 int rows, int n_in, int n_out, int group_size, DType dtype);
+void int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+                 int n_in, int n_out, int group_size, DType dtype);
 // int8, per output row: W[o, i] = scale[o] * q[o, i].  q int8 [n_out, n_in], scale float32 [n_out].
 void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                  DType dtype);

@@ -19,8 +19,8 @@ namespace {
 Isa cpu_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq"))
         return Isa::avx512;
     // f16c (float16 conversions) came with AVX on every CPU that has AVX2; checked for form's sake.
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))

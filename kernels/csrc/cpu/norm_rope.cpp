@@ -11,6 +11,8 @@
 #include "cpu_kernels.h"
 #include "vec.h"
 
+KERNELS_VECTOR_CODE_BEGIN
+
 namespace kernels::cpu {
 
 namespace {
@@ -190,3 +192,5 @@ void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads,
 }
 
 }  // namespace kernels::cpu
+
+KERNELS_VECTOR_CODE_END

@@ -21,6 +21,8 @@
 #include "cpu_kernels.h"
 #include "vec.h"
 
+KERNELS_VECTOR_CODE_BEGIN
+
 namespace kernels::cpu {
 
 namespace {
@@ -289,9 +291,11 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
                             int partition_size, float scale, DType dtype) {
     const int n_partitions = (max_blocks * block_size + partition_size - 1) / partition_size;
     const int64_t heads_parts = int64_t(batch) * n_heads * n_partitions;
-    AttnArgs a{out, q, q_stride, k_pool, v_pool, block_tables, context_lens,
-               workspace, workspace + heads_parts * head_dim, workspace + heads_parts * head_dim + heads_parts,
-               batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, n_partitions, scale};
+    float* part_max = workspace + heads_parts * head_dim;  // after the partial outputs
+    float* part_sum = part_max + heads_parts;
+    AttnArgs a{out,        q,          q_stride,       k_pool,       v_pool,  block_tables, context_lens,
+               workspace,  part_max,   part_sum,       batch,        n_heads, n_kv_heads,   head_dim,
+               block_size, max_blocks, partition_size, n_partitions, scale};
     const int group = n_heads / n_kv_heads;
 
     TaskFn task = task_scalar;
@@ -334,3 +338,5 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
 }
 
 }  // namespace kernels::cpu
+
+KERNELS_VECTOR_CODE_END

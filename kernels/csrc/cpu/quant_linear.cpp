@@ -38,6 +38,8 @@
 #include "cpu_kernels.h"
 #include "vec.h"
 
+KERNELS_VECTOR_CODE_BEGIN
+
 namespace kernels::cpu {
 
 namespace {
@@ -329,8 +331,8 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
     for (int n = 0; n < NO; ++n) {
         for (int g = 0; g < groups; g += 16) {  // the min term; a masked load for the last < 16 groups
             const __mmask16 m = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-            acc[n] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, min[n] + g), _mm512_maskz_loadu_ps(m, a.xsum + g),
-                                     acc[n]);
+            acc[n] =
+                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, min[n] + g), _mm512_maskz_loadu_ps(m, a.xsum + g), acc[n]);
         }
         store_from_float(a.y, o + n, Avx512::reduce_add(acc[n]), a.dtype);
     }
@@ -620,3 +622,5 @@ void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, in
 }
 
 }  // namespace kernels::cpu
+
+KERNELS_VECTOR_CODE_END

@@ -28,14 +28,22 @@
 #define KERNELS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KERNELS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
-// An AVX512 value passed between these functions changes the calling convention compared with
-// baseline code; GCC warns about it for the templates above, which never exist outside an
-// entry of the right target.
-#pragma GCC diagnostic ignored "-Wpsabi"
-// GCC 12's AVX512 headers build "undefined" registers as `__m512 __Y = __Y;`, which -Wall
-// reports as uninitialised wherever such an intrinsic is inlined.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Vector code is compiled with three warnings off, between KERNELS_VECTOR_CODE_BEGIN and _END:
+// this header's, and each kernel file's after its includes, so that no other code loses them.
+// -Wpsabi: an AVX value passed between these functions changes the calling convention compared
+// with baseline code; GCC warns about it for the templates above, which never exist outside an
+// entry of the right target. -W(maybe-)uninitialized: GCC 12's AVX512 headers build "undefined"
+// registers as `__m512 __Y = __Y;`, which -Wall reports wherever such an intrinsic is inlined.
+// clang-format off
+#define KERNELS_VECTOR_CODE_BEGIN                                  \
+    _Pragma("GCC diagnostic push")                                 \
+    _Pragma("GCC diagnostic ignored \"-Wpsabi\"")                  \
+    _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")          \
+    _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define KERNELS_VECTOR_CODE_END _Pragma("GCC diagnostic pop")
+// clang-format on
+
+KERNELS_VECTOR_CODE_BEGIN
 
 namespace kernels::cpu {
 
@@ -47,9 +55,13 @@ struct Scalar {
     static V load(const float* p) { return *p; }
     static void store(float* p, V v) { *p = v; }
     template <DType D>
-    static V load_as(const void* p, int64_t i) { return load_as_float<D>(p, i); }
+    static V load_as(const void* p, int64_t i) {
+        return load_as_float<D>(p, i);
+    }
     template <DType D>
-    static void store_as(void* p, int64_t i, V v) { store_from_float<D>(p, i, v); }
+    static void store_as(void* p, int64_t i, V v) {
+        store_from_float<D>(p, i, v);
+    }
     static V add(V a, V b) { return a + b; }
     static V mul(V a, V b) { return a * b; }
     static V fma(V a, V b, V c) { return a * b + c; }   // a * b + c
@@ -120,8 +132,8 @@ struct Avx2 {
     KERNELS_AVX2 static V exp(V x) {
         using namespace exp_consts;
         x = _mm256_max_ps(x, _mm256_set1_ps(lowest));
-        const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const V n =
+            _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(log2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ln2_hi), x);
         r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ln2_lo), r);
         V p = _mm256_fmadd_ps(_mm256_set1_ps(c6), r, _mm256_set1_ps(c5));
@@ -214,3 +226,5 @@ struct Avx512 {
 #endif  // KERNELS_X86
 
 }  // namespace kernels::cpu
+
+KERNELS_VECTOR_CODE_END

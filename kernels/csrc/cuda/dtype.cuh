@@ -35,21 +35,33 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+    return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) {
+    return __float2half_rn(v);
+}
 
 template <typename T>
-__device__ __forceinline__ float load(const T* p) { return to_float(*p); }
+__device__ __forceinline__ float load(const T* p) {
+    return to_float(*p);
+}
 
 template <typename T>
-__device__ __forceinline__ void store(T* p, float v) { *p = from_float<T>(v); }
+__device__ __forceinline__ void store(T* p, float v) {
+    *p = from_float<T>(v);
+}
 
 // v as it would read back after a store: what the residual stream holds once rounded to T.
 template <typename T>
-__device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+__device__ __forceinline__ float round_to(float v) {
+    return to_float(from_float<T>(v));
+}
 
 // --- N elements in one access ---------------------------------------------------------------
 // The raw bits of N elements, as 32-bit words: one 16-bit element is half a word, element 0 in

@@ -12,22 +12,21 @@
 
 namespace kernels::cuda {
 
-cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool,
-                                   const void* v_pool, const int32_t* block_tables, const int32_t* context_lens,
-                                   float* workspace, int batch, int n_heads, int n_kv_heads, int head_dim,
-                                   int block_size, int max_blocks, int partition_size, float scale, DType dtype,
-                                   cudaStream_t stream);
+cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                                   const int32_t* block_tables, const int32_t* context_lens, float* workspace,
+                                   int batch, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                                   int partition_size, float scale, DType dtype, cudaStream_t stream);
 
-cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden,
-                         float eps, DType dtype, cudaStream_t stream);
+cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
+                         DType dtype, cudaStream_t stream);
 
 cudaError_t rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim,
                  int64_t token_stride, DType dtype, cudaStream_t stream);
 
-cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min,
-                        int rows, int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream);
+cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+                        int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream);
 
-cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in,
-                        int n_out, DType dtype, cudaStream_t stream);
+cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                        DType dtype, cudaStream_t stream);
 
 }  // namespace kernels::cuda

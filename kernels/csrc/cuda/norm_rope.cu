@@ -128,8 +128,8 @@ constexpr int kRopeThreads = 256;
 
 }  // namespace
 
-cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden,
-                         float eps, DType dtype, cudaStream_t stream) {
+cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
+                         DType dtype, cudaStream_t stream) {
     if (rows < 0 || hidden <= 0) return cudaErrorInvalidValue;
     if (rows == 0) return cudaSuccess;
     return dispatch_dtype(dtype, [&](auto tag) {

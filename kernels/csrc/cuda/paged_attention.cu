@@ -59,8 +59,8 @@ namespace {
 
 constexpr int kWarps = 4;  // warps per block of kernel 1
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxHeads = 8;            // query heads per block: their q and o live in registers
-constexpr int kSmemLimit = 48 * 1024;   // shared memory a block gets without opting in
+constexpr int kMaxHeads = 8;           // query heads per block: their q and o live in registers
+constexpr int kSmemLimit = 48 * 1024;  // shared memory a block gets without opting in
 
 // The weight e^(m - M) of a part whose max is m in a merge whose max is M >= m; 0 for a part that
 // saw no key (m = -inf), which also covers M = -inf, where e^(m - M) would be NaN.
@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
     const int kv_head = blockIdx.y / p.head_chunks;
     const int chunk = blockIdx.y % p.head_chunks;
     const int b = blockIdx.z;
-    const int group_heads = p.n_heads / p.n_kv_heads;  // query heads per KV head
-    const int head0 = kv_head * group_heads + chunk * HEADS;  // this block's first query head
+    const int group_heads = p.n_heads / p.n_kv_heads;            // query heads per KV head
+    const int head0 = kv_head * group_heads + chunk * HEADS;     // this block's first query head
     const int n_here = min(HEADS, group_heads - chunk * HEADS);  // and how many it has
 
     // Keys [key_begin, key_begin + n_keys) of sequence b. The clamp guards the block table against
@@ -328,8 +328,8 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
 template <typename T>
 __global__ void merge_kernel(T* __restrict__ out, const float* __restrict__ part_out,
                              const float* __restrict__ part_max, const float* __restrict__ part_sum,
-                             const int32_t* __restrict__ context_lens, int n_heads, int head_dim,
-                             int partition_size, int n_partitions, int max_keys) {
+                             const int32_t* __restrict__ context_lens, int n_heads, int head_dim, int partition_size,
+                             int n_partitions, int max_keys) {
     const int h = blockIdx.x, b = blockIdx.y;
     const int context = min(max(context_lens[b], 0), max_keys);
     const int used = static_cast<int>((static_cast<int64_t>(context) + partition_size - 1) / partition_size);
@@ -373,11 +373,10 @@ cudaError_t launch_partitions(const Params& p, int batch, int heads_per_block, c
 
 }  // namespace
 
-cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool,
-                                   const void* v_pool, const int32_t* block_tables, const int32_t* context_lens,
-                                   float* workspace, int batch, int n_heads, int n_kv_heads, int head_dim,
-                                   int block_size, int max_blocks, int partition_size, float scale, DType dtype,
-                                   cudaStream_t stream) {
+cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                                   const int32_t* block_tables, const int32_t* context_lens, float* workspace,
+                                   int batch, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                                   int partition_size, float scale, DType dtype, cudaStream_t stream) {
     if (batch < 0 || n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0 || block_size <= 0 ||
         max_blocks <= 0 || partition_size <= 0 || partition_size % block_size != 0) {
         return cudaErrorInvalidValue;
@@ -401,8 +400,9 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
     if (static_cast<int64_t>(n_kv_heads) * head_chunks > 65535 || batch > 65535) return cudaErrorInvalidValue;
 
     const int64_t partials = static_cast<int64_t>(batch) * n_heads * n_partitions;
-    Params p{q, q_stride, k_pool, v_pool, block_tables, context_lens,
-             workspace, workspace + partials * head_dim, workspace + partials * head_dim + partials,
+    float* part_max = workspace + partials * head_dim;  // after the partial outputs
+    float* part_sum = part_max + partials;
+    Params p{q,       q_stride,   k_pool,     v_pool,     block_tables,   context_lens, workspace,   part_max, part_sum,
              n_heads, n_kv_heads, block_size, max_blocks, partition_size, n_partitions, head_chunks, scale};
 
     return dispatch_dtype(dtype, [&](auto tag) {
@@ -411,8 +411,8 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
                                                : launch_partitions<T, 128>(p, batch, heads_per_block, stream);
         if (err != cudaSuccess) return err;
         merge_kernel<T><<<dim3(n_heads, batch), head_dim, 0, stream>>>(
-            static_cast<T*>(out), p.part_out, p.part_max, p.part_sum, context_lens, n_heads, head_dim,
-            partition_size, n_partitions, static_cast<int>(max_keys));
+            static_cast<T*>(out), p.part_out, p.part_max, p.part_sum, context_lens, n_heads, head_dim, partition_size,
+            n_partitions, static_cast<int>(max_keys));
         return cudaGetLastError();
     });
 }

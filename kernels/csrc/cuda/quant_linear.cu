@@ -57,7 +57,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kOutPerWarp = 2;                     // rows of W per warp
+constexpr int kOutPerWarp = 2;                      // rows of W per warp
 constexpr int kOutPerBlock = kWarps * kOutPerWarp;  // 16
 constexpr int kChunk = 16;                          // bytes of a row of W per lane per load
 constexpr int kTileQuantum = 1024;                  // x tiles are multiples of this many inputs (one int4 stretch)
@@ -67,7 +67,9 @@ constexpr int kMaxRowsPerLaunch = 16;               // more rows of x: several l
 // Chunks of a row per lane per step, loaded before any is used: 2 rows x kUnroll x 16 bytes in
 // flight per lane. Fewer with many rows of x, whose partial sums need the registers.
 template <int MAX_ROWS>
-__host__ __device__ constexpr int unroll_for() { return MAX_ROWS <= 4 ? 4 : 2; }
+__host__ __device__ constexpr int unroll_for() {
+    return MAX_ROWS <= 4 ? 4 : 2;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -150,7 +152,7 @@ __device__ __forceinline__ float group_sum(float v) {  // over LANES consecutive
 template <typename T, typename Slot, int CHUNK_INPUTS, bool SUMS, int VEC>
 __device__ void stage_x(float* xs, float* chunk_sums, const T* x, int rows, int n_in, int k0, int kt, int tile) {
     const int kt_padded = (kt + CHUNK_INPUTS - 1) / CHUNK_INPUTS * CHUNK_INPUTS;  // <= tile
-    const int total = rows * kt_padded;                                          // a multiple of 16
+    const int total = rows * kt_padded;                                           // a multiple of 16
     const int lane = threadIdx.x % 32;
     // The loop runs while the warp's first element is in range, so that all 32 lanes reach the
     // shuffles of group_sum together; lanes past the end stage nothing.
@@ -204,11 +206,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const float* __restrict__ scale, const float* __restrict__ group_min, int rows, int n_in, int n_out,
                 int group_size, int group_shift, int tile) {
     constexpr int U = unroll_for<MAX_ROWS>();
-    constexpr int kInputs = 2 * kChunk;  // 32 inputs per chunk
+    constexpr int kInputs = 2 * kChunk;                                    // 32 inputs per chunk
     constexpr int X_VEC = ALIGNED ? 16 / static_cast<int>(sizeof(T)) : 1;  // x elements per staging load
-    extern __shared__ float4 smem[];     // float4: 16-byte aligned
-    float* xs = reinterpret_cast<float*>(smem);  // [rows][tile], in Int4Slot order
-    float* x_sums = xs + rows * tile;           // [rows][tile / 32]: sum of x per chunk
+    extern __shared__ float4 smem[];                                       // float4: 16-byte aligned
+    float* xs = reinterpret_cast<float*>(smem);                            // [rows][tile], in Int4Slot order
+    float* x_sums = xs + rows * tile;                                      // [rows][tile / 32]: sum of x per chunk
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int out0 = (blockIdx.x * kWarps + warp) * kOutPerWarp;  // this warp's first row of W
@@ -431,8 +433,8 @@ int blocks_for(int n_out) { return (n_out + kOutPerBlock - 1) / kOutPerBlock; }
 
 }  // namespace
 
-cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min,
-                        int rows, int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream) {
+cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+                        int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream) {
     // A chunk (32 inputs) must lie in one group: G a multiple of 32, as the contract says.
     if (rows < 0 || n_in < 0 || n_out < 0 || group_size <= 0 || group_size % 32 != 0 || n_in % group_size != 0) {
         return cudaErrorInvalidValue;
@@ -453,8 +455,8 @@ cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const flo
             const cudaError_t err = with_max_rows(chunk, [&](auto max_rows) {
                 constexpr int R = decltype(max_rows)::value;
                 auto kernel = aligned ? int4_kernel<T, R, true> : int4_kernel<T, R, false>;
-                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, packed, scale, min, chunk, n_in,
-                              n_out, group_size, group_shift, tile);
+                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, packed, scale, min, chunk, n_in, n_out,
+                              group_size, group_shift, tile);
             });
             if (err != cudaSuccess) return err;
         }
@@ -462,8 +464,8 @@ cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const flo
     });
 }
 
-cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in,
-                        int n_out, DType dtype, cudaStream_t stream) {
+cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                        DType dtype, cudaStream_t stream) {
     if (rows < 0 || n_in < 0 || n_out < 0) return cudaErrorInvalidValue;
     if (rows == 0 || n_out == 0) return cudaSuccess;
     // ALIGNED: 16-byte loads of W and x; with n_in % 16 == 0 every row keeps the first's alignment.
