@@ -12,19 +12,26 @@ LATEST := $(lastword $(CHAPTERS))
 CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
 CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER))))))_*))
 PYTEST_FLAGS ?= -q
+# Test workers (pytest-xdist): one per core, at most 8; each worker's torch gets cores/workers threads
+# (common/testing.py), so they share the cores rather than fight over them. TEST_WORKERS=1: one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n : 8 )))
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+# Carried tests that reach only code identical to the previous chapter's skip (common/carried.py);
+# RUN_CARRIED_TESTS=1 runs them too.
 
 export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: setup models kernels kernels-cuda-check run test test-common notebooks bench clean help serve
+.PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make run    - set up (first time) and chat with the most complete engine (PROMPT=, MODEL=, CHAPTER=, QUANT=)"
 	@echo "make test   - set up (first time) and run every chapter's tests and tests/"
-	@echo "make test-chapterN, make diff-chapterN, make models, make kernels, make kernels-cuda-check, make bench, make clean"
+	@echo "make test-chapterN, make diff-chapterN, make models, make kernels, make kernels-check, make bench, make clean"
+	@echo "  (TEST_WORKERS=N parallel test workers, default one per core; RUN_CARRIED_TESTS=1 also runs carried tests)"
 
 # --- setup: a venv with pinned requirements, then the models. Stamps make the second run instant.
 $(VENV)/.stamp: requirements.txt pyproject.toml
@@ -52,6 +59,12 @@ kernels: $(VENV)/.stamp
 kernels-cuda-check:
 	@bash kernels/csrc/cuda/check_compile.sh
 
+# Every C++ and CUDA source compiled with -Wall -Wextra -Werror: the C++ half against the venv's torch
+# (kernels/csrc/cpu/check_compile.sh), then the CUDA half where nvcc is (kernels-cuda-check).
+kernels-check: $(VENV)/.stamp
+	@PYTHON=$(PY) bash kernels/csrc/cpu/check_compile.sh
+	@if command -v nvcc >/dev/null; then bash kernels/csrc/cuda/check_compile.sh; else echo "CUDA sources skipped: no nvcc on PATH"; fi
+
 # --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
 run: setup
 	@if [ -f $(CHAPTER_DIR)/cli.py ]; then \
@@ -67,16 +80,15 @@ run: setup
 test: setup
 	@failed=""; \
 	for d in $(CHAPTERS); do \
-	  echo "=== $$d"; $(PY) -m pytest $(PYTEST_FLAGS) $$d/tests || failed="$$failed $$d"; \
+	  echo "=== $$d"; $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $$d/tests || failed="$$failed $$d"; \
 	done; \
-	echo "=== kernels/"; $(PY) -m pytest $(PYTEST_FLAGS) kernels/tests || failed="$$failed kernels/"; \
-	echo "=== kernels/ CUDA sources (nvcc)"; if command -v nvcc >/dev/null; then bash kernels/csrc/cuda/check_compile.sh || failed="$$failed kernels-cuda-check"; \
-	  else echo "skipped: no nvcc on PATH"; fi; \
-	echo "=== tests/"; $(PY) -m pytest $(PYTEST_FLAGS) tests || failed="$$failed tests/"; \
+	echo "=== kernels/"; $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) kernels/tests || failed="$$failed kernels/"; \
+	echo "=== kernels/ sources (-Werror)"; $(MAKE) --no-print-directory kernels-check || failed="$$failed kernels-check"; \
+	echo "=== tests/"; $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) tests || failed="$$failed tests/"; \
 	if [ -n "$$failed" ]; then echo "FAILED:$$failed"; exit 1; fi; echo "all test suites passed"
 
 test-chapter%: setup
-	$(PY) -m pytest $(PYTEST_FLAGS) $(wildcard chapters/$(shell printf '%02d' $*)_*/tests)
+	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(wildcard chapters/$(shell printf '%02d' $*)_*/tests)
 
 # The lesson of chapter N: its engine code against chapter N-1's (new files in full), code first;
 # ALL=1 adds README, tests, benches and figures. Needs only the standard library.

@@ -1,7 +1,9 @@
-"""Helpers for chapter tests that compare one chapter with another."""
+"""Helpers for tests: comparing one chapter with another, and sharing the cores between workers."""
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 
 import pytest
@@ -16,3 +18,22 @@ def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:
         return load_chapter(number, *module_names)
     except ChapterNotFoundError as e:
         pytest.skip(f"compares with chapter {number:02d}, which is not here ({e})")
+
+
+def threads_per_worker() -> int | None:
+    """Under pytest-xdist, this machine's cores divided among the workers; None in a plain run."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+
+
+def pytest_configure(config):
+    """Parallel workers share the cores: each worker's torch, and every server or script it starts
+    (they inherit OMP_NUM_THREADS), gets its share of them. Two workers each running a two-thread
+    OpenMP team on two cores would stall each other: a team waits for its slowest thread, and that
+    thread is descheduled half the time. A conftest takes this hook by importing it."""
+    threads = threads_per_worker()
+    if threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # the chapter conftest imported it before this hook ran
+        sys.modules["torch"].set_num_threads(threads)

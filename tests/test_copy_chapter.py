@@ -13,6 +13,7 @@ from pathlib import Path
 
 
 from common.models import MODELS_DIR
+from kernels.build import build_root
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO / "chapters").glob("[0-9][0-9]_*"))
@@ -31,9 +32,12 @@ def copy_out(tmp_path: Path) -> Path:
 
 def clean_env() -> dict:
     """This environment without PYTHONPATH; MODELS_DIR says where the prepared models are, as a
-    reader with a copy would set it (the copy has no models/ of its own)."""
+    reader with a copy would set it (the copy has no models/ of its own). KERNELS_BUILD_DIR points
+    at the repository's build of kernels/: the copy's sources are the same bytes, so it loads that
+    build instead of compiling its own (a minute), as a copy with changed sources would not."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(MODELS_DIR=str(MODELS_DIR), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.update(MODELS_DIR=str(MODELS_DIR), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               KERNELS_BUILD_DIR=str(build_root()))
     return env
 
 
@@ -74,10 +78,14 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
     code = "import common; print(common.__file__)"
     where = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True)
     assert where.stdout.strip() == str(root / "common" / "__init__.py"), where.stderr
-    # The copy's own suites of its engine, kernels and server: the whole chapter suite runs in its own
-    # `make test` step already, and running all of it twice would cost CI ten minutes.
-    suites = [f"{NEWEST.name}/tests/{t}" for t in ("test_engine.py", "test_batching.py", "test_server.py",
-                                                   "test_kernels_engine.py", "test_components.py")
+    # Every test module of the copy must import there (collection), and the suites that reach
+    # what a copy changes run: the kernels it loads, the server it starts as a subprocess, the
+    # engine beside the comparisons that must skip. The rest of the chapter's suite ran in its own
+    # `make test` step on the same bytes; running all of it twice would double its cost.
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", NEWEST.name],
+                       cwd=root, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and re.search(r"\d+ tests collected", r.stdout), r.stdout[-4000:] + r.stderr[-2000:]
+    suites = [f"{NEWEST.name}/tests/{t}" for t in ("test_kernels_engine.py", "test_server.py", "test_components.py")
               if (NEWEST / "tests" / t).exists()] or [NEWEST.name]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *suites],
@@ -85,5 +93,6 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert re.search(r"\d+ passed", r.stdout), r.stdout[-2000:]
+    assert "carried unchanged" not in r.stdout, "a chapter on its own has no neighbour to have run its tests"
     compares = any("load_neighbour(" in p.read_text() for p in (root / NEWEST.name / "tests").glob("*.py"))
     assert not compares or "compares with chapter" in r.stdout, r.stdout[-2000:]

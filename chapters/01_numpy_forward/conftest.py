@@ -6,3 +6,6 @@ from this file's presence alone: pytest (in its default "prepend" import mode) p
 a conftest.py that is not inside a package first on sys.path before importing it. `common` needs
 nothing: it is an installed package (pyproject.toml).
 """
+
+from common.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
+from common.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)

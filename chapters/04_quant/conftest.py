@@ -12,6 +12,9 @@ import os
 import pytest
 import torch
 
+from common.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
+from common.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)
+
 
 def _available(device: str) -> str | None:
     """None when usable, else why not."""
