@@ -1,5 +1,7 @@
 """Figures for chapter 03's server limits, measured against a live server on localhost (not a test).
 
+Usage, from the repository's root:
+
     python bench/server_limits.py --model smollm2-135m
 
 1. abandoned work: 5 clients send non-streaming requests (max_tokens 150) and give up after
@@ -13,40 +15,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 
+from common.bench import servers
 from common.chapters import chapter_dir
-
-SERVER = chapter_dir(3) / "server.py"
 
 
 @contextlib.contextmanager
 def server(model: str, *flags: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--model", model, "--port", str(port), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    """Chapter 03's server on a free port, stopped on the way out: -> its base url."""
+    with servers({"ch03": (chapter_dir(3), ["--model", model, *flags])}) as urls:
+        yield urls["ch03"]
 
 
 def abandoned(url: str) -> None:

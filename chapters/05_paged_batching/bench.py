@@ -1,10 +1,12 @@
 """What continuous batching and the paged KV cache buy: throughput, latency, prefill stalls, prefix
 reuse and KV memory, measured through the OpenAI API and engine to engine.
 
-    python chapters/05_paged_batching/bench.py                  # every part: the README's figures
-    python chapters/05_paged_batching/bench.py --parts throughput --concurrency 1,4 --max-tokens 16
-    python chapters/05_paged_batching/bench.py --quant int4     # int4 weights, in both servers and the engine
-    python chapters/05_paged_batching/bench.py --parts engine --peers llama.cpp   # plus llama.cpp, batched
+Usage, from this chapter's folder:
+
+    python bench.py                                   # every part: the README's figures
+    python bench.py --parts throughput --concurrency 1,4 --max-tokens 16
+    python bench.py --quant int4                      # int4 weights, in both servers and the engine
+    python bench.py --parts engine --peers llama.cpp  # plus llama.cpp, batched
 
 Parts (--parts, comma-separated; all by default):
 
@@ -43,285 +45,47 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import socket
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
-from common.bench import RESULTS_DIR, machine
-from common.chapters import chapter_exists, chapter_dir
+from common.bench import (LONG_TEXT, PROMPTS, RESULTS_DIR, chat_body, combine_rounds, command_line, concurrent_round,
+                          fmt, int_list, machine, median, new_client, pct, servers, stream, throughput_rounds)
+from common.chapters import chapter_dir, chapter_exists
 from common.cli import run_main
+from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent
+CH = f"ch{HERE.name[:2]}"  # this chapter's label, from its folder's name: ch05
 PARTS = ("throughput", "engine", "chunked", "prefix", "memory")
 BLOCK_SIZE = 16  # server.py's default --block-size: the servers here run with it
 GiB = 2**30
-
-# 32 short chat questions of varied length and topic: the prompts of parts 1, 2 and 5.
-PROMPTS = [
-    "Why is the sky blue?",
-    "Write a haiku about autumn leaves.",
-    "What is the capital of Australia, and why was it chosen over Sydney and Melbourne?",
-    "Explain recursion to a ten-year-old.",
-    "List three uses of baking soda around the house.",
-    "How do vaccines train the immune system?",
-    "Translate 'good morning, how are you?' into French and Spanish.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give me a short motivational quote.",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "Why do cats purr?",
-    "How does a refrigerator keep food cold?",
-    "What are the main causes of the French Revolution? Keep it brief.",
-    "Suggest a name for a small coffee shop near the sea.",
-    "What is photosynthesis?",
-    "How many legs does a spider have, and how many does an insect have?",
-    "Describe the smell of rain.",
-    "What should I pack for a three-day hiking trip in the mountains in early spring?",
-    "Explain what a black hole is in simple words.",
-    "Is a tomato a fruit or a vegetable?",
-    "Write one sentence that uses the word 'serendipity'.",
-    "How do I make a cup of green tea properly?",
-    "What is the Pythagorean theorem, with an example?",
-    "Why do leaves change colour in the autumn?",
-    "Tell me a fun fact about octopuses.",
-    "What does a database index do, and when can it slow things down?",
-    "How far is the Moon from the Earth?",
-    "Give two tips for a job interview.",
-    "What is the boiling point of water at the top of Mount Everest, roughly, and why is it lower?",
-    "Name three famous painters of the Renaissance.",
-    "What is the difference between weather and climate?",
-    "Compose a limerick about a forgetful robot.",
-]
-
-# Filler for the long prompts of parts 3 and 4 (repeated to the length asked for).
-LONG_TEXT = (
-    "The lighthouse keeper kept a careful log of every ship that passed the headland. In the spring the "
-    "fishing boats went out before dawn and came back heavy with mackerel; in the summer the yachts of the "
-    "wealthy drifted by under white sails, and in the autumn the cargo steamers ploughed south with coal, "
-    "timber and grain. Each entry recorded the hour, the wind, the state of the sea and the name of the "
-    "vessel when it could be read. Over forty years the log filled twenty-three volumes, and historians "
-    "later used it to reconstruct the trade of the whole coast, the decline of sail and the storms that "
-    "wrecked eleven ships on the rocks below. The keeper himself wrote little about his own life: a note "
-    "on the birth of a daughter, the death of a dog, a winter so cold that the oil froze in the lamp. "
-)
 
 
 # --- servers -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the server's process, before exec: SIGTERM it when the bench dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def server_command(args, chapter: int, port: int, flags: list[str]) -> list[str]:
-    script = (HERE if chapter == 5 else chapter_dir(chapter)) / "server.py"
-    cmd = [sys.executable, str(script), "--model", args.model, "--port", str(port), "--device", args.device,
-           "--dtype", args.dtype]
-    if args.quant:
-        cmd += ["--quant", args.quant]
-    if chapter == 5:
-        cmd += ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", str(args.max_num_seqs),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return cmd + flags
-
-
-def shown(path: str) -> str:
-    """A script's path as the JSON records it: relative to the repository, when it is inside it."""
-    try:
-        return str(Path(path).relative_to(HERE.parent.parent))
-    except ValueError:
-        return path
-
-
-@contextlib.contextmanager
-def servers(args, specs: dict[str, tuple[int, list[str]]], record: dict):
-    """Starts every server of `specs` ({label: (chapter, extra flags)}) at once, waits for their
-    /health, and yields {label: base url}. Every process is terminated on the way out, whatever
-    happened. Each one's command and its start-up line go into `record`."""
-    import httpx
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    procs = {}
-    try:
-        for label, (chapter, flags) in specs.items():
-            port = free_port()
-            cmd = server_command(args, chapter, port, flags)
-            log = tempfile.TemporaryFile("w+")
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            procs[label] = (proc, f"http://127.0.0.1:{port}", log, cmd)
-        for label, (proc, url, log, cmd) in procs.items():
-            deadline = time.time() + args.server_timeout
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"{label} server exited with status {proc.returncode}:\n{log.read()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.time() > deadline:
-                    raise RuntimeError(f"{label} server did not answer /health in {args.server_timeout:.0f} s")
-                time.sleep(0.2)
-            log.seek(0)
-            banner = next((line.strip() for line in log if line.startswith("serving")), "")
-            record[label] = {"command": " ".join(["python", shown(cmd[1]), *cmd[2:]]), "banner": banner}
-            print(f"[server] {label}: {banner or url}", file=sys.stderr, flush=True)
-        yield {label: url for label, (_, url, _, _) in procs.items()}
-    finally:
-        for proc, *_ in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, _, log, _ in procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-
-
-# --- a streaming client ------------------------------------------------------------------------
-
-
-def chat_body(question: str, max_tokens: int, system: str | None = None) -> dict:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    return {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-
-
-async def stream(client, url: str, path: str, body: dict, progress: list | None = None,
-                 stop: asyncio.Event | None = None) -> dict:
-    """One streamed request. -> t_send, the arrival time of every chunk that carries tokens (text,
-    or the finish), usage (prompt and completion tokens) and the finish reason. `progress`, if
-    given, is a one-element list kept at the number of chunks so far; the stream hangs up early
-    (the server then aborts the request) when `stop` is set."""
-    times, usage, finish = [], None, None
-    t_send = time.perf_counter()
-    async with client.stream("POST", url + path, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"POST {path}: HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"POST {path}: error in the stream: {chunk['error']}")
-            now = time.perf_counter()
-            usage = chunk.get("usage") or usage
-            carries = False
-            for c in chunk.get("choices") or []:
-                text = c["text"] if "text" in c else (c.get("delta") or {}).get("content")
-                carries |= bool(text) or c.get("finish_reason") is not None
-                finish = c.get("finish_reason") or finish
-            if carries:
-                times.append(now)
-                if progress is not None:
-                    progress[0] = len(times)
-                if stop is not None and stop.is_set():
-                    break
-    return {"t_send": t_send, "times": times, "usage": usage, "finish": finish}
-
-
-async def watch_health(client, url: str, stop: asyncio.Event, interval: float = 0.05) -> dict:
-    """Polls /health until `stop`: the peaks of KV blocks used, running and waiting, and the last reply."""
-    peak, last = {}, {}
-    while True:
-        with contextlib.suppress(Exception):
-            last = (await client.get(url + "/health", timeout=5)).json()
-            for key in ("kv_blocks_used", "running", "waiting"):
-                if key in last:
-                    peak[key] = max(peak.get(key, 0), last[key])
-        if stop.is_set():
-            return {"peak": peak, "last": last}
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
-
-
-def pct(xs, q: float) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
-
-
-def median(xs):
-    xs = [x for x in xs if x is not None and x == x]
-    return statistics.median(xs) if xs else None
-
-
-def new_client(n: int):
-    import httpx
-
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
-                             limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8))
+def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
+    """common.bench.servers on `specs` ({label: (a chapter's folder, extra flags)}): each server with the
+    bench's model, device, dtype and weights, and this chapter's (folder HERE) with its scheduler's
+    settings too (chapter 04's has none)."""
+    base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
+    base += ["--quant", args.quant] if args.quant else []
+    ours = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    argv = {label: (folder, base + (ours if folder == HERE else []) + flags) for label, (folder, flags) in specs.items()}
+    return servers(argv, record, threads=args.threads, timeout=args.server_timeout)
 
 
 # --- part 1: throughput against concurrency ------------------------------------------------------
-
-
-async def concurrent_round(url: str, n: int, max_tokens: int, watch: float | None) -> dict:
-    """n clients at once, one chat request each (prompts 0..n-1 of PROMPTS, cycled); /health polled
-    every `watch` seconds (None: not at all)."""
-    async with new_client(n) as client, new_client(1) as health_client:
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(watch_health(health_client, url, stop, watch)) if watch else None
-        t0 = time.perf_counter()
-        try:
-            results = await asyncio.gather(*[stream(client, url, "/v1/chat/completions",
-                                                    chat_body(PROMPTS[i % len(PROMPTS)], max_tokens))
-                                             for i in range(n)])
-        finally:
-            wall = time.perf_counter() - t0
-            stop.set()
-            health = await watcher if watcher else {"peak": {}, "last": {}}
-    ttft = [(r["times"][0] - r["t_send"]) * 1e3 for r in results if r["times"]]
-    itl = [g * 1e3 for r in results for g in np.diff(r["times"])]
-    tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["times"]) for r in results)
-    return {"concurrency": n, "requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p99": pct(itl, 99), "chunks": sum(len(r["times"]) for r in results),
-            "prompt_tokens": [r["usage"]["prompt_tokens"] if r["usage"] else None for r in results],
-            "finish": sorted({r["finish"] for r in results}, key=str),
-            "peak_kv_blocks_used": health["peak"].get("kv_blocks_used"),
-            "peak_running": health["peak"].get("running"), "peak_waiting": health["peak"].get("waiting"),
-            "kv_blocks_total": health["last"].get("kv_blocks_total"), "preemptions": health["last"].get("preemptions")}
-
-
-def combine(runs: list[dict]) -> dict:
-    """Rounds of one configuration -> medians, the peaks' maximum, and every round's tok/s."""
-    out = {"concurrency": runs[0]["concurrency"], "requests": runs[0]["requests"], "tokens": runs[0]["tokens"],
-           "tokens_per_round": [r["tokens"] for r in runs], "prompt_tokens": runs[0]["prompt_tokens"],
-           "finish": runs[0]["finish"], "tok_s_runs": [r["tok_s"] for r in runs]}
-    for key in ("tok_s", "wall_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
-        out[key] = median([r[key] for r in runs])
-    for key in ("peak_kv_blocks_used", "peak_running", "peak_waiting"):
-        out[key] = max((r[key] for r in runs if r[key] is not None), default=None)
-    out["kv_blocks_total"] = runs[0]["kv_blocks_total"]
-    out["preemptions"] = runs[-1]["preemptions"]
-    return out
 
 
 def part_throughput(args, record: dict, with_ch04: bool = True) -> dict:
@@ -329,31 +93,18 @@ def part_throughput(args, record: dict, with_ch04: bool = True) -> dict:
     if ch04 and not chapter_exists(4):
         print("[throughput] chapter 04 is not beside this chapter: its server is skipped", file=sys.stderr)
         ch04 = False
-    specs = {"ch05": (5, ["--no-prefix-caching"])} | ({"ch04": (4, [])} if ch04 else {})
-    runs: dict[tuple[str, int], list[dict]] = {}
-    with servers(args, specs, record.setdefault("servers", {}).setdefault("throughput", {})) as urls:
-
-        async def go():
-            for url in urls.values():  # the first requests of a fresh server are slow
-                await concurrent_round(url, 2, 4, watch=None)
-            plan = [("ch05", n) for n in args.concurrency] + [("ch04", n) for n in args.ch04_concurrency if ch04]
-            for r in range(args.repeats):
-                for label, n in plan:
-                    run = await concurrent_round(urls[label], n, args.max_tokens, watch=args.health_interval)
-                    runs.setdefault((label, n), []).append(run)
-                    print(f"[throughput] round {r + 1}/{args.repeats} {label} N={n:<3} {run['tok_s']:8.1f} tok/s  "
-                          f"TTFT p50 {run['ttft_ms_p50']:7.1f} ms  ITL p50 {run['itl_ms_p50']:6.1f} ms  "
-                          f"peak KV blocks {run['peak_kv_blocks_used']}", file=sys.stderr, flush=True)
-
-        asyncio.run(go())
-    result = {"ch05": [combine(runs[("ch05", n)]) for n in args.concurrency],
-              "ch04": [combine(runs[("ch04", n)]) for n in args.ch04_concurrency] if ch04 else []}
-    common = sorted({r["concurrency"] for r in result["ch05"]} & {r["concurrency"] for r in result["ch04"]})
+    specs = {CH: (HERE, ["--no-prefix-caching"])} | ({"ch04": (chapter_dir(4), [])} if ch04 else {})
+    plan = [(CH, n) for n in args.concurrency] + [("ch04", n) for n in args.ch04_concurrency if ch04]
+    with start_servers(args, specs, record.setdefault("servers", {}).setdefault("throughput", {})) as urls:
+        runs = throughput_rounds(urls, plan, args.repeats, args.max_tokens, args.health_interval)
+    result = {CH: [combine_rounds(runs[(CH, n)]) for n in args.concurrency],
+              "ch04": [combine_rounds(runs[("ch04", n)]) for n in args.ch04_concurrency] if ch04 else []}
+    common = sorted({r["concurrency"] for r in result[CH]} & {r["concurrency"] for r in result["ch04"]})
     if common:
         n = 16 if 16 in common else common[-1]
-        a = next(r for r in result["ch05"] if r["concurrency"] == n)["tok_s"]
+        a = next(r for r in result[CH] if r["concurrency"] == n)["tok_s"]
         b = next(r for r in result["ch04"] if r["concurrency"] == n)["tok_s"]
-        result["ratio_ch05_ch04"] = {"concurrency": n, "ratio": a / b}
+        result[f"ratio_{CH}_ch04"] = {"concurrency": n, "ratio": a / b}
     return result
 
 
@@ -406,7 +157,7 @@ def decode_step_ms(engine, prompts: list[list[int]], steps: int) -> dict:
             engine.abort(rid)
     if shapes != {(len(prompts), 1)}:
         raise RuntimeError(f"decode steps of {len(prompts)} sequences ran (sequences, tokens) {shapes}")
-    return {"sequences": len(prompts), "step_ms": statistics.median(times) * 1e3, "steps": steps}
+    return {"sequences": len(prompts), "step_ms": median(times) * 1e3, "steps": steps}
 
 
 def hf_static_batch(model, prompts: list[list[int]], max_tokens: int, pad_id: int, device) -> tuple[float, int]:
@@ -459,36 +210,32 @@ def open_peers(args, engine, prompts: list[list[int]]) -> dict | None:
         print(f"[engine] llama.cpp skipped: {reason}", file=sys.stderr, flush=True)
         return None
     ours, llama = {}, {}
-    for fmt, quant in PEER_FORMATS.items():
+    for gguf, quant in PEER_FORMATS.items():
         if quant == args.quant and args.dtype == "bfloat16":
-            ours[fmt] = engine
+            ours[gguf] = engine
         else:
-            print(f"[engine] building ch05 with {quant or 'bf16'} weights (beside llama.cpp {fmt})", file=sys.stderr,
+            print(f"[engine] building {CH} with {quant or 'bf16'} weights (beside llama.cpp {gguf})", file=sys.stderr,
                   flush=True)
-            ours[fmt] = build_our_engine(SimpleNamespace(**{**vars(args), "quant": quant, "dtype": "bfloat16"}))
-            engine_generate(ours[fmt], prompts[:2], 2)  # warm-up
-        llama[fmt] = BatchedLlamaCpp(gguf_path(fmt), slots=len(prompts),
-                                     ctx_per_seq=max(map(len, prompts)) + args.max_tokens,
-                                     max_batch_tokens=sum(map(len, prompts)), threads=args.threads)
-        llama[fmt].generate(prompts, 2)  # warm-up: pages the weights in, starts the threads
+            ours[gguf] = build_our_engine(SimpleNamespace(**{**vars(args), "quant": quant, "dtype": "bfloat16"}))
+            engine_generate(ours[gguf], prompts[:2], 2)  # warm-up
+        llama[gguf] = BatchedLlamaCpp(gguf_path(gguf), slots=len(prompts),
+                                      ctx_per_seq=max(map(len, prompts)) + args.max_tokens,
+                                      max_batch_tokens=sum(map(len, prompts)), threads=args.threads)
+        llama[gguf].generate(prompts, 2)  # warm-up: pages the weights in, starts the threads
     return {"ours": ours, "llama": llama, "sizes": sorted({1, len(prompts)}), "runs": {}}
 
 
 def peer_round(args, state: dict, prompts: list[list[int]]) -> None:
     """One round: per format and N, our Engine.generate then llama.cpp on prompts[:N]."""
     runs = state["runs"]
-    for fmt, quant in PEER_FORMATS.items():
+    for gguf, quant in PEER_FORMATS.items():
         for n in state["sizes"]:
-            dt, tokens = engine_generate(state["ours"][fmt], prompts[:n], args.max_tokens)
-            runs.setdefault((f"ch05 {quant or 'bf16'}", n), []).append({"tok_s": tokens / dt, "tokens": tokens})
-            r = state["llama"][fmt].generate(prompts[:n], args.max_tokens)
-            runs.setdefault((f"llama.cpp {fmt}", n), []).append(r)
-            print(f"[engine] N={n:<3} ch05 {quant or 'bf16':<4} {tokens / dt:7.1f} tok/s  llama.cpp {fmt:<4} "
-                  f"{r['tok_s']:7.1f} tok/s (decode {fmt_tok_s(r['decode_tok_s'])})", file=sys.stderr, flush=True)
-
-
-def fmt_tok_s(x) -> str:
-    return "-" if x is None else f"{x:.1f}"
+            dt, tokens = engine_generate(state["ours"][gguf], prompts[:n], args.max_tokens)
+            runs.setdefault((f"{CH} {quant or 'bf16'}", n), []).append({"tok_s": tokens / dt, "tokens": tokens})
+            r = state["llama"][gguf].generate(prompts[:n], args.max_tokens)
+            runs.setdefault((f"llama.cpp {gguf}", n), []).append(r)
+            print(f"[engine] N={n:<3} {CH} {quant or 'bf16':<4} {tokens / dt:7.1f} tok/s  llama.cpp {gguf:<4} "
+                  f"{r['tok_s']:7.1f} tok/s (decode {fmt(r['decode_tok_s'])})", file=sys.stderr, flush=True)
 
 
 def close_peers(args, state: dict, prompts: list[list[int]], check_tokens: int = 8) -> dict:
@@ -507,17 +254,17 @@ def close_peers(args, state: dict, prompts: list[list[int]], check_tokens: int =
     n_big = state["sizes"][-1]
     k = min(check_tokens, args.max_tokens)
     try:
-        for fmt, peer in state["llama"].items():
-            info[fmt] = peer.info()
-            batched = state["runs"][(f"llama.cpp {fmt}", n_big)][-1]["ids"]
+        for gguf, peer in state["llama"].items():
+            info[gguf] = peer.info()
+            batched = state["runs"][(f"llama.cpp {gguf}", n_big)][-1]["ids"]
             alone = [peer.generate([p], k)["ids"][0] for p in prompts[:n_big]]
             agree = [i for i in range(n_big) if batched[i][:k] == alone[i]]
-            agreement[fmt] = {"prompts": n_big, "check_tokens": k, "agree": len(agree),
-                              "differ": [i for i in range(n_big) if i not in agree]}
+            agreement[gguf] = {"prompts": n_big, "check_tokens": k, "agree": len(agree),
+                               "differ": [i for i in range(n_big) if i not in agree]}
     finally:
         for peer in state["llama"].values():
             peer.close()
-    return {"sizes": state["sizes"], "formats": {fmt: quant or "bf16" for fmt, quant in PEER_FORMATS.items()},
+    return {"sizes": state["sizes"], "formats": {gguf: quant or "bf16" for gguf, quant in PEER_FORMATS.items()},
             "llama_cpp": info, "series": series, "batch1_agreement": agreement}
 
 
@@ -542,7 +289,7 @@ def part_engine(args) -> dict:
             theirs.append(hf_static_batch(hf, prompts, args.max_tokens, pad, engine.model.device))
         for n in steps:
             steps[n].append(decode_step_ms(engine, prompts[:n], args.decode_steps)["step_ms"])
-        print(f"[engine] round {r + 1}/{args.repeats} ch05 {ours[-1][1] / ours[-1][0]:7.1f} tok/s"
+        print(f"[engine] round {r + 1}/{args.repeats} {CH} {ours[-1][1] / ours[-1][0]:7.1f} tok/s"
               + (f"  HF static batch {theirs[-1][1] / theirs[-1][0]:7.1f} tok/s" if theirs else "")
               + "  decode step " + ", ".join(f"{n} seqs {v[-1]:.1f} ms" for n, v in steps.items()),
               file=sys.stderr, flush=True)
@@ -551,8 +298,8 @@ def part_engine(args) -> dict:
     n_big = len(prompts)
     dtype = str(engine.model.dtype).removeprefix("torch.")
     result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "prompt_tokens": [len(p) for p in prompts],
-              "ch05_tokens": ours[0][1], "ch05_tok_s": median([t / s for s, t in ours]),
-              "ch05_tok_s_runs": [t / s for s, t in ours],
+              f"{CH}_tokens": ours[0][1], f"{CH}_tok_s": median([t / s for s, t in ours]),
+              f"{CH}_tok_s_runs": [t / s for s, t in ours],
               "hf": f"transformers generate, static batch, left padding, sdpa, {dtype}"
                     + (" (unquantized)" if args.quant else "") if hf is not None else None,
               "hf_tokens": theirs[0][1] if theirs else None,
@@ -560,7 +307,7 @@ def part_engine(args) -> dict:
               "hf_tok_s_runs": [t / s for s, t in theirs],
               "decode_step_ms": {str(n): median(v) for n, v in steps.items()},
               "decode_step_ms_runs": {str(n): v for n, v in steps.items()}, "decode_steps_timed": args.decode_steps}
-    result["ratio_ch05_hf"] = result["ch05_tok_s"] / result["hf_tok_s"] if result["hf_tok_s"] else None
+    result[f"ratio_{CH}_hf"] = result[f"{CH}_tok_s"] / result["hf_tok_s"] if result["hf_tok_s"] else None
     result["step_ratio"] = result["decode_step_ms"][str(n_big)] / result["decode_step_ms"]["1"]
     if peer_state:
         result["peers"] = close_peers(args, peer_state, prompts)
@@ -638,9 +385,9 @@ async def chunked_round(url: str, long_ids: list[int], args) -> dict:
 
 
 def part_chunked(args, tokenizer: Tokenizer, record: dict) -> dict:
-    modes = {"chunked": (5, []), "unchunked": (5, ["--no-chunked-prefill"])}
+    modes = {"chunked": (HERE, []), "unchunked": (HERE, ["--no-chunked-prefill"])}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    with servers(args, modes, record.setdefault("servers", {}).setdefault("chunked", {})) as urls:
+    with start_servers(args, modes, record.setdefault("servers", {}).setdefault("chunked", {})) as urls:
 
         async def go():
             for url in urls.values():
@@ -669,11 +416,11 @@ def part_chunked(args, tokenizer: Tokenizer, record: dict) -> dict:
 
 
 def part_prefix(args, tokenizer: Tokenizer, record: dict) -> dict:
-    modes = {"cached": (5, []), "uncached": (5, ["--no-prefix-caching"])}
+    modes = {"cached": (HERE, []), "uncached": (HERE, ["--no-prefix-caching"])}
     ttft: dict[str, list[float]] = {"cached_first": [], "cached_second": [], "uncached_first": [], "uncached_second": []}
     prompt_tokens = []
     health = {}
-    with servers(args, modes, record.setdefault("servers", {}).setdefault("prefix", {})) as urls:
+    with start_servers(args, modes, record.setdefault("servers", {}).setdefault("prefix", {})) as urls:
 
         async def go():
             async with new_client(2) as client:
@@ -749,10 +496,6 @@ def part_memory(args) -> dict:
 # --- output ------------------------------------------------------------------------------------
 
 
-def fmt(x, spec: str = ".1f", none: str = "-") -> str:
-    return none if x is None or x != x else format(x, spec)
-
-
 def print_tables(result: dict) -> None:
     tp = result.get("throughput")
     if tp:
@@ -760,23 +503,23 @@ def print_tables(result: dict) -> None:
               f"{result['repeats']} rounds")
         print(f"{'server':<6} {'N':>3} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
               f"{'ITL p99':>8} {'KV blocks':>9} {'running':>7}")
-        for label in ("ch05", "ch04"):
+        for label in (CH, "ch04"):
             for r in tp[label]:
                 print(f"{label:<6} {r['concurrency']:>3} {r['tokens']:>6} {fmt(r['tok_s']):>8} "
                       f"{fmt(r['ttft_ms_p50'], '.0f'):>9} {fmt(r['ttft_ms_p99'], '.0f'):>9} "
                       f"{fmt(r['itl_ms_p50']):>8} {fmt(r['itl_ms_p99']):>8} "
                       f"{fmt(r['peak_kv_blocks_used'], 'd'):>9} {fmt(r['peak_running'], 'd'):>7}")
-        if "ratio_ch05_ch04" in tp:
-            q = tp["ratio_ch05_ch04"]
-            print(f"ch05 / ch04 aggregate tok/s at N={q['concurrency']}: {q['ratio']:.2f}x")
+        if f"ratio_{CH}_ch04" in tp:
+            q = tp[f"ratio_{CH}_ch04"]
+            print(f"{CH} / ch04 aggregate tok/s at N={q['concurrency']}: {q['ratio']:.2f}x")
         print(f"(ms; KV blocks and running: peaks of /health, polled every {result['health_interval_ms']:g} ms)")
     en = result.get("engine")
     if en:
         n = en["prompts"]
-        hf = (f", HF generate static batch {fmt(en['hf_tok_s'])} tok/s -> {fmt(en['ratio_ch05_hf'], '.2f')}x"
+        hf = (f", HF generate static batch {fmt(en['hf_tok_s'])} tok/s -> {fmt(en[f'ratio_{CH}_hf'], '.2f')}x"
               if en["hf_tok_s"] else ", HF transformers skipped")
-        print(f"\nengine, no HTTP, {n} prompts x {en['max_tokens']} tokens: ch05 Engine.generate "
-              f"{fmt(en['ch05_tok_s'])} tok/s{hf}")
+        print(f"\nengine, no HTTP, {n} prompts x {en['max_tokens']} tokens: {CH} Engine.generate "
+              f"{fmt(en[f'{CH}_tok_s'])} tok/s{hf}")
         s = en["decode_step_ms"]
         print(f"decode step: 1 sequence {fmt(s['1'], '.2f')} ms, {n} sequences {fmt(s[str(n)], '.2f')} ms "
               f"({en['step_ratio']:.2f}x the time for {n}x the tokens)")
@@ -789,7 +532,7 @@ def print_tables(result: dict) -> None:
                   f"{result['repeats']}; llama.cpp's decode-only tok/s in brackets")
             print(f"{'':<16}" + "".join(f"{'N=' + str(n):>18}" for n in sizes))
             for fmt_, quant in pe["formats"].items():
-                for label in (f"ch05 {quant}", f"llama.cpp {fmt_}"):
+                for label in (f"{CH} {quant}", f"llama.cpp {fmt_}"):
                     cells = []
                     for pt in pe["series"].get(label, []):
                         dec = f" ({fmt(pt['decode_tok_s'])})" if "decode_tok_s" in pt else ""
@@ -839,29 +582,29 @@ def plot(result: dict, path: Path) -> bool:
 
     fig, (ax, lat) = plt.subplots(1, 2, figsize=(11, 4.3))
     if tp:
-        xs = [r["concurrency"] for r in tp["ch05"]]
-        ax.plot(xs, [r["tok_s"] for r in tp["ch05"]], "o-", color="tab:blue", label="ch05 server (continuous batching)")
+        xs = [r["concurrency"] for r in tp[CH]]
+        ax.plot(xs, [r["tok_s"] for r in tp[CH]], "o-", color="tab:blue", label=f"{CH} server (continuous batching)")
         if tp["ch04"]:
             ax.plot([r["concurrency"] for r in tp["ch04"]], [r["tok_s"] for r in tp["ch04"]], "s", color="tab:orange",
                     ms=8, label="ch04 server (one request at a time)")
         for key, color, name in (("ttft_ms_p50", "tab:red", "TTFT p50"), ("itl_ms_p50", "tab:green", "ITL p50")):
-            lat.plot(xs, [r[key] for r in tp["ch05"]], "o-", color=color, label=f"ch05 {name}")
+            lat.plot(xs, [r[key] for r in tp[CH]], "o-", color=color, label=f"{CH} {name}")
             if tp["ch04"]:
                 lat.plot([r["concurrency"] for r in tp["ch04"]], [r[key] for r in tp["ch04"]], "s", color=color,
                          mfc="none", ms=8, label=f"ch04 {name}")
     if en:
-        ax.plot(en["prompts"], en["ch05_tok_s"], "D", color="tab:blue", mfc="none", ms=8,
-                label=f"ch05 Engine.generate, {en['prompts']} prompts (no HTTP)")
+        ax.plot(en["prompts"], en[f"{CH}_tok_s"], "D", color="tab:blue", mfc="none", ms=8,
+                label=f"{CH} Engine.generate, {en['prompts']} prompts (no HTTP)")
         if en["hf_tok_s"]:
             ax.plot(en["prompts"], en["hf_tok_s"], "^", color="tab:purple", ms=9,
                     label=f"HF generate, static batch of {en['prompts']}")
-        styles = {"ch05 int4": ("v", ":", "tab:cyan"), "ch05 bf16": ("d", ":", "tab:blue"),
+        styles = {f"{CH} int4": ("v", ":", "tab:cyan"), f"{CH} bf16": ("d", ":", "tab:blue"),
                   "llama.cpp Q4_1": ("P", "--", "black"), "llama.cpp BF16": ("X", "--", "tab:gray")}
         for label, pts in (en.get("peers") or {}).get("series", {}).items():
             marker, line, color = styles.get(label, ("o", ":", "tab:gray"))
             ax.plot([p["n"] for p in pts], [p["tok_s"] for p in pts], marker=marker, ls=line, color=color, ms=7,
-                    label=f"{label}, Engine.generate" if label.startswith("ch05") else f"{label}, batched")
-    ticks = sorted({r["concurrency"] for label in ("ch05", "ch04") for r in (tp or {}).get(label, [])}
+                    label=f"{label}, Engine.generate" if label.startswith(CH) else f"{label}, batched")
+    ticks = sorted({r["concurrency"] for label in (CH, "ch04") for r in (tp or {}).get(label, [])}
                    | ({en["prompts"]} if en else set())
                    | set((en or {}).get("peers", {}).get("sizes", [])))
     for a in (ax, lat):
@@ -886,18 +629,6 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-# --- main --------------------------------------------------------------------------------------
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"expected positive integers, got {text!r}")
-    return values
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -905,7 +636,7 @@ def main() -> int:
     ap.add_argument("--quant", choices=["int4", "int8"], default=None, help="weights quantized on load (default: none)")
     ap.add_argument("--dtype", default="bfloat16", help="activations and KV cache (default: %(default)s)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="concurrent clients of the ch05 server")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help=f"concurrent clients of the {CH} server")
     ap.add_argument("--ch04-concurrency", default="1,16", help="concurrent clients of the ch04 server ('' for none)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request in parts 1 and 2")
@@ -913,13 +644,13 @@ def main() -> int:
                     help="part 5: max_tokens of the chat requests whose replies run to their end (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, here and in each server")
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="the ch05 servers' and engine's KV pool")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help=f"the {CH} servers' and engine's KV pool")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--peers", default="", help="llama.cpp: also run llama.cpp, batched, in part engine "
                                                "(llama-cpp-python, optional; smollm2-135m on the CPU)")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "ch05_bench.json"),
-                    help="the JSON (a .png is written beside it); a directory: ch05_bench.json in it")
+    ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"),
+                    help=f"the JSON (a .png is written beside it); a directory: {CH}_bench.json in it")
     # sizes, smaller in the tests
     ap.add_argument("--long-prompt-tokens", type=int, default=1500, help=argparse.SUPPRESS)
     ap.add_argument("--system-prompt-tokens", type=int, default=1000, help=argparse.SUPPRESS)
@@ -935,18 +666,18 @@ def main() -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
-        raise ValueError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
+        raise UserError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
     for name in ("max_tokens", "repeats", "threads", "long_prompt_tokens", "system_prompt_tokens", "engine_prompts",
                  "decode_steps", "warm_tokens"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.peers not in ("", "llama.cpp"):
-        raise ValueError(f"--peers takes llama.cpp, got {args.peers!r}")
+        raise UserError(f"--peers takes llama.cpp, got {args.peers!r}")
     if not 1 <= args.engine_prompts <= len(PROMPTS):
-        raise ValueError(f"--engine-prompts must be between 1 and {len(PROMPTS)}")
+        raise UserError(f"--engine-prompts must be between 1 and {len(PROMPTS)}")
     out = Path(args.out)
     if out.suffix != ".json":
-        out = out / "ch05_bench.json"
+        out = out / f"{CH}_bench.json"
     # A SIGTERM (a test's timeout, a scheduler) unwinds like an exception, so the servers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
@@ -954,7 +685,7 @@ def main() -> int:
 
     result = {"model": args.model, "quant": args.quant, "dtype": args.dtype, "device": args.device,
               "machine": machine(), "threads": args.threads,
-              "command": " ".join(["python", "chapters/05_paged_batching/bench.py", *sys.argv[1:]]),
+              "command": command_line(__file__, sys.argv[1:]),
               "parts": parts, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "kv_cache_memory_gb": args.kv_cache_memory_gb, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": BLOCK_SIZE,

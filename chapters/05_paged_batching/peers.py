@@ -21,7 +21,9 @@ batch-1 runner, kept as the reference the batched tokens are checked against.
 llama.cpp itself is an optional install, through its Python binding (it compiles llama.cpp for
 this CPU, several minutes; see INSTALL).
 
-    python chapters/05_paged_batching/peers.py      # check batched = batch-1 tokens, time N=1 and N=16
+Usage, from this chapter's folder:
+
+    python peers.py    # check batched = batch-1 tokens, time N=1 and N=16
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bench import summarize
+from common.bench import PROMPTS, summarize
 from common.models import MODELS_DIR
 from common.prepare_models import find_gguf
 
@@ -315,7 +317,6 @@ def main() -> None:
     import argparse
     import os
 
-    from bench import PROMPTS
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
 

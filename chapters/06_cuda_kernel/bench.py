@@ -1,10 +1,12 @@
 """What the kernels of kernels/ buy: each one against the PyTorch it replaces, batch-1 decode
 against chapter 05 and llama.cpp, and the OpenAI server at 16 streams against chapter 05's.
 
-    python chapters/06_cuda_kernel/bench.py --peers llama.cpp      # every part, on the CPU: the README's figures
-    python chapters/06_cuda_kernel/bench.py --parts kernels,decode --device cuda \
-        --out bench/results/ch06_bench_cuda.json                     # on a GPU (the CUDA kernels)
-    python chapters/06_cuda_kernel/bench.py --parts decode --quant none   # bf16 weights only
+Usage, from this chapter's folder:
+
+    python bench.py --peers llama.cpp             # every part, on the CPU: the README's figures
+    python bench.py --parts kernels,decode --device cuda \
+        --out ../../bench/results/ch06_bench_cuda.json   # on a GPU (the CUDA kernels)
+    python bench.py --parts decode --quant none   # bf16 weights only
 
 Parts (--parts, comma-separated; all by default):
 
@@ -40,29 +42,26 @@ bench/results/ch06_bench.json) and a PNG beside it; tables on stdout, progress o
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.bench import RESULTS_DIR, machine, summarize
+from common.bench import (LONG_TEXT, RESULTS_DIR, combine_rounds, command_line, fmt, int_list, machine, median,
+                          servers, summarize, throughput_rounds)
 from common.chapters import chapter_dir, chapter_exists, load_chapter
 from common.cli import run_main
+from common.errors import UserError
 
 HERE = Path(__file__).resolve().parent
+CH = f"ch{HERE.name[:2]}"  # this chapter's label, from its folder's name: ch06
 PARTS = ("kernels", "decode", "throughput")
 BLOCK_SIZE = 16  # server.py's default --block-size: the servers and the attention cases use it
 GiB = 2**30
@@ -72,64 +71,6 @@ SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3.2-1B": (32, 8, 64)}
 HIDDEN = {"SmolLM2-135M": 576, "Llama-3.2-1B": 2048}
 # SmolLM2-135M's matrices, [out, in] (q/k/v and gate/up stacked, as model.py loads them).
 LINEAR = "qkv:960x576,o:576x576,gate_up:3072x576,down:576x1536,head:49152x576"
-
-# 32 short chat questions: the throughput part's prompts (peers.py's main uses them too).
-PROMPTS = [
-    "Why is the sky blue?",
-    "Write a haiku about autumn leaves.",
-    "What is the capital of Australia, and why was it chosen over Sydney and Melbourne?",
-    "Explain recursion to a ten-year-old.",
-    "List three uses of baking soda around the house.",
-    "How do vaccines train the immune system?",
-    "Translate 'good morning, how are you?' into French and Spanish.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give me a short motivational quote.",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "Why do cats purr?",
-    "How does a refrigerator keep food cold?",
-    "What are the main causes of the French Revolution? Keep it brief.",
-    "Suggest a name for a small coffee shop near the sea.",
-    "What is photosynthesis?",
-    "How many legs does a spider have, and how many does an insect have?",
-    "Describe the smell of rain.",
-    "What should I pack for a three-day hiking trip in the mountains in early spring?",
-    "Explain what a black hole is in simple words.",
-    "Is a tomato a fruit or a vegetable?",
-    "Write one sentence that uses the word 'serendipity'.",
-    "How do I make a cup of green tea properly?",
-    "What is the Pythagorean theorem, with an example?",
-    "Why do leaves change colour in the autumn?",
-    "Tell me a fun fact about octopuses.",
-    "What does a database index do, and when can it slow things down?",
-    "How far is the Moon from the Earth?",
-    "Give two tips for a job interview.",
-    "What is the boiling point of water at the top of Mount Everest, roughly, and why is it lower?",
-    "Name three famous painters of the Renaissance.",
-    "What is the difference between weather and climate?",
-    "Compose a limerick about a forgetful robot.",
-]
-
-# The decode part's prompt: a request to summarise the start of this text, cut to --prompt-tokens.
-LONG_TEXT = (
-    "The lighthouse keeper kept a careful log of every ship that passed the headland. In the spring the "
-    "fishing boats went out before dawn and came back heavy with mackerel; in the summer the yachts of the "
-    "wealthy drifted by under white sails, and in the autumn the cargo steamers ploughed south with coal, "
-    "timber and grain. Each entry recorded the hour, the wind, the state of the sea and the name of the "
-    "vessel when it could be read. Over forty years the log filled twenty-three volumes, and historians "
-    "later used it to reconstruct the trade of the whole coast, the decline of sail and the storms that "
-    "wrecked eleven ships on the rocks below. The keeper himself wrote little about his own life: a note "
-    "on the birth of a daughter, the death of a dog, a winter so cold that the oil froze in the lamp. "
-)
-
-
-def median(xs):
-    xs = [x for x in xs if x is not None and x == x]
-    return statistics.median(xs) if xs else None
-
-
-def pct(xs, q: float) -> float:
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
-
 
 # --- part 1: kernels against PyTorch --------------------------------------------------------------
 
@@ -200,7 +141,7 @@ def attention_case(ext, dims, batch: int, context: int, device, dtype, timer, pa
     q4 = q[:, :, None].to(sdpa_dtype)
     scale = hd**-0.5
     impls = {
-        "kernel": lambda: ext.paged_decode_attention(q, k_pool, v_pool, group.tables32, group.context_lens, scale,
+        "kernel": lambda: ext.paged_decode_attention(q, k_pool, v_pool, group.block_tables, group.context_lens, scale,
                                                      partition_size),
         "ch05 gather+SDPA": lambda: paged_attention(q, k_pool, v_pool, step.groups),
         "SDPA gathered": lambda: F.scaled_dot_product_attention(q4, keys, values, enable_gqa=nh != nkv),
@@ -276,12 +217,12 @@ def part_kernels(args) -> dict:
     try:
         ext = kernels.load()
     except kernels.KernelBuildError as e:
-        raise ValueError(str(e)) from None
+        raise UserError(str(e)) from None
     if device.type == "cuda" and not ext.with_cuda:
-        raise ValueError("kernels/ was built without its CUDA half here: --device cuda needs a CUDA build of torch "
+        raise UserError("kernels/ was built without its CUDA half here: --device cuda needs a CUDA build of torch "
                            "and nvcc")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"kernels/ runs on cpu or cuda, not {device.type}")
+        raise UserError(f"kernels/ runs on cpu or cuda, not {device.type}")
     timer = lambda fn: time_us(fn, device, args.calls, args.min_seconds)  # noqa: E731
     models = ["SmolLM2-135M"] + (["Llama-3.2-1B"] if device.type == "cuda" else [])
     result = {"device": device.type, "dtype": args.dtype, "cpu_isa": ext.cpu_isa(), "min_calls": args.calls,
@@ -319,10 +260,10 @@ def part_kernels(args) -> dict:
 # --- part 2: batch-1 decode, engine to engine -----------------------------------------------------
 
 
-def chapter_modules(number: int) -> SimpleNamespace:
-    """A chapter's engine, loading and sampling modules: this chapter's by their plain names,
+def chapter_modules(number: int | None = None) -> SimpleNamespace:
+    """A chapter's engine, loading and sampling modules: this chapter's (None) by their plain names,
     another's under its own (common.chapters), so both run in one process."""
-    if number == 6:
+    if number is None:
         import engine
         import loading
         import sampling
@@ -406,15 +347,15 @@ def part_decode(args) -> dict:
     peers_skipped = peer_reason(args) if args.peers else "not asked (--peers llama.cpp)"
     if args.peers and peers_skipped:
         print(f"[decode] llama.cpp skipped: {peers_skipped}", file=sys.stderr, flush=True)
-    ch06 = chapter_modules(6)
+    ours = chapter_modules()
     runners, closers = {}, []  # label -> (weights, a function running one decode)
     try:
         for w in weights:
             quant = None if w == "bf16" else w
             for kernels in ("on", "off"):
-                print(f"[decode] loading ch06 {w} kernels {kernels}", file=sys.stderr, flush=True)
-                e = build_decoder(ch06, args, quant, num_blocks, kernels)
-                runners[f"ch06 {w} kernels {kernels}"] = (w, lambda k, e=e: our_decode(e, ch06, prompt, k))
+                print(f"[decode] loading {CH} {w} kernels {kernels}", file=sys.stderr, flush=True)
+                e = build_decoder(ours, args, quant, num_blocks, kernels)
+                runners[f"{CH} {w} kernels {kernels}"] = (w, lambda k, e=e: our_decode(e, ours, prompt, k))
             if with_ch05:
                 print(f"[decode] loading ch05 {w}", file=sys.stderr, flush=True)
                 ch05 = chapter_modules(5)
@@ -423,11 +364,11 @@ def part_decode(args) -> dict:
             if w in PEER_GGUF and not peers_skipped:
                 from peers import BatchedLlamaCpp, gguf_path
 
-                fmt = PEER_GGUF[w]
-                peer = BatchedLlamaCpp(gguf_path(fmt), slots=1, ctx_per_seq=len(prompt) + n,
+                gguf = PEER_GGUF[w]
+                peer = BatchedLlamaCpp(gguf_path(gguf), slots=1, ctx_per_seq=len(prompt) + n,
                                        max_batch_tokens=len(prompt), threads=args.threads)
                 closers.append(peer.close)
-                runners[f"llama.cpp {fmt}"] = (w, lambda k, p=peer: llama_decode(p, prompt, k))
+                runners[f"llama.cpp {gguf}"] = (w, lambda k, p=peer: llama_decode(p, prompt, k))
         for _, run in runners.values():  # warm-up: allocations, threads, pages of the weights
             run(min(n, 4))
         runs: dict[str, list[dict]] = {label: [] for label in runners}
@@ -442,7 +383,7 @@ def part_decode(args) -> dict:
     series = {}
     for label, rs in runs.items():
         w = runners[label][0]
-        reference = runs[f"ch06 {w} kernels off"][0]["ids"]  # chapter 05's maths, on these weights
+        reference = runs[f"{CH} {w} kernels off"][0]["ids"]  # chapter 05's maths, on these weights
         series[label] = {"weights": w, "decode_tok_s": median([x["decode_tok_s"] for x in rs]),
                          "decode_tok_s_runs": [x["decode_tok_s"] for x in rs],
                          "step_ms": median([x["step_ms"] for x in rs]), "ttft_ms": median([x["ttft_ms"] for x in rs]),
@@ -450,12 +391,12 @@ def part_decode(args) -> dict:
                          "same_tokens_as_kernels_off": common_prefix(rs[0]["ids"], reference)}
     ratios = {}
     for w in weights:
-        on = series[f"ch06 {w} kernels on"]["decode_tok_s"]
-        ratios[f"{w}: kernels on / off"] = on / series[f"ch06 {w} kernels off"]["decode_tok_s"]
+        on = series[f"{CH} {w} kernels on"]["decode_tok_s"]
+        ratios[f"{w}: kernels on / off"] = on / series[f"{CH} {w} kernels off"]["decode_tok_s"]
         if f"ch05 {w}" in series:
-            ratios[f"{w}: ch06 kernels on / ch05"] = on / series[f"ch05 {w}"]["decode_tok_s"]
+            ratios[f"{w}: {CH} kernels on / ch05"] = on / series[f"ch05 {w}"]["decode_tok_s"]
         if f"llama.cpp {PEER_GGUF.get(w)}" in series:
-            ratios[f"{w}: ch06 kernels on / llama.cpp {PEER_GGUF[w]}"] = (
+            ratios[f"{w}: {CH} kernels on / llama.cpp {PEER_GGUF[w]}"] = (
                 on / series[f"llama.cpp {PEER_GGUF[w]}"]["decode_tok_s"])
     result = {"prompt_tokens": len(prompt), "decode_tokens": n, "weights": weights, "series": series, "ratios": ratios}
     if args.peers and peers_skipped:
@@ -467,213 +408,37 @@ def part_decode(args) -> dict:
     return result
 
 
-# --- part 3: the server under 16 streams (chapter 05's machinery) -----------------------------------
+# --- part 3: the server under 16 streams (common.bench's harness) ----------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the server's process, before exec: SIGTERM it when the bench dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def server_command(args, chapter: int, port: int, flags: list[str]) -> list[str]:
-    script = (HERE if chapter == 6 else chapter_dir(chapter)) / "server.py"
-    cmd = [sys.executable, str(script), "--model", args.model, "--port", str(port), "--device", args.device,
-           "--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    return cmd + (["--quant", args.quant] if args.quant != "bf16" else []) + flags
-
-
-def shown(path: str) -> str:
-    """A script's path as the JSON records it: relative to the repository, when it is inside it."""
-    try:
-        return str(Path(path).relative_to(HERE.parent.parent))
-    except ValueError:
-        return path
-
-
-@contextlib.contextmanager
-def servers(args, specs: dict[str, tuple[int, list[str]]], record: dict):
-    """Starts every server of `specs` ({label: (chapter, extra flags)}) at once, waits for their
-    /health, and yields {label: base url}. Every process is terminated on the way out, whatever
-    happened. Each one's command and its start-up line go into `record`."""
-    import httpx
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    procs = {}
-    try:
-        for label, (chapter, flags) in specs.items():
-            port = free_port()
-            cmd = server_command(args, chapter, port, flags)
-            log = tempfile.TemporaryFile("w+")
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            procs[label] = (proc, f"http://127.0.0.1:{port}", log, cmd)
-        for label, (proc, url, log, cmd) in procs.items():
-            deadline = time.time() + args.server_timeout
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"{label} server exited with status {proc.returncode}:\n{log.read()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.time() > deadline:
-                    raise RuntimeError(f"{label} server did not answer /health in {args.server_timeout:.0f} s")
-                time.sleep(0.2)
-            log.seek(0)
-            banner = next((line.strip() for line in log if line.startswith("serving")), "")
-            record[label] = {"command": " ".join(["python", shown(cmd[1]), *cmd[2:]]), "banner": banner}
-            print(f"[server] {label}: {banner or url}", file=sys.stderr, flush=True)
-        yield {label: url for label, (_, url, _, _) in procs.items()}
-    finally:
-        for proc, *_ in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, _, log, _ in procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-
-
-def chat_body(question: str, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-async def stream(client, url: str, path: str, body: dict) -> dict:
-    """One streamed request. -> t_send, the arrival time of every chunk that carries tokens (text,
-    or the finish), usage (prompt and completion tokens) and the finish reason."""
-    times, usage, finish = [], None, None
-    t_send = time.perf_counter()
-    async with client.stream("POST", url + path, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"POST {path}: HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"POST {path}: error in the stream: {chunk['error']}")
-            now = time.perf_counter()
-            usage = chunk.get("usage") or usage
-            carries = False
-            for c in chunk.get("choices") or []:
-                text = c["text"] if "text" in c else (c.get("delta") or {}).get("content")
-                carries |= bool(text) or c.get("finish_reason") is not None
-                finish = c.get("finish_reason") or finish
-            if carries:
-                times.append(now)
-    return {"t_send": t_send, "times": times, "usage": usage, "finish": finish}
-
-
-async def watch_health(client, url: str, stop: asyncio.Event, interval: float) -> dict:
-    """Polls /health until `stop`: the peaks of KV blocks used, running and waiting, and the last reply."""
-    peak, last = {}, {}
-    while True:
-        with contextlib.suppress(Exception):
-            last = (await client.get(url + "/health", timeout=5)).json()
-            for key in ("kv_blocks_used", "running", "waiting"):
-                if key in last:
-                    peak[key] = max(peak.get(key, 0), last[key])
-        if stop.is_set():
-            return {"peak": peak, "last": last}
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
-
-
-def new_client(n: int):
-    import httpx
-
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
-                             limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8))
-
-
-async def concurrent_round(url: str, n: int, max_tokens: int, watch: float | None) -> dict:
-    """n clients at once, one chat request each (prompts 0..n-1 of PROMPTS, cycled); /health polled
-    every `watch` seconds (None: not at all)."""
-    async with new_client(n) as client, new_client(1) as health_client:
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(watch_health(health_client, url, stop, watch)) if watch else None
-        t0 = time.perf_counter()
-        try:
-            results = await asyncio.gather(*[stream(client, url, "/v1/chat/completions",
-                                                    chat_body(PROMPTS[i % len(PROMPTS)], max_tokens))
-                                             for i in range(n)])
-        finally:
-            wall = time.perf_counter() - t0
-            stop.set()
-            health = await watcher if watcher else {"peak": {}, "last": {}}
-    ttft = [(r["times"][0] - r["t_send"]) * 1e3 for r in results if r["times"]]
-    itl = [g * 1e3 for r in results for g in np.diff(r["times"])]
-    tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["times"]) for r in results)
-    return {"concurrency": n, "requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p99": pct(itl, 99), "finish": sorted({r["finish"] for r in results}, key=str),
-            "peak_kv_blocks_used": health["peak"].get("kv_blocks_used"), "peak_running": health["peak"].get("running"),
-            "kv_blocks_total": health["last"].get("kv_blocks_total")}
-
-
-def combine(runs: list[dict]) -> dict:
-    """Rounds of one configuration -> medians, the peaks' maximum, and every round's tok/s."""
-    out = {"concurrency": runs[0]["concurrency"], "requests": runs[0]["requests"], "tokens": runs[0]["tokens"],
-           "finish": runs[0]["finish"], "tok_s_runs": [r["tok_s"] for r in runs],
-           "kv_blocks_total": runs[0]["kv_blocks_total"]}
-    for key in ("tok_s", "wall_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
-        out[key] = median([r[key] for r in runs])
-    for key in ("peak_kv_blocks_used", "peak_running"):
-        out[key] = max((r[key] for r in runs if r[key] is not None), default=None)
-    return out
+def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
+    """common.bench.servers on `specs` ({label: (a chapter's folder, extra flags)}): each server with the
+    bench's model, device, dtype, weights and scheduler settings."""
+    base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
+            "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    base += ["--quant", args.quant] if args.quant != "bf16" else []
+    argv = {label: (folder, base + flags) for label, (folder, flags) in specs.items()}
+    return servers(argv, record, threads=args.threads, timeout=args.server_timeout)
 
 
 def part_throughput(args, record: dict) -> dict:
-    specs = {"ch06": (6, ["--no-prefix-caching", "--kernels", "on"])}
+    specs = {CH: (HERE, ["--no-prefix-caching", "--kernels", "on"])}
     if chapter_exists(5):
-        specs["ch05"] = (5, ["--no-prefix-caching"])
+        specs["ch05"] = (chapter_dir(5), ["--no-prefix-caching"])
     else:
         print("[throughput] chapter 05 is not beside this chapter: its server is skipped", file=sys.stderr)
-    runs: dict[tuple[str, int], list[dict]] = {}
-    with servers(args, specs, record.setdefault("servers", {})) as urls:
-
-        async def go():
-            for url in urls.values():  # the first requests of a fresh server are slow
-                await concurrent_round(url, 2, 4, watch=None)
-            for r in range(args.repeats):
-                for n in args.concurrency:
-                    for label, url in urls.items():
-                        run = await concurrent_round(url, n, args.max_tokens, watch=args.health_interval)
-                        runs.setdefault((label, n), []).append(run)
-                        print(f"[throughput] round {r + 1}/{args.repeats} {label} N={n:<3} {run['tok_s']:8.1f} tok/s  "
-                              f"TTFT p50 {run['ttft_ms_p50']:7.1f} ms  ITL p50 {run['itl_ms_p50']:6.1f} ms",
-                              file=sys.stderr, flush=True)
-
-        asyncio.run(go())
-    result = {label: [combine(runs[(label, n)]) for n in args.concurrency] for label in specs}
+    plan = [(label, n) for n in args.concurrency for label in specs]
+    with start_servers(args, specs, record.setdefault("servers", {})) as urls:
+        runs = throughput_rounds(urls, plan, args.repeats, args.max_tokens, args.health_interval)
+    result = {label: [combine_rounds(runs[(label, n)]) for n in args.concurrency] for label in specs}
     if "ch05" in result:
-        result["ratio_ch06_ch05"] = {str(a["concurrency"]): a["tok_s"] / b["tok_s"]
-                                     for a, b in zip(result["ch06"], result["ch05"])}
+        result[f"ratio_{CH}_ch05"] = {str(a["concurrency"]): a["tok_s"] / b["tok_s"]
+                                      for a, b in zip(result[CH], result["ch05"])}
     return result
 
 
 # --- output ------------------------------------------------------------------------------------
-
-
-def fmt(x, spec: str = ".1f", none: str = "-") -> str:
-    return none if x is None or x != x else format(x, spec)
 
 
 def ratio(a, b) -> float | None:
@@ -737,13 +502,13 @@ def print_tables(result: dict) -> None:
               f"{result['quant']} weights; median of {result['repeats']} rounds")
         print(f"{'server':<6} {'N':>3} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
               f"{'ITL p99':>8} {'KV blocks':>9}")
-        for label in ("ch06", "ch05"):
+        for label in (CH, "ch05"):
             for r in tp.get(label, []):
                 print(f"{label:<6} {r['concurrency']:>3} {r['tokens']:>6} {fmt(r['tok_s']):>8} "
                       f"{fmt(r['ttft_ms_p50'], '.0f'):>9} {fmt(r['ttft_ms_p99'], '.0f'):>9} "
                       f"{fmt(r['itl_ms_p50']):>8} {fmt(r['itl_ms_p99']):>8} {fmt(r['peak_kv_blocks_used'], 'd'):>9}")
-        for n, x in tp.get("ratio_ch06_ch05", {}).items():
-            print(f"ch06 / ch05 aggregate tok/s at N={n}: {x:.2f}x")
+        for n, x in tp.get(f"ratio_{CH}_ch05", {}).items():
+            print(f"{CH} / ch05 aggregate tok/s at N={n}: {x:.2f}x")
 
 
 COLORS = {"kernel": "tab:blue", "ch05 gather+SDPA": "tab:orange", "SDPA gathered": "tab:green",
@@ -804,11 +569,11 @@ def plot(result: dict, path: Path) -> bool:
             ax.set_xlabel("decode tok/s")
             ax.set_title(f"Batch-1 decode ({data['prompt_tokens']}-token prompt)", fontsize=10)
         else:
-            labels = [lb for lb in ("ch06", "ch05") if lb in data]
-            ns = [r["concurrency"] for r in data["ch06"]]
+            labels = [lb for lb in (CH, "ch05") if lb in data]
+            ns = [r["concurrency"] for r in data[CH]]
             for j, lb in enumerate(labels):
                 ax.bar([i + j * 0.4 for i in range(len(ns))], [r["tok_s"] for r in data[lb]], 0.4,
-                       color="tab:blue" if lb == "ch06" else "tab:orange", label=f"{lb} server")
+                       color="tab:blue" if lb == CH else "tab:orange", label=f"{lb} server")
             ax.set_xticks([i + 0.2 * (len(labels) - 1) for i in range(len(ns))], [f"N={n}" for n in ns])
             ax.set_ylabel("aggregate output tok/s")
             ax.set_title(f"OpenAI server, concurrent streams, {result['quant']} weights", fontsize=10)
@@ -826,16 +591,6 @@ def plot(result: dict, path: Path) -> bool:
 
 
 # --- main --------------------------------------------------------------------------------------
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def main() -> int:
@@ -859,8 +614,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="the servers' KV pool")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--out", default=str(RESULTS_DIR / "ch06_bench.json"),
-                    help="the JSON (a .png is written beside it); a directory: ch06_bench.json in it")
+    ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"),
+                    help=f"the JSON (a .png is written beside it); a directory: {CH}_bench.json in it")
     # part kernels: what is measured and how long (smaller in the tests)
     ap.add_argument("--contexts", default="128,512,1024,2048,4096,8192", help=argparse.SUPPRESS)
     ap.add_argument("--batches", default="1,16", help=argparse.SUPPRESS)
@@ -879,24 +634,24 @@ def main() -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
-        raise ValueError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
+        raise UserError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
     for name in ("max_tokens", "repeats", "threads", "prompt_tokens", "decode_tokens", "calls"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.decode_tokens < 2:
-        raise ValueError("--decode-tokens must be at least 2 (decode tok/s times the tokens after the first)")
+        raise UserError("--decode-tokens must be at least 2 (decode tok/s times the tokens after the first)")
     if args.peers not in ("", "llama.cpp"):
-        raise ValueError(f"--peers takes llama.cpp, got {args.peers!r}")
+        raise UserError(f"--peers takes llama.cpp, got {args.peers!r}")
     out = Path(args.out)
     if out.suffix != ".json":
-        out = out / "ch06_bench.json"
+        out = out / f"{CH}_bench.json"
     # A SIGTERM (a test's timeout, a scheduler) unwinds like an exception, so the servers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
 
     result = {"model": args.model, "quant": args.quant, "dtype": args.dtype, "device": args.device,
               "machine": machine(), "threads": args.threads,
-              "command": " ".join(["python", "chapters/06_cuda_kernel/bench.py", *sys.argv[1:]]),
+              "command": command_line(__file__, sys.argv[1:]),
               "parts": parts, "repeats": args.repeats, "max_tokens": args.max_tokens,
               "concurrency": args.concurrency, "kv_cache_memory_gb": args.kv_cache_memory_gb,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}

@@ -24,7 +24,9 @@ batch-1 runner, kept as the reference the batched tokens are checked against.
 llama.cpp itself is an optional install, through its Python binding (it compiles llama.cpp for
 this CPU, several minutes; see INSTALL).
 
-    python chapters/06_cuda_kernel/peers.py       # check batched = batch-1 tokens, time N=1 and N=16
+Usage, from this chapter's folder:
+
+    python peers.py    # check batched = batch-1 tokens, time N=1 and N=16
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bench import summarize
+from common.bench import PROMPTS, summarize
 from common.models import MODELS_DIR
 from common.prepare_models import find_gguf
 
@@ -318,7 +320,6 @@ def main() -> None:
     import argparse
     import os
 
-    from bench import PROMPTS
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
 

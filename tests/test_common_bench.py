@@ -1,0 +1,180 @@
+"""common.bench's serving harness, without a model: the SSE client on canned streams, and servers,
+rounds of concurrent clients and their figures against a stand-in server.py that streams canned
+tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import textwrap
+
+import httpx
+import pytest
+
+from common import bench
+from common.errors import UserError
+
+# A stand-in for a chapter's server.py: /health with KV figures, and chat completions streamed
+# as the chapters' servers stream them (a role chunk, one chunk per token, the usage, [DONE]).
+FAKE_SERVER = textwrap.dedent('''
+    import argparse, json, os, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--fail", action="store_true")
+    args = ap.parse_args()
+    if args.fail:
+        sys.exit("error: no model here")
+    with open(os.path.join(os.path.dirname(__file__), "pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"kv_blocks_used": 3, "running": 2, "waiting": 0, "kv_blocks_total": 64}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            n = json.loads(self.rfile.read(int(self.headers["content-length"])))["max_tokens"]
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            chunks = [{"choices": [{"delta": {"role": "assistant"}}]}]
+            chunks += [{"choices": [{"delta": {"content": f"t{i}"}, "finish_reason": "length" if i == n - 1 else None}]}
+                       for i in range(n)]
+            chunks += [{"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}}]
+            for c in chunks:
+                self.wfile.write(f"data: {json.dumps(c)}\\n\\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\\n\\n")
+
+    print(f"serving a stand-in on port {args.port}", file=sys.stderr, flush=True)
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+''')
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A chapter folder whose server.py is the stand-in."""
+    (tmp_path / "server.py").write_text(FAKE_SERVER)
+    return tmp_path
+
+
+def sse(*chunks) -> bytes:
+    """A server-sent event stream: each dict (JSON) or str as a data line, bytes as they are."""
+    return b"".join(c if isinstance(c, bytes) else f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode()
+                    for c in chunks)
+
+
+def run_stream(content: bytes, status: int = 200, **kwargs) -> dict:
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, content=content))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench.stream(client, "http://test", "/v1/chat/completions", {}, **kwargs)
+
+    return asyncio.run(go())
+
+
+def test_stream_times_only_the_chunks_that_carry_tokens():
+    progress = [0]
+    r = run_stream(sse({"choices": [{"delta": {"role": "assistant"}}]},  # no text: not a token
+                       b": a comment, then an event of another kind\n\nevent: ping\n\n",
+                       {"choices": [{"delta": {"content": "Hel"}}]},
+                       {"choices": [{"text": "lo"}]},  # the completions endpoint's form
+                       {"choices": [{"delta": {}, "finish_reason": "stop"}]},  # the finish counts
+                       {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
+                       "[DONE]",
+                       {"choices": [{"delta": {"content": "after the end"}}]}), progress=progress)
+    assert len(r["times"]) == 3 and progress == [3] and r["times"] == sorted(r["times"])
+    assert r["t_send"] <= r["times"][0]
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2} and r["finish"] == "stop"
+
+
+def test_stream_hangs_up_when_told_to_stop():
+    async def go():
+        stop = asyncio.Event()
+        stop.set()
+        transport = httpx.MockTransport(lambda request: httpx.Response(
+            200, content=sse(*({"choices": [{"text": "x"}]} for _ in range(5)), "[DONE]")))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench.stream(client, "http://test", "/v1/completions", {}, stop=stop)
+
+    assert len(asyncio.run(go())["times"]) == 1
+
+
+def test_stream_raises_on_an_http_error_and_on_an_error_in_the_stream():
+    with pytest.raises(RuntimeError, match="HTTP 400: too long"):
+        run_stream(b"too long", status=400)
+    with pytest.raises(RuntimeError, match="error in the stream: .*out of blocks"):
+        run_stream(sse({"choices": [{"text": "a"}]}, {"error": {"message": "out of blocks"}}))
+
+
+def test_chat_body_is_greedy_streamed_and_ignores_eos():
+    body = bench.chat_body("Why?", 8, system="Be brief.")
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    assert body["temperature"] == 0 and body["max_tokens"] == 8 and body["ignore_eos"] and body["stream"]
+    assert bench.chat_body("Why?", 8)["messages"] == [{"role": "user", "content": "Why?"}]
+
+
+def test_servers_start_answer_and_record_then_stop(folder):
+    record = {}
+    with bench.servers({"fake": (folder, [])}, record, threads=1, timeout=60) as urls:
+        assert httpx.get(urls["fake"] + "/health").json()["kv_blocks_total"] == 64
+        pid = int((folder / "pid").read_text())
+        runs = bench.throughput_rounds(urls, [("fake", 1), ("fake", 3)], repeats=2, max_tokens=4, health_interval=0.01)
+    with pytest.raises(ProcessLookupError):  # stopped and reaped on the way out
+        os.kill(pid, 0)
+    assert record["fake"]["banner"].startswith("serving a stand-in on port")
+    assert record["fake"]["command"].startswith("python ") and "--port" in record["fake"]["command"]
+
+    assert set(runs) == {("fake", 1), ("fake", 3)} and all(len(r) == 2 for r in runs.values())
+    one = runs[("fake", 3)][0]
+    assert one["concurrency"] == one["requests"] == 3 and one["tokens"] == 12 and one["chunks"] == 12
+    assert one["finish"] == ["length"] and one["prompt_tokens"] == [7, 7, 7]
+    assert one["tok_s"] > 0 and one["ttft_ms_p50"] > 0 and one["itl_ms_p50"] >= 0
+    assert one["peak_kv_blocks_used"] == 3 and one["peak_running"] == 2 and one["kv_blocks_total"] == 64
+
+    rows = bench.combine_rounds(runs[("fake", 3)])
+    assert rows["tok_s"] == bench.median([r["tok_s"] for r in runs[("fake", 3)]])
+    assert rows["tok_s_runs"] == [r["tok_s"] for r in runs[("fake", 3)]] and rows["tokens_per_round"] == [12, 12]
+    assert rows["peak_kv_blocks_used"] == 3 and rows["finish"] == ["length"]
+
+
+def test_servers_stop_when_the_body_fails(folder):
+    with pytest.raises(ZeroDivisionError):
+        with bench.servers({"fake": (folder, [])}, timeout=60):
+            pid = int((folder / "pid").read_text())
+            1 / 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_server_that_exits_is_reported_with_its_log(folder):
+    with pytest.raises(RuntimeError, match=r"(?s)bad server exited with status 1:.*no model here"):
+        with bench.servers({"bad": (folder, ["--fail"])}, timeout=60):
+            pass
+
+
+def test_figures_and_arguments():
+    assert bench.median([3, None, float("nan"), 1, 2]) == 2 and bench.median([None]) is None
+    assert bench.pct([1, 2, 3], 50) == 2 and math.isnan(bench.pct([], 50))
+    assert bench.fmt(1.234) == "1.2" and bench.fmt(None) == "-" and bench.fmt(float("nan"), none="?") == "?"
+    assert bench.int_list("16, 1,4,1") == [1, 4, 16]
+    for bad in ("", "1,x", "0,2"):
+        with pytest.raises(UserError):  # a bad flag: `error: ...`, exit status 2
+            bench.int_list(bad)
+
+
+def test_command_line_names_the_script_from_the_repository():
+    script = bench.ROOT / "chapters" / "06_cuda_kernel" / "bench.py"
+    assert bench.command_line(script, ["--parts", "decode"]) == "python chapters/06_cuda_kernel/bench.py --parts decode"
+    outside = "/elsewhere/06_cuda_kernel/bench.py"
+    assert bench.command_line(outside, []) == f"python {outside}"
