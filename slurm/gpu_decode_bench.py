@@ -85,15 +85,15 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("skipped: no CUDA device", file=sys.stderr)
         return 0
-    ch = load_chapter(6, "model", "batch", "paged_cache", "cuda_graphs")
+    ch = load_chapter(6, "model", "batch", "paged_cache", "cuda_graphs", "ops")
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_GBS.items() if k in name), None)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         make_checkpoint(Path(tmp))
         print(f"[gpu-bench] random Llama-3.2-1B-shaped checkpoint in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        models = {"on": ch.model.load_model(tmp, "cuda", torch.bfloat16, kernels="on"),
-                  "off": ch.model.load_model(tmp, "cuda", torch.bfloat16, kernels="off")}
+        cuda = torch.device("cuda")
+        models = {k: ch.model.load_model(tmp, cuda, torch.bfloat16, ops=ch.ops.resolve(k, cuda)) for k in ("on", "off")}
     prompt = list(range(1000, 1000 + args.prompt_tokens))
     modes = {"kernels + CUDA graphs": ("on", True), "kernels, no graphs": ("on", False),
              "chapter 05 path (kernels off)": ("off", False)}

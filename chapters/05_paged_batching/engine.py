@@ -31,6 +31,7 @@ import torch
 
 from batch import Work, build_step
 from block_manager import BlockManager
+from common.errors import UserError
 from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
 from loading import load
@@ -114,18 +115,18 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = _context(model.config.max_position_embeddings, max_model_len)
         if max_tokens_default < 1:
-            raise ValueError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
+            raise UserError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
         self.max_tokens_default = max_tokens_default
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
             if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+                raise UserError(f"{name} must be at least 1, got {value}")
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
             budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)
             num_blocks = most if budget is None else min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
         if num_blocks < 1:
-            raise ValueError(f"the KV cache budget holds no block of {block_size} tokens: raise --kv-cache-memory-gb")
+            raise UserError(f"the KV cache budget holds no block of {block_size} tokens: raise --kv-cache-memory-gb")
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens if chunked_prefill else
@@ -153,47 +154,47 @@ class Engine:
 
     def describe_pool(self) -> str:
         return (f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = "
-                f"{self.cache.num_slots} tokens in {self.cache.nbytes / GiB:.2f} GiB")
+                f"{self.blocks.num_blocks * self.blocks.block_size} tokens in {self.cache.nbytes / GiB:.2f} GiB")
 
     def validate(self, req: Request) -> None:
-        """Raises ValueError with a message fit for the client."""
+        """Raises UserError with a message fit for the client."""
         req.params.validate(self.model.config.vocab_size)
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
-            raise ValueError("the prompt is empty")
+            raise UserError("the prompt is empty")
         if req.n < 1 or req.n > 16:
-            raise ValueError(f"n must be between 1 and 16, got {req.n}")
+            raise UserError(f"n must be between 1 and 16, got {req.n}")
         if req.max_tokens is not None and req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+            raise UserError(f"max_tokens must be at least 1, got {req.max_tokens}")
         if req.min_tokens < 0 or (req.max_tokens is not None and req.min_tokens > req.max_tokens):
-            raise ValueError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
+            raise UserError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
         if any(not isinstance(s, str) or not s for s in req.stop) or len(req.stop) > 16:
-            raise ValueError("stop must be a string or a list of at most 16 non-empty strings")
+            raise UserError("stop must be a string or a list of at most 16 non-empty strings")
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+            raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
         if req.min_tokens > 0 and len(self._stop_ids(req)) >= self.model.config.vocab_size:
-            raise ValueError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
+            raise UserError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
         if n_prompt >= self.context:
-            raise ValueError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
+            raise UserError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
         if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:
-            raise ValueError(
+            raise UserError(
                 f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
                 f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
             )
         # Each choice must fit the pool on its own: then preemption can always make room for it.
         n_tokens = n_prompt + self.max_tokens_for(req)
         if self.blocks.blocks_for(n_tokens) > self.blocks.num_blocks:
-            raise ValueError(
+            raise UserError(
                 f"this request needs room for {n_tokens} tokens ({n_prompt} in the prompt, "
-                f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {self.cache.num_slots} "
+                f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {self.blocks.num_blocks * self.blocks.block_size} "
                 f"tokens: lower max_tokens or the prompt's length"
             )
 
     # --- the server's interface -----------------------------------------------------------------
 
     def add(self, req: Request, request_id: str | None = None) -> str:
-        """Queues a request (validated first: ValueError for the client). -> its id."""
+        """Queues a request (validated first: UserError for the client). -> its id."""
         self.validate(req)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
@@ -366,7 +367,7 @@ def _context(model_context: int, max_model_len: int | None) -> int:
     if max_model_len is None:
         return model_context
     if not 2 <= max_model_len <= model_context:
-        raise ValueError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
+        raise UserError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
                          f"got {max_model_len}")
     return max_model_len
 

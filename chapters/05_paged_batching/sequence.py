@@ -57,10 +57,6 @@ class Sequence:
         one while decoding, everything again after a preemption."""
         return len(self.tokens) - self.n_computed
 
-    @property
-    def prefilling(self) -> bool:
-        return self.n_uncomputed > 1
-
     def append(self, token: int) -> None:
         self.tokens.append(token)
         self.output.append(token)

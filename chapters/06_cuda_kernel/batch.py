@@ -36,13 +36,12 @@ class AttentionGroup:
     """Sequences attended in one batched call.  B sequences, Q queries at most, K key slots."""
 
     token_index: torch.Tensor  # [B, Q] where each query sits in the step's flat token list (padding: 0)
-    block_tables: torch.Tensor  # [B, K / block_size] (padding: block 0, masked out)
+    block_tables: torch.Tensor  # [B, K / block_size] int32, for the decode kernel (padding: block 0, masked out)
     mask: torch.Tensor  # [B, 1, Q, K] bool: query q of sequence b may read key slot k
     valid: torch.Tensor  # [B, Q] bool: which queries are real tokens
     padded: bool  # some queries are padding (not every sequence adds Q tokens)
     whole_step: bool  # the group is the step's every token, in order (a step of decodes only)
-    # Chapter 06, what the paged decode kernel reads instead of the mask:
-    tables32: torch.Tensor  # [B, K / block_size] int32, the block tables
+    # Chapter 06, what the paged decode kernel reads instead of the mask (with block_tables):
     context_lens: torch.Tensor  # [B] int32: keys each sequence's last query reads (its position + 1)
     decodes: bool = False  # one query per sequence
     _bias: dict = field(default_factory=dict, repr=False)
@@ -57,11 +56,23 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodeGroup:
+    """Chapter 06: a step of decodes only as the paged decode kernel reads it, without the mask and
+    the token index (one query per sequence, the step's every token in order). What a CUDA graph's
+    step attends with (cuda_graphs.py), where the kernels always run."""
+
+    block_tables: torch.Tensor  # [B, blocks] int32
+    context_lens: torch.Tensor  # [B] int32
+    decodes = True
+    whole_step = True
+
+
+@dataclass
 class StepBatch:
     tokens: torch.Tensor  # [T] every new token of the step
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T]
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup | DecodeGroup]
     last: torch.Tensor  # [S] index of each sequence's last new token: its logits are sampled
     all_logits: bool = False  # logits for every token (parity, perplexity), not just `last`
 
@@ -91,7 +102,7 @@ def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bo
     n_queries = max(len(w.tokens) for _, w in work)
     n_blocks = max(-(-(w.start + len(w.tokens)) // block_size) for _, w in work)
     index = torch.zeros(len(work), n_queries, dtype=torch.long)
-    tables = torch.zeros(len(work), n_blocks, dtype=torch.long)
+    tables = torch.zeros(len(work), n_blocks, dtype=torch.int32)
     query_pos = torch.full((len(work), n_queries), -1)  # -1: a padding query
     for b, (first, w) in enumerate(work):
         q = len(w.tokens)
@@ -108,5 +119,4 @@ def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bo
     padded = not bool(valid.all())
     lens = torch.tensor([w.start + len(w.tokens) for _, w in work], dtype=torch.int32)
     return AttentionGroup(index.to(device), tables.to(device), mask[:, None].to(device), valid.to(device),
-                          padded, whole_step and not padded, tables.to(device, torch.int32), lens.to(device),
-                          decodes=n_queries == 1)
+                          padded, whole_step and not padded, lens.to(device), decodes=n_queries == 1)

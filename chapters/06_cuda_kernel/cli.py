@@ -1,9 +1,11 @@
 """Chat with the model in the terminal, tokens streamed as they are generated.
 
-    python chapters/05_paged_batching/cli.py                          # interactive chat (history kept)
-    python chapters/05_paged_batching/cli.py --prompt "Tell me a joke" --temperature 0.7 --seed 1
-    python chapters/05_paged_batching/cli.py --raw --prompt "Once upon a time"   # plain completion
-    python chapters/05_paged_batching/cli.py --quant int4 --group-size 32         # int4 weights, quantized on load
+Usage, from this chapter's folder:
+
+    python cli.py                                     # interactive chat (history kept)
+    python cli.py --prompt "Tell me a joke" --temperature 0.7 --seed 1
+    python cli.py --raw --prompt "Once upon a time"   # plain completion
+    python cli.py --quant int4 --group-size 32        # int4 weights, quantized on load
 
 In the chat: /reset forgets the history, /quit (or Ctrl-D) leaves. Statistics go to stderr.
 """
@@ -14,9 +16,10 @@ import sys
 import time
 
 from common.cli import base_parser, run_main
+from common.errors import UserError
 from engine import Engine, Request, build_engine
 from loading import add_quant_args, quant_spec
-from ops import describe
+import ops
 from sampling import SamplingParams
 
 # request setting -> its type; the flag is --top-k for top_k
@@ -99,11 +102,12 @@ def chat_loop(engine: Engine, args) -> None:
 def main() -> int:
     args = parse_args()
     # One conversation, one sequence: a pool for one full context (a server sizes it for many).
-    engine, name = build_engine(args.model, args.device, args.dtype, quant_spec(args), args.matmul, args.kernels, max_num_seqs=1)
+    engine, name = build_engine(args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args),
+                                max_num_seqs=1)
     m = engine.model
     dense = f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies" if m.dense_copy_bytes else ""
     print(f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
-          f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {describe(m)}; {engine.describe_pool()}]",
+          f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}]",
           file=sys.stderr, flush=True)
     request_params(args, engine).validate(engine.model.config.vocab_size)  # bad flags fail before any prompt
     if args.prompt is None:
@@ -116,7 +120,7 @@ def main() -> int:
             {"role": "user", "content": args.prompt}]
         prompt_ids = engine.tokenizer.encode_chat(messages)
     if len(prompt_ids) >= engine.context:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context} tokens")
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context} tokens")
     stream_reply(engine, prompt_ids, args)
     return 0
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from batch import AttentionGroup, StepBatch, Work
+from batch import DecodeGroup, StepBatch, Work
 from model import Model, forward
 from paged_cache import PagedKVCache
 
@@ -81,9 +81,7 @@ class DecodeGraphs:
     def _forward(self, bucket: int) -> torch.Tensor:
         """The model on the static buffers' first `bucket` rows."""
         tokens, positions, slots = self.ids[:, :bucket]
-        group = AttentionGroup(token_index=None, block_tables=None, mask=None, valid=None, padded=False,
-                               whole_step=True, tables32=self.tables[:bucket], context_lens=self.lens[:bucket],
-                               decodes=True)
+        group = DecodeGroup(self.tables[:bucket], self.lens[:bucket])
         step = StepBatch(tokens, positions, slots, [group], last=torch.arange(bucket, device=tokens.device))
         return forward(self.model, step, self.cache)
 

@@ -18,6 +18,8 @@ from common.device import pick_device, pick_dtype
 from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
 from gguf_file import convert_gguf
 from model import load_model
+from ops import Kernels, add_arguments
+from qmatmul import DEFAULT_PATH
 from quant import INT4_GROUP_SIZES, QuantSpec
 from weights import spec_of
 
@@ -32,14 +34,11 @@ def add_quant_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--symmetric", action="store_true", help="int4 without a zero point (a scale per group only)")
     g.add_argument("--lm-head", choices=["int8", "int4", "none"], default="int8",
                    help="the LM head (and tied embedding) with --quant: int8 (default), int4, or none (model dtype)")
-    g.add_argument("--matmul", choices=["auto", "fast", "reference"], default="auto",
+    g.add_argument("--matmul", choices=["auto", "fast", "reference"], default=DEFAULT_PATH,
                    help="auto (default): packed int kernels for steps of a few tokens (kernels/: 8; torch's: int4 16, int8 6) and a dense "
                         "copy of each weight for larger ones (more memory); fast: the packed kernels always; "
                         "reference: dequantize-and-multiply")
-    k = ap.add_argument_group("kernels")
-    k.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="kernels/ for norms, RoPE, decode attention and int matmuls: auto (default: where they run on "
-                        "this device, built on first use), on (an error where they cannot), off (chapter 05's PyTorch)")
+    add_arguments(ap)  # --kernels (ops.py)
 
 
 def quant_spec(args) -> QuantSpec | None:
@@ -65,15 +64,14 @@ def resolve(name_or_path: str | None) -> Path:
 
 
 def load(name_or_path: str | None, device: str | None, dtype: str | None, spec: QuantSpec | None = None,
-         matmul: str = "auto", kernels: str = "auto"):
+         matmul: str = DEFAULT_PATH, kernels: Kernels | str = Kernels()):
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
-    int kernels are fast only with 16-bit activations on CPU (see qmatmul.py)."""
+    int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernels: the kernel
+    flags (ops.from_args), or a --kernels choice."""
     model_dir = resolve(name_or_path)
     dev = pick_device(device)
     quantized = spec is not None or spec_of(model_dir) is not None
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
-    model = load_model(model_dir, dev, dt, spec, matmul, kernels)
-    if model.kernels_off and kernels == "auto":
-        print(f"note: kernels off ({model.kernels_off}): chapter 05's PyTorch path runs", file=sys.stderr)
-    return model, model_dir
+    ops = (Kernels(kernels) if isinstance(kernels, str) else kernels).ops(dev)
+    return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

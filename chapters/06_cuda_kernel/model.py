@@ -35,9 +35,9 @@ import torch.nn.functional as F
 
 from common.config import LlamaConfig, load_config
 from batch import StepBatch, Work, build_step
-from ops import TorchOps, pick_ops
+from ops import Ops, TorchOps, resolve
 from paged_cache import PagedKVCache
-from qmatmul import PerStepLinear, linear, prepare
+from qmatmul import DEFAULT_PATH, PerStepLinear, linear, prepare
 from quant import QuantSpec, QuantWeight, cat_rows
 from rope import inv_frequencies
 from weights import read_weights, weight_bytes
@@ -66,8 +66,7 @@ class Model:
     quant: QuantSpec | None = None  # None: plain weights
     weight_bytes: int = 0  # bytes of all weights as loaded (codes, scales and floats)
     dense_copy_bytes: int = 0  # bytes of the dense copies kept beside quantized weights (matmul "auto")
-    ops: object = field(default_factory=TorchOps)  # ops.KernelOps or ops.TorchOps
-    kernels_off: str | None = None  # why the kernels are not used, or None
+    ops: Ops = field(default_factory=TorchOps)  # ops.KernelOps or ops.TorchOps
 
     @property
     def device(self) -> torch.device:
@@ -79,17 +78,17 @@ class Model:
 
 
 def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None,
-               matmul: str = "fast", kernels: str = "auto") -> Model:
+               matmul: str = DEFAULT_PATH, ops: Ops | None = None) -> Model:
     """Reads config.json and the weights, checked against each other (see common.checkpoint and
     weights.py), as `dtype` tensors on `device`. A quantized checkpoint loads its integers; a
-    plain one is quantized on load when `quant` is given. matmul: "fast" (packed kernels where
-    they exist) or "reference" (dequantize and multiply), see qmatmul.py. kernels: "auto", "on"
-    or "off" (ops.pick_ops)."""
+    plain one is quantized on load when `quant` is given. matmul: "auto", "fast" (packed kernels
+    where they exist) or "reference" (dequantize and multiply), see qmatmul.py. ops: the hot
+    operations, resolved for `device` (ops.py); default: the kernels where they run."""
     config = load_config(model_dir)
-    ops, kernels_off = pick_ops(kernels, torch.device(device))
+    device = torch.device(device)
+    ops = ops if ops is not None else resolve("auto", device)
     w, quant = read_weights(Path(model_dir), config, dtype, quant)  # name -> tensor or quantized weight
     total_bytes = weight_bytes(w)
-    device = torch.device(device)
 
     def t(*names: str):
         # Stacking q/k/v (and gate/up) makes one matmul read one weight: fewer, larger kernels,
@@ -98,7 +97,7 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: 
         parts = [w.pop(n) for n in names]
         if isinstance(parts[0], torch.Tensor):
             return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device)
-        return prepare(cat_rows(parts) if len(parts) > 1 else parts[0], device, dtype, matmul, ops.ext)
+        return prepare(cat_rows(parts) if len(parts) > 1 else parts[0], device, dtype, matmul, ops)
 
     layers = []
     for i in range(config.num_hidden_layers):
@@ -118,13 +117,13 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: 
         embed = embed.to(device)
         lm_head = embed if config.tie_word_embeddings else t("lm_head.weight")
     else:  # quantized and tied: the lookup reads our codes, the head multiplies by its prepared form
-        lm_head = prepare(embed, device, dtype, matmul, ops.ext)
+        lm_head = prepare(embed, device, dtype, matmul, ops)
         embed = embed.to(device)
     norm = t("model.norm.weight")
     prepared = [lm_head] + [getattr(layer, f) for layer in layers for f in ("wqkv", "wo", "w_gate_up", "w_down")]
     dense_bytes = sum(p.dense.numel() * p.dense.element_size() for p in prepared if isinstance(p, PerStepLinear))
     return Model(config, embed, layers, norm, lm_head, inv_frequencies(config).to(device), quant, total_bytes,
-                 dense_bytes, ops, kernels_off)
+                 dense_bytes, ops)
 
 
 def embedding(embed, tokens: torch.Tensor, dtype) -> torch.Tensor:

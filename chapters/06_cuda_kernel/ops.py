@@ -12,22 +12,57 @@ Both compute the same maths; what differs is how many passes over memory it take
 and decode token, chapter 05 launches about 25 small PyTorch operations (each reading and writing
 its whole input); the kernels make that about 10, and attention stops copying each sequence's
 context out of the pool.
+
+The choice is made once, where the model is loaded: `--kernels` (add_arguments) becomes a
+`Kernels` value that the entry points hand on unread, and loading.load turns it into one of the two
+objects for its device. Past that point nothing asks which it got: qmatmul.py takes its int
+matmuls from `quant_linear`, the engine asks `can_capture_graphs`, the startup line `describe()`.
+Only this file holds the compiled library; the int matmuls it builds keep the one function they call.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
 import torch
 
-from batch import AttentionGroup
+from batch import AttentionGroup, DecodeGroup
+from common.errors import UserError
 from paged_attention import paged_attention
+from qmatmul import KernelInt4Linear, KernelInt8Linear
+from quant import Int8Weight, QuantWeight
 from rope import apply_rope, cos_sin
 
 
-class TorchOps:
-    """Chapter 05's operations."""
+class Ops(Protocol):
+    """What the forward pass, qmatmul.prepare and the engine ask of either implementation."""
 
-    name = "off"
-    ext = None  # no kernels: qmatmul.prepare takes torch's packed ops
+    @property
+    def can_capture_graphs(self) -> bool:
+        """Whether decode steps may replay as CUDA graphs (cuda_graphs.py)."""
+
+    def angles(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor: ...
+    def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+    def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
+
+    def quant_linear(self, w: QuantWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x -> x @ W.T through this implementation's own int matmul, or None: qmatmul's torch path."""
+
+    def describe(self) -> str:
+        """For the startup line, e.g. "kernels: on (cpu, avx512)"."""
+
+
+class TorchOps:
+    """Chapter 05's operations. `why_off`: why the kernels are not used, for the startup line."""
+
+    can_capture_graphs = False  # the decode kernel is what reads fixed-width block tables
+
+    def __init__(self, why_off: str = "--kernels off"):
+        self.why_off = why_off
 
     @staticmethod
     def angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,14 +86,23 @@ class TorchOps:
     def attention(q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
         return paged_attention(q, k_pool, v_pool, groups)
 
+    @staticmethod
+    def quant_linear(w: QuantWeight) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"kernels: off ({self.why_off})"
+
 
 class KernelOps:
-    """The kernel library's operations. `partition_size`: keys per flash-decoding partition."""
+    """The kernel library's operations on `device`. `partition_size`: keys per flash-decoding partition."""
 
-    name = "on"
+    def __init__(self, ext, device: torch.device = torch.device("cpu"), partition_size: int = 256):
+        self._ext, self.device, self.partition_size = ext, torch.device(device), partition_size
 
-    def __init__(self, ext, partition_size: int = 256):
-        self.ext, self.partition_size = ext, partition_size
+    @property
+    def can_capture_graphs(self) -> bool:
+        return self.device.type == "cuda"
 
     @staticmethod
     def angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,29 +112,37 @@ class KernelOps:
         return angles.cos(), angles.sin()
 
     def add_rms_norm(self, x, delta, weight, eps) -> torch.Tensor:
-        return self.ext.add_rms_norm(x, delta, weight, eps)
+        return self._ext.add_rms_norm(x, delta, weight, eps)
 
     def rope_(self, qk, cos, sin) -> None:
-        self.ext.rope_(qk, cos, sin)
+        self._ext.rope_(qk, cos, sin)
 
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
         """Decodes (one query per sequence) through the paged kernel; prompt chunks through
         chapter 05's gather + SDPA, which is compute-bound there and already good at it."""
         return paged_attention(q, k_pool, v_pool, groups, decode=self.decode)
 
-    def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup | DecodeGroup) -> torch.Tensor:
         """q: [B, n_heads, head_dim], one query per sequence of the group -> the same shape."""
-        return self.ext.paged_decode_attention(q, k_pool, v_pool, g.tables32, g.context_lens, q.shape[-1] ** -0.5,
-                                               self.partition_size)
+        return self._ext.paged_decode_attention(q, k_pool, v_pool, g.block_tables, g.context_lens,
+                                                q.shape[-1] ** -0.5, self.partition_size)
+
+    def quant_linear(self, w: QuantWeight):
+        kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
+        return kind(w, self._ext, self.device)
+
+    def describe(self) -> str:
+        where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type
+        return f"kernels: on ({where})"
 
 
-def pick_ops(choice: str, device: torch.device):
+def resolve(choice: str, device: torch.device) -> Ops:
     """choice: "on" (the kernels, an error where they cannot run), "off" (PyTorch), or "auto"
-    (the kernels where they run on this device, else PyTorch). -> (ops, why the kernels are off or None)."""
+    (the kernels where they run on this device, else PyTorch, which then says why)."""
     if choice not in ("auto", "on", "off"):
-        raise ValueError(f"kernels must be 'auto', 'on' or 'off', got {choice!r}")
+        raise UserError(f"kernels must be 'auto', 'on' or 'off', got {choice!r}")
     if choice == "off":
-        return TorchOps(), "--kernels off"
+        return TorchOps()
     if device.type not in ("cpu", "cuda"):
         why = f"kernels/ has no {device.type} implementation"
     else:
@@ -102,15 +154,36 @@ def pick_ops(choice: str, device: torch.device):
         except kernels.KernelBuildError as e:
             why = str(e)
         if why is None:
-            return KernelOps(ext), None
+            return KernelOps(ext, device)
     if choice == "on":
-        raise ValueError(f"--kernels on: {why}")
-    return TorchOps(), why
+        raise UserError(f"--kernels on: {why}")
+    return TorchOps(why)
 
 
-def describe(model) -> str:
-    """For the startup line: which path runs, e.g. "kernels: on (cpu, avx512)"."""
-    if model.ops.ext is None:
-        return f"kernels: off ({model.kernels_off})"
-    where = f"cpu, {model.ops.ext.cpu_isa()}" if model.device.type == "cpu" else model.device.type
-    return f"kernels: on ({where})"
+# --- the flags: everything a kernels option touches outside the forward pass is below -------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel flags as parsed, before there is a device to resolve them for: what the entry
+    points hand to loading.load and engine.build_engine without reading it."""
+
+    choice: str = "auto"  # --kernels
+
+    def ops(self, device: torch.device) -> Ops:
+        """The operations for `device`; where "auto" falls back to PyTorch, a note says why."""
+        ops = resolve(self.choice, device)
+        if self.choice == "auto" and isinstance(ops, TorchOps):
+            print(f"note: kernels off ({ops.why_off}): chapter 05's PyTorch path runs", file=sys.stderr)
+        return ops
+
+
+def add_arguments(ap) -> None:
+    k = ap.add_argument_group("kernels")
+    k.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
+                   help="kernels/ for norms, RoPE, decode attention and int matmuls: auto (default: where they run on "
+                        "this device, built on first use), on (an error where they cannot), off (chapter 05's PyTorch)")
+
+
+def from_args(args) -> Kernels:
+    return Kernels(args.kernels)

@@ -35,10 +35,6 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores k and v ([tokens, n_kv_heads, head_dim]) at `slots` ([tokens])."""
         _, _, heads, dim = self.shape

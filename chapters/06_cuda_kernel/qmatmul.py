@@ -18,22 +18,28 @@ The int4 kernels define a weight as (code - 8) * scale + zero, so zero is our gr
 the middle code: zero = min + 8 * scale. On CPU they are fast only for bfloat16/float16
 activations (float32 runs a slow generic loop), which is why quantized models default to bfloat16.
 
-Chapter 06: with the kernel library loaded (`ext`), "fast" means kernels/' own int4 and int8
-matrix-vector products (csrc/cpu/quant_linear.cpp, csrc/cuda/quant_linear.cu). They read our
-codes as stored, two per byte, with float32 scales and mins: no repacking into a private tile
-layout, and no private torch op whose signature may change.
+Chapter 06: with the kernels on (ops.KernelOps), "fast" means kernels/' own int4 and int8
+matrix-vector products (csrc/cpu/quant_linear.cpp, csrc/cuda/quant_linear.cu), which the model's
+ops build (`ops.quant_linear`). They read our codes as stored, two per byte, with float32 scales
+and mins: no repacking into a private tile layout, and no private torch op whose signature may change.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from quant import Int4Weight, Int8Weight, QuantWeight
 
+if TYPE_CHECKING:
+    from ops import Ops
+
 OPS = torch.ops.aten
+# --matmul when not told otherwise (loading.py, load_model, build_engine): see prepare
+DEFAULT_PATH = "auto"
 
 
 def fast_path_missing(w: QuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -114,24 +120,27 @@ class Int4PackedLinear:
 
 
 class KernelInt4Linear:
-    def __init__(self, w: Int4Weight, ext, device: torch.device):
-        self.ext, self.group_size = ext, w.group_size
+    """kernels/' int4 matmul, as ops.KernelOps.quant_linear builds it; of the library `lib` it keeps int4_linear."""
+
+    def __init__(self, w: Int4Weight, lib, device: torch.device):
+        self.matmul, self.group_size = lib.int4_linear, w.group_size
         self.packed = aligned(w.packed.to(device).contiguous())  # uint8 [out, in / 2]
         self.scale, self.min = w.scale.float().to(device), w.min.float().to(device)  # [out, in / G]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ext.int4_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min,
-                                 self.group_size)
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min, self.group_size)
         return y.view(*x.shape[:-1], -1)
 
 
 class KernelInt8Linear:
-    def __init__(self, w: Int8Weight, ext, device: torch.device):
-        self.ext = ext
+    """kernels/' int8 matmul, as ops.KernelOps.quant_linear builds it; of the library `lib` it keeps int8_linear."""
+
+    def __init__(self, w: Int8Weight, lib, device: torch.device):
+        self.matmul = lib.int8_linear
         self.q, self.scale = aligned(w.q.to(device).contiguous()), w.scale.float().to(device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ext.int8_linear(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
         return y.view(*x.shape[:-1], -1)
 
 
@@ -166,18 +175,21 @@ class PerStepLinear:
 _warned: set[str] = set()
 
 
-def prepare(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str = "fast", ext=None):
+def prepare(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str, ops: Ops | None = None):
     """A quantized weight -> a callable x -> x @ W.T on `device`. path: "fast" (falls back to the
     reference, with one warning per reason, where no kernel serves), "reference", or "auto" (fast
-    for steps of up to PACKED_MAX_ROWS tokens, a dense copy beyond: PerStepLinear). ext: the kernel
-    library, whose matmuls are then the fast path."""
+    for steps of up to PACKED_MAX_ROWS tokens, a dense copy beyond: PerStepLinear). ops: the
+    model's operations (ops.py), whose own int matmul, where they have one, is the fast path."""
     if path not in ("fast", "reference", "auto"):
         raise ValueError(f"matmul path must be 'fast', 'reference' or 'auto', got {path!r}")
     if path == "auto":
-        max_rows = (KERNEL_MAX_ROWS if ext is not None else PACKED_MAX_ROWS)[type(w)]
-        return PerStepLinear(prepare(w, device, dtype, "fast", ext), w.dequantize(dtype).to(device), max_rows)
-    if path == "fast" and ext is not None:
-        return KernelInt8Linear(w, ext, device) if isinstance(w, Int8Weight) else KernelInt4Linear(w, ext, device)
+        fast = prepare(w, device, dtype, "fast", ops)
+        kernel = isinstance(fast, (KernelInt4Linear, KernelInt8Linear))
+        max_rows = (KERNEL_MAX_ROWS if kernel else PACKED_MAX_ROWS)[type(w)]
+        return PerStepLinear(fast, w.dequantize(dtype).to(device), max_rows)
+    kernel = ops.quant_linear(w) if path == "fast" and ops is not None else None
+    if kernel is not None:
+        return kernel
     missing = fast_path_missing(w, device, dtype) if path == "fast" else "reference path chosen"
     if missing:
         if path == "fast" and missing not in _warned:

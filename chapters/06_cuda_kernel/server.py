@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server around the engine.
 
-    python chapters/05_paged_batching/server.py --model smollm2-135m --host 127.0.0.1 --port 8000
+Usage, from this chapter's folder:
+
+    python server.py --model smollm2-135m --host 127.0.0.1 --port 8000
 
 GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
 "stream": true as server-sent events ending in `data: [DONE]`). Errors come back as OpenAI
@@ -43,7 +45,7 @@ from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, filter_repeats, protocol_with_header_deadline, raise_open_file_limit
 from loading import add_quant_args, quant_spec
 from memory import GiB
-from ops import describe
+import ops
 from protocol import ChatRequest, CompletionRequest, chat_request, completion_request
 from sampling import TokenLogprob
 from worker import Job, Worker
@@ -437,7 +439,7 @@ def main() -> int:
 
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
-    engine, name = build_engine(args.model, args.device, args.dtype, quant_spec(args), args.matmul, args.kernels,
+    engine, name = build_engine(args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args),
                                 max_model_len=args.max_model_len,
                                 max_tokens_default=args.max_tokens_default,
                                 kv_cache_bytes=None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GiB),
@@ -455,7 +457,7 @@ def main() -> int:
     weights = f"{m.quant.name if m.quant else 'unquantized'} weights"
     if m.dense_copy_bytes:  # --matmul auto: packed kernels for small steps, dense copies for big ones
         weights += f", {m.weight_bytes / 1e6:.0f} MB + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
-    weights += f"; {describe(m)}"
+    weights += f"; {m.ops.describe()}"
     print(f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
           f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
           f"{engine.scheduler.max_num_batched_tokens} tokens per step)", file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ from transformers.models.llama import modeling_llama as hf
 from common.config import load_config
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
-from ops import TorchOps, pick_ops
+from ops import TorchOps, resolve
 from rope import apply_rope, cos_sin_table, inv_frequencies
 
 
@@ -21,10 +21,10 @@ def tiny():
 
 
 def both_ops():
-    return [TorchOps(), pick_ops("on", torch.device("cpu"))[0]]
+    return [TorchOps(), resolve("on", torch.device("cpu"))]
 
 
-@pytest.mark.parametrize("ops", both_ops(), ids=lambda o: f"kernels-{o.name}")
+@pytest.mark.parametrize("ops", both_ops(), ids=lambda o: type(o).__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm(tiny, ops, dtype):
     config, ref = tiny
@@ -41,7 +41,7 @@ def test_add_rms_norm(tiny, ops, dtype):
     torch.testing.assert_close(ours, theirs, **tol)
 
 
-@pytest.mark.parametrize("ops", both_ops(), ids=lambda o: f"kernels-{o.name}")
+@pytest.mark.parametrize("ops", both_ops(), ids=lambda o: type(o).__name__)
 def test_rope_in_place_matches_hf(tiny, ops):
     config, _ = tiny
     positions = torch.tensor([0, 3, 77, 9000])

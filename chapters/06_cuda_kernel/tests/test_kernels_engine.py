@@ -11,13 +11,16 @@ import torch
 from common.models import resolve_model
 from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
+from cuda_graphs import DecodeGraphs
 from engine import Engine, Request, build_engine
 from model import forward_sequence, load_model
-from ops import KernelOps, TorchOps
+from ops import Kernels, KernelOps, TorchOps, resolve
+from paged_cache import PagedKVCache
 from quant import QuantSpec
 from sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Explain what a KV cache is in one sentence."]
@@ -53,8 +56,8 @@ def test_kernels_on_and_off_give_the_same_logits(smollm2_dir, quant):
     # Every position of a prompt (the prefill path: norms, RoPE, the int matmuls for <= 16 rows are
     # not used there, so decode them too) on both paths, float32 activations.
     ids = Tokenizer(smollm2_dir).encode("The quick brown fox jumps over the lazy dog. " * 3)
-    on = load_model(smollm2_dir, "cpu", torch.float32, quant, "fast", kernels="on")
-    off = load_model(smollm2_dir, "cpu", torch.float32, quant, "reference", kernels="off")
+    on = load_model(smollm2_dir, "cpu", torch.float32, quant, "fast", resolve("on", CPU))
+    off = load_model(smollm2_dir, "cpu", torch.float32, quant, "reference", resolve("off", CPU))
     assert isinstance(off.ops, TorchOps)
     torch.testing.assert_close(forward_sequence(on, ids), forward_sequence(off, ids), atol=2e-3, rtol=1e-3)
     e_on = Engine(on, Tokenizer(smollm2_dir), {}, num_blocks=64)
@@ -63,35 +66,52 @@ def test_kernels_on_and_off_give_the_same_logits(smollm2_dir, quant):
 
 
 def test_padded_static_decode_steps_equal_the_eager_engine():
-    # cuda_graphs=True on a CPU: decode steps padded to their bucket, on fixed buffers, with
-    # fixed-width block tables: everything the CUDA graphs replay, except the capture itself.
+    # What the CUDA graphs replay, run eagerly on a CPU: decode steps padded to their bucket, on
+    # fixed buffers, with fixed-width block tables; everything but the capture itself.
     d = resolve_model("tiny-llama3")
-    model, tok = load_model(d, kernels="on"), Tokenizer(d)
+    model, tok = load_model(d, ops=resolve("on", CPU)), Tokenizer(d)
     rng = random.Random(0)
     reqs = [Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 5, 17, 40]))], GREEDY,
                     max_tokens=rng.randrange(1, 25), ignore_eos=True) for _ in range(11)]
     arrivals = [rng.randrange(0, 12) for _ in reqs]
-    padded = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16, cuda_graphs=True)
-    eager = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16, cuda_graphs=False)
-    assert padded.graphs is not None and padded.graphs.buckets[:4] == [1, 2, 4, 8]
+    eager = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
+    padded = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
+    assert eager.graphs is None and padded.graphs is None  # no graphs on a CPU
+    # As the engine sets them up on CUDA: one block more than the block manager hands out, for padding rows.
+    padded.cache = PagedKVCache(model.config, 129, 16, model.device, model.dtype)
+    padded.graphs = DecodeGraphs(model, padded.cache, 16, -(-padded.context // 16), 128, capture=False)
+    assert padded.graphs.buckets[:4] == [1, 2, 4, 8]
+    ran = []
+    run = padded.graphs.run
+    padded.graphs.run = lambda work: ran.append(len(work)) or run(work)
     assert padded.generate(reqs, arrivals) == eager.generate(reqs, arrivals)
+    assert any(n not in padded.graphs.buckets for n in ran)  # some steps were padded to a larger bucket
 
 
-def test_cuda_graphs_need_the_kernels():
+def test_decode_graphs_only_where_the_ops_can_capture_them():
+    import kernels
+
+    assert KernelOps(kernels.load(), torch.device("cuda")).can_capture_graphs
+    assert not resolve("on", CPU).can_capture_graphs and not TorchOps().can_capture_graphs
     d = resolve_model("tiny-llama3")
-    with pytest.raises(ValueError, match="CUDA graphs need the kernels"):
-        Engine(load_model(d, kernels="off"), Tokenizer(d), {}, num_blocks=8, cuda_graphs=True)
+    for ops in (resolve("on", CPU), resolve("off", CPU)):
+        engine = Engine(load_model(d, ops=ops), Tokenizer(d), {}, num_blocks=8)
+        assert engine.graphs is None and engine.cache.num_blocks == 8  # no spare block for padding either
 
 
-def test_kernels_where_they_cannot_run():
-    from ops import pick_ops
-
-    ops, why = pick_ops("auto", torch.device("mps"))
-    assert isinstance(ops, TorchOps) and why == "kernels/ has no mps implementation"
+def test_kernels_where_they_cannot_run(capsys):
+    mps = torch.device("mps")
+    ops = resolve("auto", mps)
+    assert isinstance(ops, TorchOps) and ops.describe() == "kernels: off (kernels/ has no mps implementation)"
     with pytest.raises(ValueError, match="--kernels on: kernels/ has no mps implementation"):
-        pick_ops("on", torch.device("mps"))
+        resolve("on", mps)
     with pytest.raises(ValueError, match="kernels must be 'auto', 'on' or 'off'"):
-        pick_ops("yes", torch.device("cpu"))
+        resolve("yes", CPU)
+    # What the entry points get: --kernels auto says why it falls back, --kernels off does not.
+    assert isinstance(Kernels("auto").ops(mps), TorchOps)
+    assert "note: kernels off (kernels/ has no mps implementation): chapter 05's PyTorch path runs" in capsys.readouterr().err
+    assert Kernels("off").ops(mps).describe() == "kernels: off (--kernels off)" and capsys.readouterr().err == ""
+    assert Kernels("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
 
 
 @pytest.mark.parametrize("flag", ["on", "off"])
@@ -106,7 +126,7 @@ def test_generate_with_and_without_kernels(flag):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run slurm/gpu_check.sh on a GPU node)")
 def test_cuda_graphs_replay_equals_eager_on_cuda():
     d = resolve_model("tiny-llama3")
-    model, tok = load_model(d, "cuda", torch.float32, kernels="on"), Tokenizer(d)
+    model, tok = load_model(d, "cuda", torch.float32, ops=resolve("on", torch.device("cuda"))), Tokenizer(d)
     rng = random.Random(1)
     reqs = [Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 9, 33]))], GREEDY, max_tokens=20,
                     ignore_eos=True) for _ in range(7)]
