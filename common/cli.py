@@ -11,13 +11,15 @@ import sys
 
 from common.checkpoint import CheckpointError
 from common.config import ConfigError
+from common.errors import UserError
 from common.models import DEFAULT_MODEL, ModelNotFoundError
 from common.tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
-# The errors a user can cause with a bad path, file or prompt; entry points print these plainly.
-USER_ERRORS = (ModelNotFoundError, ConfigError, CheckpointError, TokenizerError, ValueError, MemoryError)
+# The errors a user can cause with a bad flag, path, file or prompt; entry points print these
+# plainly. Not ValueError as such: one raised by a bug must keep its traceback.
+USER_ERRORS = (UserError, ModelNotFoundError, ConfigError, CheckpointError, TokenizerError, MemoryError)
 
 
 def base_parser(description: str, batch: bool = False) -> argparse.ArgumentParser:
@@ -41,11 +43,11 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def check_context(n_prompt: int, max_new_tokens: int, max_positions: int) -> None:
     if n_prompt == 0:
-        raise ValueError("the prompt is empty (0 tokens)")
+        raise UserError("the prompt is empty (0 tokens)")
     if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if n_prompt >= max_positions:
-        raise ValueError(f"the prompt has {n_prompt} tokens; the model's context is {max_positions} tokens")
+        raise UserError(f"the prompt has {n_prompt} tokens; the model's context is {max_positions} tokens")
 
 
 def run_main(main) -> None:

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from common.errors import UserError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,11 +20,11 @@ def pick_device(name: str | None = None) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device (CPU build of torch, or no GPU)")
+        raise UserError("--device cuda: torch sees no CUDA device (CPU build of torch, or no GPU)")
     if name == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps: MPS is not available on this machine")
+        raise UserError("--device mps: MPS is not available on this machine")
     if name.split(":")[0] not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"--device must be auto, cpu, cuda or mps, got {name!r}")
+        raise UserError(f"--device must be auto, cpu, cuda or mps, got {name!r}")
     return torch.device(name)
 
 
@@ -32,7 +34,7 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name == "auto":
         return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
     if name not in DTYPES:
-        raise ValueError(f"--dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
+        raise UserError(f"--dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
     return DTYPES[name]
 
 

@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.chapters import chapter_dir, load_chapter
 from common.models import resolve_model
@@ -40,8 +41,9 @@ def test_greedy_tokens_agree_from_chapter_01_to_06(name):
     out05 = engine.generate([others[0], ch05.engine.Request(prompt, greedy, max_tokens=n), others[1]], [0, 0, 3])[1][0]
     out05 = [t for t in out05.token_ids if t not in engine.eos_ids]
     # chapter 06: the same, with kernels/ (C++ on this CPU) for norms, RoPE and decode attention
-    ch06 = load_chapter(6, "model", "engine", "sampling")
-    engine = ch06.engine.Engine(ch06.model.load_model(d, kernels="on"), tok, {}, num_blocks=64)
+    ch06 = load_chapter(6, "model", "engine", "sampling", "ops")
+    engine = ch06.engine.Engine(ch06.model.load_model(d, ops=ch06.ops.resolve("on", torch.device("cpu"))), tok, {},
+                                num_blocks=64)
     req = ch06.engine.Request(prompt, ch06.sampling.SamplingParams(temperature=0), max_tokens=n)
     out06 = [t for events in engine.stream(req) for ev in events for t in ev.token_ids if t not in engine.eos_ids]
     assert out01 == out02 == out03 == out04 == out05 == out06, tok.decode(out01)
@@ -76,6 +78,51 @@ def test_make_diff_chapter_shows_the_lesson():
     assert "README.md" in r.stdout and "= README.md (changed)" not in r.stdout
     everything = make("diff-chapter3", "ALL=1").stdout
     assert everything.index("= sampling.py (new file)") < everything.index("= README.md (changed)")
+
+
+def shown_files(diff: str) -> list[str]:
+    """The file headers after the summary, in order: `= name (new file)` -> name."""
+    body = diff.split("\n\n", 1)[1]  # the summary ends at the first blank line
+    return [line[2:].split(" (")[0] for line in body.splitlines() if line.startswith("= ") and " (" in line]
+
+
+@pytest.mark.parametrize("number", [5, 6])
+def test_make_diff_chapter_starts_with_the_new_modules(number):
+    r = make(f"diff-chapter{number}")
+    assert r.returncode == 0, r.stderr
+    prev, cur = chapter_dir(number - 1), chapter_dir(number)
+    new = {p.name for p in cur.glob("*.py") if not (prev / p.name).exists()} - {"bench.py", "peers.py", "conftest.py"}
+    shown = shown_files(r.stdout)
+    assert set(shown[:len(new)]) == new, shown
+    # the summary is all that comes before them (2,486 lines of other files once did, in chapter 05)
+    assert r.stdout.splitlines().index(f"= {shown[0]} (new file)") < 30
+    # dependencies first: a new module comes after every new module it imports
+    for name in new:
+        text = (cur / name).read_text()
+        for dep in new - {name}:
+            if f"from {dep[:-3]} import" in text or f"import {dep[:-3]}\n" in text:
+                assert shown.index(dep) < shown.index(name), (dep, name)
+    # bench.py's helpers are read with the benchmark, under ALL=1, not among the engine's modules
+    assert "peers.py" not in shown
+    everything = make(f"diff-chapter{number}", "ALL=1").stdout
+    assert shown_files(everything).index("bench.py") < shown_files(everything).index("peers.py")
+
+
+def test_make_diff_chapter_shows_rewritten_modules_whole_and_points_at_kernels():
+    r = make("diff-chapter5")
+    assert r.returncode == 0, r.stderr
+    assert shown_files(r.stdout)[:2] == ["block_manager.py", "paged_cache.py"]  # as chapter 05's README tells it
+    # chapter 05's engine is mostly new: every line of it is a `+` line, not a diff against chapter 04's
+    assert "= engine.py (rewritten" in r.stdout
+    plus_lines = {line[1:] for line in r.stdout.splitlines() if line.startswith("+")}
+    engine = (chapter_dir(5) / "engine.py").read_text().splitlines()
+    assert [line for line in engine if line not in plus_lines] == []
+    assert "= model.py (changed)" in r.stdout  # a module with a smaller change stays a diff
+    r = make("diff-chapter6")
+    summary = r.stdout.split("shows the other files too\n", 1)[0]
+    assert "kernels/README.md" in summary and "kernels/csrc/cuda/*.cu" in summary
+    assert "kernels/README.md" not in make("diff-chapter5").stdout.split("shows the other files too\n", 1)[0]
+    assert shown_files(r.stdout)[:2] == ["ops.py", "cuda_graphs.py"]
 
 
 def test_make_run_each_chapter():

@@ -1,7 +1,9 @@
 """What this machine offers for running an LLM: Python and library versions, CPU threads,
 CUDA / MPS devices, nvcc. Prints advice for whatever is missing.
 
-    python chapters/00_setup/check_env.py
+Usage, from this chapter's folder:
+
+    python check_env.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 parameters live, what its weights and its KV cache cost in memory, and how its tokenizer
 splits text.
 
-    python chapters/00_setup/inspect_model.py --model smollm2-135m
+Usage, from this chapter's folder:
+
+    python inspect_model.py --model smollm2-135m
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Greedy generation with the NumPy engine, no KV cache: every step recomputes the whole sequence.
 
-    python chapters/01_numpy_forward/generate.py --chat --prompt "What is the capital of France?"
+Usage, from this chapter's folder:
+
+    python generate.py --chat --prompt "What is the capital of France?"
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -14,6 +17,9 @@ from common.cli import base_parser, check_context, prompt_ids, run_main
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from model import Model, forward, load_model
+
+# This chapter's number, from its folder's name, so that a copied chapter reports its own.
+CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 
 def generate(model: Model, prompt: list[int], max_new_tokens: int, step_times: list | None = None):
@@ -51,7 +57,7 @@ def main() -> int:
     elapsed = time.perf_counter() - t0
     print(tokenizer.decode(new, skip_special_tokens=True))
     print(
-        f"[ch01 numpy, no cache] prompt {len(prompt)} tokens, {len(step_times)} steps "
+        f"[ch{CHAPTER} numpy, no cache] prompt {len(prompt)} tokens, {len(step_times)} steps "
         f"({len(new)} tokens{' + EOS' if len(step_times) > len(new) else ''}) in {elapsed:.2f} s "
         f"({len(step_times) / elapsed:.1f} tok/s); first step {step_times[0] * 1e3:.0f} ms, "
         f"last step {step_times[-1] * 1e3:.0f} ms",

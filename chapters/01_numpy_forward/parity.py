@@ -1,6 +1,8 @@
 """Per-layer parity of the NumPy engine against HF transformers (fp32, eager attention).
 
-    python chapters/01_numpy_forward/parity.py --model smollm2-135m
+Usage, from this chapter's folder:
+
+    python parity.py --model smollm2-135m
 
 Prints, for the embedding output, every decoder layer and the logits: the max absolute error,
 the relative error (||ours - ref|| / ||ref||) and, for the logits, how often the argmax agrees.
@@ -9,6 +11,7 @@ the relative error (||ours - ref|| / ||ref||) and, for the logits, how often the
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from common.cli import run_main
 from common.hf_reference import hf_hidden_states
@@ -16,6 +19,9 @@ from common.models import resolve_model
 from common.parity import compare, format_table
 from common.tokenizer import Tokenizer
 from model import forward, load_model
+
+# This chapter's number, from its folder's name, so that a copied chapter reports its own.
+CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 DEFAULT_TEXT = (
     "The Llama architecture is a decoder-only transformer. Each layer normalizes its input with RMSNorm, "
@@ -33,7 +39,7 @@ def main() -> int:
     ids = Tokenizer(model_dir).encode(args.text)
     ours: dict = {}
     ours["logits"] = forward(load_model(model_dir), ids, capture=ours)
-    print(f"{model_dir.name}: {len(ids)} tokens, ch01 NumPy fp32 vs HF transformers fp32 eager")
+    print(f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} NumPy fp32 vs HF transformers fp32 eager")
     print(format_table(compare(ours, hf_hidden_states(model_dir, ids))))
     return 0
 

@@ -1,8 +1,10 @@
 """Chat with the model in the terminal, tokens streamed as they are generated.
 
-    python chapters/03_sampling_server/cli.py                          # interactive chat (history kept)
-    python chapters/03_sampling_server/cli.py --prompt "Tell me a joke" --temperature 0.7 --seed 1
-    python chapters/03_sampling_server/cli.py --raw --prompt "Once upon a time"   # plain completion
+Usage, from this chapter's folder:
+
+    python cli.py                                     # interactive chat (history kept)
+    python cli.py --prompt "Tell me a joke" --temperature 0.7 --seed 1
+    python cli.py --raw --prompt "Once upon a time"   # plain completion
 
 In the chat: /reset forgets the history, /quit (or Ctrl-D) leaves. Statistics go to stderr.
 """
@@ -13,6 +15,7 @@ import sys
 import time
 
 from common.cli import base_parser, run_main
+from common.errors import UserError
 from engine import Engine, Request, build_engine
 from sampling import SamplingParams
 
@@ -106,7 +109,7 @@ def main() -> int:
             {"role": "user", "content": args.prompt}]
         prompt_ids = engine.tokenizer.encode_chat(messages)
     if len(prompt_ids) >= engine.context:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context} tokens")
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context} tokens")
     stream_reply(engine, prompt_ids, args)
     return 0
 

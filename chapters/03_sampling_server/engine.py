@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from common.device import pick_device, pick_dtype
+from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
@@ -80,7 +81,7 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = _context(model.config.max_position_embeddings, max_model_len)
         if max_tokens_default < 1:
-            raise ValueError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
+            raise UserError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
         self.max_tokens_default = max_tokens_default
         self.memory_budget = memory_budget
         self._masks: dict = {}  # (stop ids, device) -> [vocab] bool mask, for min_tokens
@@ -104,26 +105,26 @@ class Engine:
         return estimate(self.model.config, self.model.dtype, req.n, len(req.prompt_ids), self.max_tokens_for(req))
 
     def validate(self, req: Request) -> None:
-        """Raises ValueError with a message fit for the client."""
+        """Raises UserError with a message fit for the client."""
         req.params.validate(self.model.config.vocab_size)
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
-            raise ValueError("the prompt is empty")
+            raise UserError("the prompt is empty")
         if req.n < 1 or req.n > 16:
-            raise ValueError(f"n must be between 1 and 16, got {req.n}")
+            raise UserError(f"n must be between 1 and 16, got {req.n}")
         if req.max_tokens is not None and req.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+            raise UserError(f"max_tokens must be at least 1, got {req.max_tokens}")
         if req.min_tokens < 0 or (req.max_tokens is not None and req.min_tokens > req.max_tokens):
-            raise ValueError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
+            raise UserError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
         if any(not isinstance(s, str) or not s for s in req.stop) or len(req.stop) > 16:
-            raise ValueError("stop must be a string or a list of at most 16 non-empty strings")
+            raise UserError("stop must be a string or a list of at most 16 non-empty strings")
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+            raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
         if n_prompt >= self.context:
-            raise ValueError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
+            raise UserError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
         if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:
-            raise ValueError(
+            raise UserError(
                 f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
                 f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
             )
@@ -134,7 +135,7 @@ class Engine:
             return
         need = self.memory_needed(req)
         if need.total > self.memory_budget:
-            raise ValueError(
+            raise UserError(
                 f"this request would need about {need.describe()}; this server allows "
                 f"{self.memory_budget / GiB:.2f} GiB per request: lower n ({req.n}), max_tokens "
                 f"({self.max_tokens_for(req)}) or the prompt's length ({len(req.prompt_ids)} tokens)"
@@ -231,7 +232,7 @@ def _context(model_context: int, max_model_len: int | None) -> int:
     if max_model_len is None:
         return model_context
     if not 2 <= max_model_len <= model_context:
-        raise ValueError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
+        raise UserError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
                          f"got {max_model_len}")
     return max_model_len
 

@@ -1,22 +1,29 @@
 """Greedy generation with a KV cache: one prefill over the prompt, then one token per decode step.
 
-    python chapters/02_kv_cache/generate.py --chat --prompt "What is the capital of France?"
-    python chapters/02_kv_cache/generate.py --prompt "The sky is" --prompt "Two plus two is" --dtype bfloat16
+Usage, from this chapter's folder:
+
+    python generate.py --chat --prompt "What is the capital of France?"
+    python generate.py --prompt "The sky is" --prompt "Two plus two is" --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main
 from common.device import pick_device, pick_dtype, synchronize
+from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
 from model import Model, forward, load_model
+
+# This chapter's number, from its folder's name, so that a copied chapter reports its own.
+CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 
 @torch.inference_mode()
@@ -32,7 +39,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
         check_context(len(p), max_new_tokens, config.max_position_embeddings)
     max_seq = max_seq or min(longest + max_new_tokens, config.max_position_embeddings)
     if longest >= max_seq:
-        raise ValueError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")
+        raise UserError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")
     cache = KVCache(config, len(prompts), max_seq, device, model.dtype)
 
     pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0  # any id: padded slots are masked
@@ -95,7 +102,7 @@ def main() -> int:
         decode_s = step_times[-1] - step_times[0]
         decoded = sum(len(o) for o in outputs) - len([o for o in outputs if o])
         print(
-            f"[ch02 torch {device.type} {str(dtype).removeprefix('torch.')}, KV cache] batch {len(prompts)}, "
+            f"[ch{CHAPTER} torch {device.type} {str(dtype).removeprefix('torch.')}, KV cache] batch {len(prompts)}, "
             f"prompt {n_prompt} tokens, TTFT {ttft * 1e3:.0f} ms (prefill {n_prompt / ttft:.0f} tok/s), "
             f"decode {decoded} tokens at {decoded / decode_s if decode_s else float('nan'):.1f} tok/s",
             file=sys.stderr,

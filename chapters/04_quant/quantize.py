@@ -1,8 +1,10 @@
 """Writes a quantized checkpoint directory that every entry point of this chapter loads with --model.
 
-    python chapters/04_quant/quantize.py --model smollm2-135m --bits 4 --group-size 32 --out models/smollm2-135m-int4
-    python chapters/04_quant/quantize.py --model smollm2-135m --bits 8 --out models/smollm2-135m-int8
-    python chapters/04_quant/quantize.py --from-gguf path/to/SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-q4_1
+Usage, from this chapter's folder:
+
+    python quantize.py --model smollm2-135m --bits 4 --group-size 32 --out ../../models/smollm2-135m-int4
+    python quantize.py --model smollm2-135m --bits 8 --out ../../models/smollm2-135m-int8
+    python quantize.py --from-gguf path/to/SmolLM2-135M-Instruct.Q4_1.gguf --out ../../models/smollm2-q4_1
 
 The directory holds config.json (with a quantization_config block), model.safetensors (codes,
 scales and mins: see weights.py) and the tokenizer files, as a Hugging Face download does.
@@ -20,6 +22,7 @@ from pathlib import Path
 from common.checkpoint import load_checkpoint_torch
 from common.cli import run_main
 from common.config import load_config
+from common.errors import UserError
 from common.models import resolve_model
 from gguf_file import convert_gguf
 from quant import INT4_GROUP_SIZES, QuantSpec
@@ -34,9 +37,9 @@ def quantize_dir(model: str, spec: QuantSpec, out: Path) -> dict:
     """A plain checkpoint directory -> a quantized one at `out`; -> sizes for the report."""
     src = resolve_model(model)
     if spec_of(src) is not None:
-        raise ValueError(f"{src} is already quantized; quantize the original checkpoint")
+        raise UserError(f"{src} is already quantized; quantize the original checkpoint")
     if out.resolve() == src.resolve():
-        raise ValueError("--out must not be the source directory")
+        raise UserError("--out must not be the source directory")
     config = load_config(src)
     weights = load_checkpoint_torch(src, config, None)  # the stored floats, not a cast copy
     before = weight_bytes(weights)

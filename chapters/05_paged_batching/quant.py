@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import UserError
+
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
@@ -104,7 +106,7 @@ def group_size_for(in_features: int, group_size: int) -> int:
     while in_features % g and g > 32:
         g //= 2
     if in_features % g:
-        raise ValueError(f"a row of {in_features} inputs cannot be split into int4 groups of 32 or more")
+        raise UserError(f"a row of {in_features} inputs cannot be split into int4 groups of 32 or more")
     return g
 
 
@@ -152,11 +154,11 @@ class QuantSpec:
 
     def __post_init__(self):
         if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+            raise UserError(f"bits must be 4 or 8, got {self.bits}")
         if self.head_bits not in (4, 8, None):
-            raise ValueError(f"the LM head's bits must be 4, 8 or none, got {self.head_bits}")
+            raise UserError(f"the LM head's bits must be 4, 8 or none, got {self.head_bits}")
         if (self.bits == 4 or self.head_bits == 4) and self.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+            raise UserError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
 
     def quantize(self, w: torch.Tensor, bits: int | None = None) -> QuantWeight:
         bits = bits or self.bits

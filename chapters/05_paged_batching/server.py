@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server around the engine.
 
-    python chapters/05_paged_batching/server.py --model smollm2-135m --host 127.0.0.1 --port 8000
+Usage, from this chapter's folder:
+
+    python server.py --model smollm2-135m --host 127.0.0.1 --port 8000
 
 GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
 "stream": true as server-sent events ending in `data: [DONE]`). Errors come back as OpenAI

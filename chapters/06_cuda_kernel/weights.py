@@ -24,6 +24,7 @@ import torch
 
 from common.checkpoint import CheckpointError, checkpoint_files, expected_shapes, load_checkpoint_torch, read_header
 from common.config import LlamaConfig
+from common.errors import UserError
 from quant import Int4Weight, Int8Weight, QuantSpec, group_size_for, nbytes
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -197,7 +198,7 @@ def read_weights(model_dir: Path, config: LlamaConfig, dtype, quant: QuantSpec |
     stored = spec_of(model_dir)
     if stored is not None:
         if quant is not None and quant != stored:
-            raise ValueError(f"{model_dir} is already quantized ({stored.name}); --quant applies to a plain checkpoint")
+            raise UserError(f"{model_dir} is already quantized ({stored.name}); --quant applies to a plain checkpoint")
         return load_quantized(model_dir, config, stored, dtype), stored
     if quant is None:
         return load_checkpoint_torch(model_dir, config, dtype), None

@@ -1,0 +1,11 @@
+"""UserError: bad input that the person running the program can fix (a flag, a path, a prompt, a
+request's field), as opposed to a bug. common.cli.run_main prints it as one line, `error: ...`,
+with exit status 2 (any other exception keeps its traceback); a server answers a request's with 400.
+
+It is a ValueError, so code that catches ValueError around a call (a server validating a
+request, argparse calling a type function) still catches it.
+"""
+
+
+class UserError(ValueError):
+    """Bad input, with a message that says what was wrong and what to do instead."""
