@@ -221,13 +221,16 @@ def test_memory_estimate_counts_n_max_tokens_and_the_prompt(engine):
 
 
 def test_the_estimate_covers_the_caches_a_request_builds(engine, monkeypatch):
+    import memory
+
     built = record_caches(monkeypatch)
-    req = Request(chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=1), max_tokens=300, n=2,
+    monkeypatch.setattr(memory, "CACHE_CHUNK", 8)  # so it grows to full size within 40 tokens
+    req = Request(chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=1), max_tokens=40, n=2,
                   ignore_eos=True)
     run(engine, req)
     (shape, cache), = built
     assert shape[0] == 1  # the prompt's pass
-    assert cache.shape[0] == 2 and cache.max_seq == len(req.prompt_ids) + 300
+    assert cache.shape[0] == 2 and cache.max_seq == len(req.prompt_ids) + 40
     assert cache.nbytes <= engine.memory_needed(req).kv_cache
 
 
