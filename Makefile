@@ -12,9 +12,15 @@ LATEST := $(lastword $(CHAPTERS))
 CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
 CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER))))))_*))
 PYTEST_FLAGS ?= -q
-# Test workers (pytest-xdist): one per core, at most 8; each worker's torch gets cores/workers threads
-# (common/testing.py), so they share the cores rather than fight over them. TEST_WORKERS=1: one process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n : 8 )))
+NPROC := $(shell nproc 2>/dev/null || echo 1)
+# make test runs its suites (each chapter's tests/, kernels/tests, tests/, the -Werror compile) as
+# separate processes, TEST_JOBS at a time, each with NPROC/TEST_JOBS cores: side by side, no suite's
+# start-up or last slow file leaves a core idle. Within a suite, TEST_WORKERS pytest-xdist workers
+# (at most 8) split its cores, each worker's torch taking its share of threads (common/testing.py).
+# On 2 cores two suites of one process each measured fastest. TEST_JOBS=1 TEST_WORKERS=1: one process.
+TEST_JOBS ?= $(if $(filter 1,$(NPROC)),1,2)
+SUITE_CORES = $(shell n=$$(( $(NPROC) / $(TEST_JOBS) )); echo $$(( n > 0 ? n : 1 )))
+TEST_WORKERS ?= $(shell n=$(NPROC); echo $$(( n < 8 ? n : 8 )))
 XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 # Carried tests that reach only code identical to the previous chapter's skip (common/carried.py);
 # RUN_CARRIED_TESTS=1 runs them too.
@@ -61,9 +67,10 @@ kernels-cuda-check:
 
 # Every C++ and CUDA source compiled with -Wall -Wextra -Werror: the C++ half against the venv's torch
 # (kernels/csrc/cpu/check_compile.sh), then the CUDA half where nvcc is (kernels-cuda-check).
+KERNELS_CHECK = PYTHON=$(PY) bash kernels/csrc/cpu/check_compile.sh && \
+	if command -v nvcc >/dev/null; then bash kernels/csrc/cuda/check_compile.sh; else echo "CUDA sources skipped: no nvcc on PATH"; fi
 kernels-check: $(VENV)/.stamp
-	@PYTHON=$(PY) bash kernels/csrc/cpu/check_compile.sh
-	@if command -v nvcc >/dev/null; then bash kernels/csrc/cuda/check_compile.sh; else echo "CUDA sources skipped: no nvcc on PATH"; fi
+	@$(KERNELS_CHECK)
 
 # --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
 run: setup
@@ -77,15 +84,27 @@ run: setup
 	fi
 
 # --- tests: each chapter in its own pytest process (every chapter has its own model.py).
+# Newest chapters first: they are the longest suites, so the short ones fill the gaps at the end.
+SUITES := $(patsubst chapters/%,%,$(shell printf '%s\n' $(CHAPTERS) | sort -r)) tests kernels kernels-check
+suite_dir = $(if $(filter tests,$(1)),tests,$(if $(filter kernels,$(1)),kernels/tests,chapters/$(1)/tests))
+
 test: setup
-	@failed=""; \
-	for d in $(CHAPTERS); do \
-	  echo "=== $$d"; $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $$d/tests || failed="$$failed $$d"; \
-	done; \
-	echo "=== kernels/"; $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) kernels/tests || failed="$$failed kernels/"; \
-	echo "=== kernels/ sources (-Werror)"; $(MAKE) --no-print-directory kernels-check || failed="$$failed kernels-check"; \
-	echo "=== tests/"; $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) tests || failed="$$failed tests/"; \
-	if [ -n "$$failed" ]; then echo "FAILED:$$failed"; exit 1; fi; echo "all test suites passed"
+	@rm -rf .test-results && mkdir -p .test-results; \
+	echo "$(words $(SUITES)) suites, $(TEST_JOBS) at a time on $(NPROC) cores; each one's output appears when it ends"; \
+	cores=$(SUITE_CORES); $(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target \
+	  TEST_WORKERS=$$(( cores < 8 ? cores : 8 )) OMP_NUM_THREADS=$$cores $(addprefix suite-,$(SUITES)) || true; \
+	failed=$$(cd .test-results && ls *.failed 2>/dev/null | sed 's/.failed$$//' | tr '\n' ' '); \
+	echo; cat .test-results/*.time 2>/dev/null | sort -k2 -n -r; \
+	if [ -n "$$failed" ]; then echo "FAILED: $$failed"; exit 1; fi; echo "all test suites passed"
+
+# One suite, as `make test` runs it; its result lands in .test-results/ (NAME.time, NAME.failed).
+# No $(MAKE) in this recipe: make would not hold back the output of a recursive line.
+suite-%:
+	@echo "=== $*"; start=$$(date +%s); mkdir -p .test-results; \
+	if [ "$*" = kernels-check ]; then $(KERNELS_CHECK); \
+	else $(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(call suite_dir,$*); fi \
+	  || touch .test-results/$*.failed; \
+	printf '%-22s %4d s\n' "$*" $$(( $$(date +%s) - start )) > .test-results/$*.time
 
 test-chapter%: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(wildcard chapters/$(shell printf '%02d' $*)_*/tests)

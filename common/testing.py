@@ -21,9 +21,12 @@ def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:
 
 
 def threads_per_worker() -> int | None:
-    """Under pytest-xdist, this machine's cores divided among the workers; None in a plain run."""
+    """Under pytest-xdist, this run's cores divided among the workers; None in a plain run. The run's
+    cores: OMP_NUM_THREADS where it is set (`make test` runs suites side by side, each with its
+    share of the machine), else every core this process may use."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    return max(1, cores // workers) if workers > 1 else None
 
 
 def pytest_configure(config):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,7 +55,11 @@ def resolve(name_or_path: str | None) -> Path:
     out = MODELS_DIR / "gguf" / f"{path.stem}-{path.stat().st_size}-v{FORMAT_VERSION}"
     if not (out / "config.json").is_file():
         print(f"[gguf] {path.name} -> {out} (codes copied, once) ...", file=sys.stderr, flush=True)
-        convert_gguf(path, out)
+        mine = convert_gguf(path, out.with_name(f"{out.name}.{os.getpid()}"))
+        try:  # a rename is atomic: of two processes converting the same file at once, one keeps its copy
+            mine.rename(out)
+        except OSError:
+            shutil.rmtree(mine)
     return out
 
 

@@ -38,6 +38,7 @@ from loading import load
 from memory import GiB, default_kv_bytes
 from model import Model, forward
 from paged_cache import PagedKVCache
+from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample
 from scheduler import Scheduler
@@ -353,7 +354,7 @@ class Engine:
 
 
 def build_engine(model: str | None, device: str = "auto", dtype: str = "auto", quant: QuantSpec | None = None,
-                 matmul: str = "auto", **limits) -> tuple[Engine, str]:
+                 matmul: str = DEFAULT_PATH, **limits) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
     quantized on load when `quant` is given, onto a device; -> the engine, and the name to call
     it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from common.device import pick_device, pick_dtype
 from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
 from gguf_file import convert_gguf
 from model import load_model
+from qmatmul import DEFAULT_PATH
 from quant import INT4_GROUP_SIZES, QuantSpec
 from weights import spec_of
 
@@ -32,7 +34,7 @@ def add_quant_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--symmetric", action="store_true", help="int4 without a zero point (a scale per group only)")
     g.add_argument("--lm-head", choices=["int8", "int4", "none"], default="int8",
                    help="the LM head (and tied embedding) with --quant: int8 (default), int4, or none (model dtype)")
-    g.add_argument("--matmul", choices=["auto", "fast", "reference"], default="auto",
+    g.add_argument("--matmul", choices=["auto", "fast", "reference"], default=DEFAULT_PATH,
                    help="auto (default): torch's packed int kernels for steps of a few tokens (int4: 16, int8: 6) and a dense "
                         "copy of each weight for larger ones (more memory); fast: the packed kernels always; "
                         "reference: dequantize-and-multiply")
@@ -56,12 +58,16 @@ def resolve(name_or_path: str | None) -> Path:
     out = MODELS_DIR / "gguf" / f"{path.stem}-{path.stat().st_size}-v{FORMAT_VERSION}"
     if not (out / "config.json").is_file():
         print(f"[gguf] {path.name} -> {out} (codes copied, once) ...", file=sys.stderr, flush=True)
-        convert_gguf(path, out)
+        mine = convert_gguf(path, out.with_name(f"{out.name}.{os.getpid()}"))
+        try:  # a rename is atomic: of two processes converting the same file at once, one keeps its copy
+            mine.rename(out)
+        except OSError:
+            shutil.rmtree(mine)
     return out
 
 
 def load(name_or_path: str | None, device: str | None, dtype: str | None, spec: QuantSpec | None = None,
-         matmul: str = "auto"):
+         matmul: str = DEFAULT_PATH):
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py)."""
     model_dir = resolve(name_or_path)

@@ -28,7 +28,7 @@ from common.config import LlamaConfig, load_config
 from batch import StepBatch, Work, build_step
 from paged_attention import paged_attention
 from paged_cache import PagedKVCache
-from qmatmul import PerStepLinear, linear, prepare
+from qmatmul import DEFAULT_PATH, PerStepLinear, linear, prepare
 from quant import QuantSpec, QuantWeight, cat_rows
 from rope import apply_rope, cos_sin, inv_frequencies
 from weights import read_weights, weight_bytes
@@ -68,7 +68,7 @@ class Model:
 
 
 def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None,
-               matmul: str = "fast") -> Model:
+               matmul: str = DEFAULT_PATH) -> Model:
     """Reads config.json and the weights, checked against each other (see common.checkpoint and
     weights.py), as `dtype` tensors on `device`. A quantized checkpoint loads its integers; a
     plain one is quantized on load when `quant` is given. matmul: "fast" (torch's packed kernels

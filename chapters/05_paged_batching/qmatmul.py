@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from quant import Int4Weight, Int8Weight, QuantWeight
 
 OPS = torch.ops.aten
+# --matmul when not told otherwise (loading.py, load_model, build_engine): see prepare
+DEFAULT_PATH = "auto"
 
 
 def fast_path_missing(w: QuantWeight, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -111,7 +111,8 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
 
 def test_generate_runs_the_gguf_file_directly():
     r = subprocess.run([sys.executable, "generate.py", "--model", str(find_gguf()), "--chat", "--dtype", "float32",
-                        "--prompt", "What is the capital of France? Answer in one sentence.", "--max-new-tokens", "12"],
+                        "--matmul", "reference", "--prompt", "What is the capital of France? Answer in one sentence.",
+                        "--max-new-tokens", "12"],
                        cwd=CHAPTER, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "int4 G=32" in r.stderr

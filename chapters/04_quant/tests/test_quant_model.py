@@ -27,8 +27,11 @@ def run(script, *args):
 
 @pytest.mark.parametrize("quant", [("--quant", "int8"), ("--quant", "int4", "--group-size", "32")])
 def test_quantized_smollm2_answers_the_chat_prompt(quant):
-    # float32 activations: the exact answer, whatever the CPU's bf16 kernels (see chapter 02's README)
-    r = run("generate.py", "--chat", "--prompt", PROMPT, "--max-new-tokens", "12", "--dtype", "float32", *quant)
+    # float32 activations: the exact answer, whatever the CPU's bf16 kernels (see chapter 02's README).
+    # The reference matmul: torch's int4 kernel, made for bf16 and a few rows, took 22 s on a 56-token
+    # float32 prompt here (chapter 05's "auto" sends prompts to a dense copy instead).
+    r = run("generate.py", "--chat", "--prompt", PROMPT, "--max-new-tokens", "12", "--dtype", "float32",
+            "--matmul", "reference", *quant)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert ("int8" if "int8" in quant else "int4 G=32") in r.stderr
@@ -47,7 +50,7 @@ def smollm2_parity():
     hf = torch.from_numpy(hf_hidden_states(d, ids)["logits"])  # [n, vocab], HF fp32
 
     def ours(spec):
-        model = load_model(d, "cpu", torch.float32, spec)
+        model = load_model(d, "cpu", torch.float32, spec, matmul="reference")  # the same maths, quick on a prompt
         with torch.inference_mode():
             return forward(model, torch.tensor([ids]), KVCache(model.config, 1, len(ids), model.device, model.dtype))[0]
 
@@ -81,7 +84,7 @@ def test_int4_g32_reproduces_the_q4_1_weights(smollm2_parity):
 
 
 def test_parity_cli_prints_the_table_for_int8():
-    r = run("parity.py", "--quant", "int8")
+    r = run("parity.py", "--quant", "int8", "--matmul", "reference")  # float32: see the first test
     assert r.returncode == 0, r.stderr
     assert "int8 vs HF transformers fp32" in r.stdout and "layer.29" in r.stdout and "logits" in r.stdout
 
