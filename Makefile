@@ -30,7 +30,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve
+.PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
 .DEFAULT_GOAL := help
 
 help:
@@ -113,6 +113,12 @@ test-chapter%: setup
 # ALL=1 adds README, tests, benches and figures. Needs only the standard library.
 diff-chapter%:
 	@python3 -m common.diff_chapters $* $(if $(ALL),--all)
+
+# One formatter configuration: ruff (pyproject.toml) for the Python, clang-format (kernels/csrc/.clang-format)
+# for the C++ and CUDA. Neither is a requirement: install them where you write code.
+format:
+	ruff format .
+	clang-format -i $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h kernels/csrc/cpu/*.cpp kernels/csrc/cpu/*.h kernels/csrc/cuda/*.cu kernels/csrc/cuda/*.cuh kernels/csrc/cuda/*.h)
 
 notebooks: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_notebooks.py

@@ -34,8 +34,12 @@ def server(model: str, *flags: str):
 
 
 def abandoned(url: str) -> None:
-    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 150,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     def give_up():
         with contextlib.suppress(httpx.TimeoutException):
@@ -54,11 +58,19 @@ def abandoned(url: str) -> None:
         time.sleep(0.05)
     idle = time.perf_counter() - gave_up
     t0 = time.perf_counter()
-    httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 10,
-        "temperature": 0})
-    print(f"1. 5 abandoned requests (max_tokens 150, clients gone after 0.5 s): worker idle {idle:.2f} s after the "
-          f"last client left; the next request (10 tokens) took {time.perf_counter() - t0:.2f} s")
+    httpx.post(
+        url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 10,
+            "temperature": 0,
+        },
+    )
+    print(
+        f"1. 5 abandoned requests (max_tokens 150, clients gone after 0.5 s): worker idle {idle:.2f} s after the "
+        f"last client left; the next request (10 tokens) took {time.perf_counter() - t0:.2f} s"
+    )
 
 
 def over_budget(url: str) -> None:
@@ -92,13 +104,16 @@ def health_while(url: str, label: str, work) -> None:
             latencies.append((time.perf_counter() - t) * 1e3)
             time.sleep(0.02)
     thread.join()
-    print(f"3. {label}: {outcome['result']} after {time.perf_counter() - t0:.2f} s; /health during it: "
-          f"{len(latencies)} calls, median {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms")
+    print(
+        f"3. {label}: {outcome['result']} after {time.perf_counter() - t0:.2f} s; /health during it: "
+        f"{len(latencies)} calls, median {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms"
+    )
 
 
 def post(url: str, content, timeout: float = 300):
-    r = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"},
-                   timeout=timeout)
+    r = httpx.post(
+        url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=timeout
+    )
     return f"HTTP {r.status_code} {r.json()['error']['message'][:90]}"
 
 
@@ -111,7 +126,7 @@ def main() -> int:
         abandoned(url)
         over_budget(url)
         health_while(url, "50 MB body with Content-Length", lambda: post(url, big))
-        pieces = (big[i:i + 2**16] for i in range(0, len(big), 2**16))
+        pieces = (big[i : i + 2**16] for i in range(0, len(big), 2**16))
         health_while(url, "50 MB body, chunked", lambda: post(url, pieces))
         one_mb = b'{"prompt": "' + b"hello " * (2**20 // 6 - 5) + b'"}'
         health_while(url, f"{len(one_mb)}-byte prompt tokenized", lambda: post(url, one_mb))

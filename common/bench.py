@@ -156,7 +156,7 @@ def fmt(x, spec: str = ".1f", none: str = "-") -> str:
 
 
 def int_list(text: str) -> list[int]:
-    """"1,4,16" -> [1, 4, 16]: sorted, without repeats, every one positive, at least one."""
+    """ "1,4,16" -> [1, 4, 16]: sorted, without repeats, every one positive, at least one."""
     try:
         values = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
@@ -198,8 +198,12 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def servers(specs: dict[str, tuple[Path, list[str]]], record: dict | None = None, threads: int | None = None,
-            timeout: float = 600.0):
+def servers(
+    specs: dict[str, tuple[Path, list[str]]],
+    record: dict | None = None,
+    threads: int | None = None,
+    timeout: float = 600.0,
+):
     """Starts every server of `specs` ({label: (a chapter's folder, its server.py's arguments)}) at
     once, each on a free port (--port is added), waits for their /health, and yields {label: base
     url}. Every process is terminated on the way out, whatever happened. Each one's command and its
@@ -213,8 +217,13 @@ def servers(specs: dict[str, tuple[Path, list[str]]], record: dict | None = None
             port = free_port()
             cmd = [sys.executable, str(Path(folder) / "server.py"), *args, "--port", str(port)]
             log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
             procs[label] = (proc, f"http://127.0.0.1:{port}", log, cmd)
         for label, (proc, url, log, cmd) in procs.items():
             deadline = time.time() + timeout
@@ -254,19 +263,28 @@ def new_client(n: int):
     """An async HTTP client for n requests at once (and a few spare connections)."""
     import httpx
 
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
-                             limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=30.0),
+        limits=httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8),
+    )
 
 
 def chat_body(question: str, max_tokens: int, system: str | None = None) -> dict:
     """A streamed, greedy chat request that yields exactly max_tokens tokens (ignore_eos)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    return {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    return {
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-async def stream(client, url: str, path: str, body: dict, progress: list | None = None,
-                 stop: asyncio.Event | None = None) -> dict:
+async def stream(
+    client, url: str, path: str, body: dict, progress: list | None = None, stop: asyncio.Event | None = None
+) -> dict:
     """One streamed request. -> t_send, the arrival time of every chunk that carries tokens (text,
     or the finish), usage (prompt and completion tokens) and the finish reason. `progress`, if
     given, is a one-element list kept at the number of chunks so far; the stream hangs up early
@@ -327,9 +345,12 @@ async def concurrent_round(url: str, n: int, max_tokens: int, watch: float | Non
         watcher = asyncio.create_task(watch_health(health_client, url, stop, watch)) if watch else None
         t0 = time.perf_counter()
         try:
-            results = await asyncio.gather(*[stream(client, url, "/v1/chat/completions",
-                                                    chat_body(PROMPTS[i % len(PROMPTS)], max_tokens))
-                                             for i in range(n)])
+            results = await asyncio.gather(
+                *[
+                    stream(client, url, "/v1/chat/completions", chat_body(PROMPTS[i % len(PROMPTS)], max_tokens))
+                    for i in range(n)
+                ]
+            )
         finally:
             wall = time.perf_counter() - t0
             stop.set()
@@ -337,21 +358,38 @@ async def concurrent_round(url: str, n: int, max_tokens: int, watch: float | Non
     ttft = [(r["times"][0] - r["t_send"]) * 1e3 for r in results if r["times"]]
     itl = [g * 1e3 for r in results for g in np.diff(r["times"])]
     tokens = sum(r["usage"]["completion_tokens"] if r["usage"] else len(r["times"]) for r in results)
-    return {"concurrency": n, "requests": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p99": pct(itl, 99), "chunks": sum(len(r["times"]) for r in results),
-            "prompt_tokens": [r["usage"]["prompt_tokens"] if r["usage"] else None for r in results],
-            "finish": sorted({r["finish"] for r in results}, key=str),
-            "peak_kv_blocks_used": health["peak"].get("kv_blocks_used"),
-            "peak_running": health["peak"].get("running"), "peak_waiting": health["peak"].get("waiting"),
-            "kv_blocks_total": health["last"].get("kv_blocks_total"), "preemptions": health["last"].get("preemptions")}
+    return {
+        "concurrency": n,
+        "requests": n,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
+        "chunks": sum(len(r["times"]) for r in results),
+        "prompt_tokens": [r["usage"]["prompt_tokens"] if r["usage"] else None for r in results],
+        "finish": sorted({r["finish"] for r in results}, key=str),
+        "peak_kv_blocks_used": health["peak"].get("kv_blocks_used"),
+        "peak_running": health["peak"].get("running"),
+        "peak_waiting": health["peak"].get("waiting"),
+        "kv_blocks_total": health["last"].get("kv_blocks_total"),
+        "preemptions": health["last"].get("preemptions"),
+    }
 
 
 def combine_rounds(runs: list[dict]) -> dict:
     """Rounds of one configuration -> medians, the peaks' maximum, and every round's tok/s."""
-    out = {"concurrency": runs[0]["concurrency"], "requests": runs[0]["requests"], "tokens": runs[0]["tokens"],
-           "tokens_per_round": [r["tokens"] for r in runs], "prompt_tokens": runs[0]["prompt_tokens"],
-           "finish": runs[0]["finish"], "tok_s_runs": [r["tok_s"] for r in runs]}
+    out = {
+        "concurrency": runs[0]["concurrency"],
+        "requests": runs[0]["requests"],
+        "tokens": runs[0]["tokens"],
+        "tokens_per_round": [r["tokens"] for r in runs],
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "finish": runs[0]["finish"],
+        "tok_s_runs": [r["tok_s"] for r in runs],
+    }
     for key in ("tok_s", "wall_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
         out[key] = median([r[key] for r in runs])
     for key in ("peak_kv_blocks_used", "peak_running", "peak_waiting"):
@@ -361,8 +399,9 @@ def combine_rounds(runs: list[dict]) -> dict:
     return out
 
 
-def throughput_rounds(urls: dict[str, str], plan: list[tuple[str, int]], repeats: int, max_tokens: int,
-                      health_interval: float) -> dict[tuple[str, int], list[dict]]:
+def throughput_rounds(
+    urls: dict[str, str], plan: list[tuple[str, int]], repeats: int, max_tokens: int, health_interval: float
+) -> dict[tuple[str, int], list[dict]]:
     """A few untimed requests to each server (a fresh one's first are slow), then `repeats` rounds of
     `plan`, its (server label, concurrency) pairs in order, so the servers interleave and share the
     machine's drift. -> {(label, concurrency): every round's concurrent_round}."""
@@ -375,9 +414,13 @@ def throughput_rounds(urls: dict[str, str], plan: list[tuple[str, int]], repeats
             for label, n in plan:
                 run = await concurrent_round(urls[label], n, max_tokens, watch=health_interval)
                 runs.setdefault((label, n), []).append(run)
-                print(f"[throughput] round {r + 1}/{repeats} {label} N={n:<3} {run['tok_s']:8.1f} tok/s  "
-                      f"TTFT p50 {run['ttft_ms_p50']:7.1f} ms  ITL p50 {run['itl_ms_p50']:6.1f} ms  "
-                      f"peak KV blocks {run['peak_kv_blocks_used']}", file=sys.stderr, flush=True)
+                print(
+                    f"[throughput] round {r + 1}/{repeats} {label} N={n:<3} {run['tok_s']:8.1f} tok/s  "
+                    f"TTFT p50 {run['ttft_ms_p50']:7.1f} ms  ITL p50 {run['itl_ms_p50']:6.1f} ms  "
+                    f"peak KV blocks {run['peak_kv_blocks_used']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     asyncio.run(go())
     return runs

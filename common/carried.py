@@ -99,10 +99,15 @@ def words_of(node: ast.AST, docstrings: set[int], names_too: bool) -> set[str]:
 
 def docstrings_of(tree: ast.AST) -> set[int]:
     """Docstrings are prose: a module named there is not run or read."""
-    return {id(node.body[0].value) for node in ast.walk(tree)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.body and isinstance(node.body[0], ast.Expr)
-            and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)}
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
 
 
 @cache
@@ -132,10 +137,13 @@ def test_side(path: Path) -> tuple[dict[str, frozenset[str]], frozenset[str], di
                 defs[alias.asname or alias.name.split(".")[0]] = words
         elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defs[stmt.name], nodes[stmt.name] = words, stmt
-            if any(isinstance(d, ast.Call) and any(k.arg == "autouse" for k in d.keywords) for d in stmt.decorator_list):
+            if any(
+                isinstance(d, ast.Call) and any(k.arg == "autouse" for k in d.keywords) for d in stmt.decorator_list
+            ):
                 always |= {stmt.name}
         elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and all(
-                isinstance(t, ast.Name) for t in getattr(stmt, "targets", [getattr(stmt, "target", None)])):
+            isinstance(t, ast.Name) for t in getattr(stmt, "targets", [getattr(stmt, "target", None)])
+        ):
             for target in getattr(stmt, "targets", [getattr(stmt, "target", None)]):
                 defs[target.id] = words
         elif not (isinstance(stmt, ast.Expr) and id(getattr(stmt, "value", None)) in docstrings):
@@ -164,14 +172,14 @@ def reached(test_file: Path, test_name: str, chapter: Path) -> frozenset[Path] |
     if COMPUTED_LOAD in words:
         return None
     names = chapter_files(chapter)
-    named = {w[len(FILE):] for w in words if w.startswith(FILE)}
+    named = {w[len(FILE) :] for w in words if w.startswith(FILE)}
     files = set(names.values()) if words & FOLDER_LISTING else {names[w] for w in named if w in names}
     todo, seen = [test_file, *conftests, *files], set()
     while todo:  # follow imports and named files through the chapter's modules
         path = todo.pop()
         if path not in seen:
             seen.add(path)
-            todo.extend(names[w[len(FILE):]] for w in module_words(path) if w[len(FILE):] in names)
+            todo.extend(names[w[len(FILE) :]] for w in module_words(path) if w[len(FILE) :] in names)
     return frozenset(p.relative_to(chapter) for p in seen)
 
 

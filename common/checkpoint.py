@@ -41,8 +41,15 @@ DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 _NUMPY_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
@@ -74,7 +81,9 @@ def _check_entry(path: Path, name: str, info) -> tuple[int, int]:
     """One tensor entry of a header; returns its (begin, end) offsets."""
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
-        raise CheckpointError(f"{where}: header entry must be an object with dtype, shape and data_offsets, got {info!r:.60}")
+        raise CheckpointError(
+            f"{where}: header entry must be an object with dtype, shape and data_offsets, got {info!r:.60}"
+        )
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
     if missing:
         raise CheckpointError(f"{where}: header entry lacks {', '.join(missing)}")
@@ -83,13 +92,18 @@ def _check_entry(path: Path, name: str, info) -> tuple[int, int]:
         raise CheckpointError(f"{where}: unsupported dtype {dtype!r:.60} (supported: {', '.join(DTYPE_SIZES)})")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r:.60}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
-            and 0 <= offsets[0] <= offsets[1]):
-        raise CheckpointError(f"{where}: data_offsets must be two integers [begin, end], 0 <= begin <= end, got {offsets!r:.60}")
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets)) and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(
+            f"{where}: data_offsets must be two integers [begin, end], 0 <= begin <= end, got {offsets!r:.60}"
+        )
     begin, end = offsets
     needed = DTYPE_SIZES[dtype] * math.prod(shape)
     if end - begin != needed:
-        raise CheckpointError(f"{where}: holds {end - begin} bytes, but {dtype} with shape {tuple(shape)} needs {needed}")
+        raise CheckpointError(
+            f"{where}: holds {end - begin} bytes, but {dtype} with shape {tuple(shape)} needs {needed}"
+        )
     return begin, end
 
 
@@ -101,11 +115,15 @@ def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_start: int
     position, previous = 0, None
     for begin, end, name in sorted(spans):
         if end > data_len:
-            raise CheckpointError(f"{path}: truncated: tensor {name!r} needs bytes up to {data_start + end}, file has {size}")
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} needs bytes up to {data_start + end}, file has {size}"
+            )
         if begin < position:
             raise CheckpointError(f"{path}: tensors {previous!r} and {name!r} overlap (data_offsets share bytes)")
         if begin > position:
-            raise CheckpointError(f"{path}: {begin - position} unused bytes before tensor {name!r} (data_offsets leave a gap)")
+            raise CheckpointError(
+                f"{path}: {begin - position} unused bytes before tensor {name!r} (data_offsets leave a gap)"
+            )
         position, previous = end, name
     if position != data_len:
         raise CheckpointError(
@@ -210,8 +228,9 @@ def _check_layer_count(config: LlamaConfig, stored: dict) -> str | None:
     have = max(layers) + 1 if layers else 0
     if config.num_hidden_layers <= have:
         return None
-    missing = f"model.layers.{have}.*" + (f" ... model.layers.{config.num_hidden_layers - 1}.*"
-                                          if config.num_hidden_layers - have > 1 else "")
+    missing = f"model.layers.{have}.*" + (
+        f" ... model.layers.{config.num_hidden_layers - 1}.*" if config.num_hidden_layers - have > 1 else ""
+    )
     return f"missing tensors: {missing} (config says {config.num_hidden_layers} layers, checkpoint has {have})"
 
 
@@ -224,7 +243,9 @@ def plan_checkpoint(model_dir: str | Path, config: LlamaConfig) -> dict[Path, li
         header, _ = read_header(f)
         for name, info in header.items():
             if name in stored:
-                raise CheckpointError(f"{model_dir}: tensor {name!r} is stored twice, in {stored[name][0].name} and {f.name}")
+                raise CheckpointError(
+                    f"{model_dir}: tensor {name!r} is stored twice, in {stored[name][0].name} and {f.name}"
+                )
             stored[name] = (f, info)
     # Some exports store buffers that are recomputed at load time; a tied checkpoint may still
     # carry a copy of lm_head.weight.

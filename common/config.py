@@ -74,8 +74,15 @@ def _show(value) -> str:
 
 def _kind(value) -> str:
     """The JSON name of a value's type, for messages like 'got "256" (a string)'."""
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -149,9 +156,14 @@ def _rope_fields(raw: dict, source: str) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ConfigError(f"{source}: unsupported rope_type {rope_type!r}: this engine implements 'default' and 'llama3'")
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-               if k not in scaling]
+        raise ConfigError(
+            f"{source}: unsupported rope_type {rope_type!r}: this engine implements 'default' and 'llama3'"
+        )
+    missing = [
+        k
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if k not in scaling
+    ]
     if missing:
         raise ConfigError(f"{source}: rope scaling of type llama3 lacks the field(s) {', '.join(missing)}")
     where = f"{source} (rope scaling)"
@@ -197,7 +209,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
     n_heads = _int(raw, "num_attention_heads", source)
     n_kv_heads = _int(raw, "num_key_value_heads", source, default=None) or n_heads
     if n_heads % n_kv_heads:
-        raise ConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}")
+        raise ConfigError(
+            f"{source}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv_heads}"
+        )
     # Older configs omit head_dim; it is then hidden / heads. Llama 3.2 3B and others set it explicitly.
     head_dim = _int(raw, "head_dim", source, default=None)
     if head_dim is None:
@@ -207,7 +221,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
     if head_dim % 2:
         raise ConfigError(f"{source}: head_dim={head_dim} must be even (RoPE rotates pairs of dimensions)")
     rope_theta, rope_scaling = _rope_fields(raw, source)
-    torch_dtype = _optional(raw, "torch_dtype", source, str, "a string") or _optional(raw, "dtype", source, str, "a string")
+    torch_dtype = _optional(raw, "torch_dtype", source, str, "a string") or _optional(
+        raw, "dtype", source, str, "a string"
+    )
     bos = _token_ids(raw, "bos_token_id", source, vocab_size)
     if len(bos) > 1:
         raise ConfigError(f"{source}: field 'bos_token_id' must be one token id, got {_show(raw['bos_token_id'])}")

@@ -49,7 +49,7 @@ def files_of(folder: Path) -> set[str]:
 
 
 def part_of(name: str) -> str:
-    """"code" (the engine's own modules: what the lesson is about), "bench" or "other"."""
+    """ "code" (the engine's own modules: what the lesson is about), "bench" or "other"."""
     if name in BENCH_FILES:
         return "bench"
     if name.endswith(".py") and "/" not in name and name != "conftest.py":
@@ -124,8 +124,11 @@ def file_diff(old: Path, new: Path, old_name: str, new_name: str) -> list[str]:
         return [f"Binary files {old_name} and {new_name} differ\n"]
     # A new file is shown whole: one hunk that adds every line.
     context = len(b) if not a else 3
-    return with_newlines(difflib.unified_diff(a, b, old_name if old.is_file() else "/dev/null",
-                                              new_name if new.is_file() else "/dev/null", n=context))
+    return with_newlines(
+        difflib.unified_diff(
+            a, b, old_name if old.is_file() else "/dev/null", new_name if new.is_file() else "/dev/null", n=context
+        )
+    )
 
 
 def whole_file(new: Path, new_name: str) -> list[str]:
@@ -196,8 +199,9 @@ def render(number: int, show_all: bool) -> list[str]:
         out.append(f"= only the code is shown below: `make diff-chapter{number} ALL=1` shows the other files too\n")
 
     def diffs(part: str) -> list[str]:
-        shown = [(kind, name) for kind in ("new", "changed", "removed")
-                 for name in groups[kind] if part_of(name) == part]
+        shown = [
+            (kind, name) for kind in ("new", "changed", "removed") for name in groups[kind] if part_of(name) == part
+        ]
         shown.sort(key=lambda kind_name: kind_name[1] != "README.md")  # the prose before its tests
         lines = []
         for kind, name in shown:

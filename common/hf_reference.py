@@ -56,7 +56,9 @@ def hf_hidden_states(
 ) -> dict[str, np.ndarray]:
     """{"embedding": [seq, hidden], "layer.0" ... "layer.N-1": [seq, hidden], "logits": [seq, vocab]},
     returned as fp32 arrays; `dtype` is what the reference computes in."""
-    return _kept("hidden", model_dir, [list(input_ids), str(dtype)], lambda: _hidden_states(model_dir, input_ids, dtype))
+    return _kept(
+        "hidden", model_dir, [list(input_ids), str(dtype)], lambda: _hidden_states(model_dir, input_ids, dtype)
+    )
 
 
 @torch.no_grad()
@@ -85,8 +87,12 @@ def _hidden_states(model_dir: str | Path, input_ids: list[int], dtype: torch.dty
 
 def hf_greedy(model_dir: str | Path, input_ids: list[int], max_new_tokens: int) -> list[int]:
     """New token ids from HF `generate`, greedy, up to (not including) the first EOS id, as our engines return them."""
-    new = _kept("greedy", model_dir, [list(input_ids), max_new_tokens],
-                lambda: {"tokens": np.array(_greedy(model_dir, input_ids, max_new_tokens), dtype=np.int64)})
+    new = _kept(
+        "greedy",
+        model_dir,
+        [list(input_ids), max_new_tokens],
+        lambda: {"tokens": np.array(_greedy(model_dir, input_ids, max_new_tokens), dtype=np.int64)},
+    )
     return new["tokens"].tolist()
 
 

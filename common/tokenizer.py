@@ -29,7 +29,7 @@ def _token_content(value, source: str, key: str) -> str | None:
     # tokenizer_config.json stores special tokens either as "<|x|>" or as {"content": "<|x|>", ...}
     content = value.get("content") if isinstance(value, dict) else value
     if content is not None and not isinstance(content, str):
-        raise TokenizerError(f"{source}: field {key!r} must be a token string or {{\"content\": ...}}, got {value!r:.60}")
+        raise TokenizerError(f'{source}: field {key!r} must be a token string or {{"content": ...}}, got {value!r:.60}')
     return content
 
 
@@ -65,7 +65,9 @@ def _find_chat_template(model_dir: Path, config: dict) -> tuple[str | None, str]
     if isinstance(template, list):  # some configs hold [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise TokenizerError(f"{where}: a list of templates needs one named 'default', found {sorted(map(str, named))}")
+            raise TokenizerError(
+                f"{where}: a list of templates needs one named 'default', found {sorted(map(str, named))}"
+            )
         template = named["default"]
     if template is not None and not isinstance(template, str):
         raise TokenizerError(f"{where}: must be a Jinja template string, got {type(template).__name__}")
@@ -249,7 +251,9 @@ def _compile(source: str, where: str = "chat template") -> jinja2.Template:
         try:
             _templates[source] = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise TokenizerError(f"{where}: syntax error in the chat template, line {e.lineno}: {e.message or e}") from None
+            raise TokenizerError(
+                f"{where}: syntax error in the chat template, line {e.lineno}: {e.message or e}"
+            ) from None
         except Exception as e:
             raise TokenizerError(f"{where}: the chat template does not compile ({type(e).__name__}: {e})") from None
     return _templates[source]

@@ -78,8 +78,10 @@ def build_dir(with_cuda: bool) -> Path:
 def _check_tools() -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        raise KernelBuildError(f"no C++ compiler: `{compiler}` is not on PATH. Install one (Debian/Ubuntu: "
-                               "`apt install g++`; or set CXX), then run `make kernels`.")
+        raise KernelBuildError(
+            f"no C++ compiler: `{compiler}` is not on PATH. Install one (Debian/Ubuntu: "
+            "`apt install g++`; or set CXX), then run `make kernels`."
+        )
     if shutil.which("ninja") is None:
         try:
             import ninja  # noqa: F401  the pip package puts a ninja binary next to python
@@ -125,7 +127,9 @@ class _Ticker:
 
     def _tick(self):
         while not self.done.wait(1.0):
-            print(f"\rkernels: compiling ... {time.monotonic() - self.start:4.0f} s", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rkernels: compiling ... {time.monotonic() - self.start:4.0f} s", end="", file=sys.stderr, flush=True
+            )
 
     def __exit__(self, *exc):
         self.done.set()
@@ -152,8 +156,13 @@ def load(verbose: bool = False):
     folder = build_dir(with_cuda)
     folder.mkdir(parents=True, exist_ok=True)
     cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
-    cuda_flags = ["-O3", "-std=c++17", "-DWITH_CUDA", "-gencode=arch=compute_80,code=sm_80",
-                  "-gencode=arch=compute_90,code=sm_90"]
+    cuda_flags = [
+        "-O3",
+        "-std=c++17",
+        "-DWITH_CUDA",
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+    ]
     stamp = fingerprint(files, cflags, cuda_flags)
     _module = _import_built(name, folder, stamp)
     if _module is not None:
@@ -162,8 +171,15 @@ def load(verbose: bool = False):
     what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
     try:
         with _Ticker(what):
-            _module = cpp_extension.load(name, [str(f) for f in files], extra_cflags=cflags, extra_cuda_cflags=cuda_flags,
-                                         extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=verbose)
+            _module = cpp_extension.load(
+                name,
+                [str(f) for f in files],
+                extra_cflags=cflags,
+                extra_cuda_cflags=cuda_flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=verbose,
+            )
     except (RuntimeError, OSError, ImportError) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
         tail = "\n".join(str(e).strip().splitlines()[-25:])
         raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
@@ -172,8 +188,9 @@ def load(verbose: bool = False):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.build",
-                                 description="Build kernels/csrc/ if needed, load it and say what it holds.")
+    ap = argparse.ArgumentParser(
+        prog="python -m kernels.build", description="Build kernels/csrc/ if needed, load it and say what it holds."
+    )
     ap.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
     args = ap.parse_args()
     try:

@@ -23,13 +23,31 @@ import torch
 
 from common.chapters import load_chapter
 
-LLAMA_32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
-                   bos_token_id=128000, eos_token_id=128001, architectures=["LlamaForCausalLM"],
-                   model_type="llama", torch_dtype="bfloat16",
-                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA_32_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    torch_dtype="bfloat16",
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 PEAK_GBS = {"H200": 4800, "H100": 3350, "A100": 2039}  # the vendors' HBM figures, GB/s
 
 
@@ -43,13 +61,24 @@ def make_checkpoint(out: Path) -> None:
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
     g = torch.Generator(device="cuda").manual_seed(0)
-    tensors = {name: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g, device="cuda") * 0.02)
-               .to(torch.bfloat16).cpu() for name, s in shapes.items()}
+    tensors = {
+        name: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g, device="cuda") * 0.02)
+        .to(torch.bfloat16)
+        .cpu()
+        for name, s in shapes.items()
+    }
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(c, indent=1))
@@ -69,7 +98,11 @@ def decode_ms(ch, model, graphs: bool, prompt: list[int], n: int) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             work = [ch.batch.Work([token], pos, blocks)]
-            logits = runner.run(work) if runner else ch.model.forward(model, ch.batch.build_step(work, bs, model.device), cache)
+            logits = (
+                runner.run(work)
+                if runner
+                else ch.model.forward(model, ch.batch.build_step(work, bs, model.device), cache)
+            )
             token = int(logits.argmax(-1)[0])  # the engine's sampler waits for the step the same way
             times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times[3:])
@@ -95,8 +128,11 @@ def main() -> int:
         cuda = torch.device("cuda")
         models = {k: ch.model.load_model(tmp, cuda, torch.bfloat16, ops=ch.ops.resolve(k, cuda)) for k in ("on", "off")}
     prompt = list(range(1000, 1000 + args.prompt_tokens))
-    modes = {"kernels + CUDA graphs": ("on", True), "kernels, no graphs": ("on", False),
-             "chapter 05 path (kernels off)": ("off", False)}
+    modes = {
+        "kernels + CUDA graphs": ("on", True),
+        "kernels, no graphs": ("on", False),
+        "chapter 05 path (kernels off)": ("off", False),
+    }
     runs = {m: [] for m in modes}
     for _ in range(args.repeats):  # interleaved: a drifting GPU clock affects every mode alike
         for mode, (kernels, graphs) in modes.items():
@@ -106,7 +142,9 @@ def main() -> int:
     kv_bytes = (args.prompt_tokens + args.tokens / 2) * c.kv_bytes_per_token(2)  # the average context's K and V
     step_bytes = m.weight_bytes + kv_bytes
     result = {"gpu": name, "peak_GBps": peak, "weight_bytes": m.weight_bytes, "modes": {}}
-    print(f"\n{name}: batch-1 bf16 decode, Llama-3.2-1B shapes, {args.prompt_tokens}-token prompt, {args.tokens} tokens")
+    print(
+        f"\n{name}: batch-1 bf16 decode, Llama-3.2-1B shapes, {args.prompt_tokens}-token prompt, {args.tokens} tokens"
+    )
     print(f"{'mode':32} {'ms/token':>9} {'tok/s':>8} {'GB/s':>8} {'of peak':>8}")
     for mode, ms in runs.items():
         ms = statistics.median(ms)

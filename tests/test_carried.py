@@ -49,7 +49,10 @@ def outcomes(chapter: Path, **env) -> dict[str, str]:
     """test file stem -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
-        capture_output=True, text=True, timeout=120, cwd=chapter.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=chapter.parent,
         env={**__import__("os").environ, **env},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
@@ -74,8 +77,12 @@ def test_identical_chapter_skips_every_carried_test_but_a_computed_neighbour(cha
     first, second = outcomes(chapters / "01_first"), outcomes(chapters / "02_second")
     assert set(first.values()) == {"passed"} and len(first) == 4, first
     carried = "carried unchanged: ran in chapter 01"
-    assert second == {"test_util": carried, "test_engine": carried, "test_script": carried,
-                      "test_neighbour": "passed"}, second
+    assert second == {
+        "test_util": carried,
+        "test_engine": carried,
+        "test_script": carried,
+        "test_neighbour": "passed",
+    }, second
 
 
 def test_one_changed_byte_runs_again_every_test_that_reaches_it(chapters):
@@ -107,9 +114,20 @@ def test_files_named_in_strings_and_the_conftest_count(chapters, changed):
 def test_a_removed_module_is_a_difference(chapters):
     # 02 drops util.py: test_util now fails to import there, so it must not be skipped as carried
     (chapters / "02_second" / "util.py").unlink()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                        str(chapters / "02_second" / "tests" / "test_util.py")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            str(chapters / "02_second" / "tests" / "test_util.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "ModuleNotFoundError" in r.stdout, r.stdout[-2000:]
 
 

@@ -36,14 +36,17 @@ def test_greedy_tokens_agree_from_chapter_01_to_06(name):
     ch05 = load_chapter(5, "model", "engine", "sampling")
     engine = ch05.engine.Engine(ch05.model.load_model(d), tok, {}, num_blocks=64)
     greedy = ch05.sampling.SamplingParams(temperature=0)
-    others = [ch05.engine.Request(tok.encode_chat([{"role": "user", "content": q}]), greedy, max_tokens=n)
-              for q in ("What is a prime number?", "Name a color.")]
+    others = [
+        ch05.engine.Request(tok.encode_chat([{"role": "user", "content": q}]), greedy, max_tokens=n)
+        for q in ("What is a prime number?", "Name a color.")
+    ]
     out05 = engine.generate([others[0], ch05.engine.Request(prompt, greedy, max_tokens=n), others[1]], [0, 0, 3])[1][0]
     out05 = [t for t in out05.token_ids if t not in engine.eos_ids]
     # chapter 06: the same, with kernels/ (C++ on this CPU) for norms, RoPE and decode attention
     ch06 = load_chapter(6, "model", "engine", "sampling", "ops")
-    engine = ch06.engine.Engine(ch06.model.load_model(d, ops=ch06.ops.resolve("on", torch.device("cpu"))), tok, {},
-                                num_blocks=64)
+    engine = ch06.engine.Engine(
+        ch06.model.load_model(d, ops=ch06.ops.resolve("on", torch.device("cpu"))), tok, {}, num_blocks=64
+    )
     req = ch06.engine.Request(prompt, ch06.sampling.SamplingParams(temperature=0), max_tokens=n)
     out06 = [t for events in engine.stream(req) for ev in events for t in ev.token_ids if t not in engine.eos_ids]
     assert out01 == out02 == out03 == out04 == out05 == out06, tok.decode(out01)
@@ -93,7 +96,7 @@ def test_make_diff_chapter_starts_with_the_new_modules(number):
     prev, cur = chapter_dir(number - 1), chapter_dir(number)
     new = {p.name for p in cur.glob("*.py") if not (prev / p.name).exists()} - {"bench.py", "peers.py", "conftest.py"}
     shown = shown_files(r.stdout)
-    assert set(shown[:len(new)]) == new, shown
+    assert set(shown[: len(new)]) == new, shown
     # the summary is all that comes before them (2,486 lines of other files once did, in chapter 05)
     assert r.stdout.splitlines().index(f"= {shown[0]} (new file)") < 30
     # dependencies first: a new module comes after every new module it imports

@@ -18,7 +18,7 @@ from common.errors import UserError
 
 # A stand-in for a chapter's server.py: /health with KV figures, and chat completions streamed
 # as the chapters' servers stream them (a role chunk, one chunk per token, the usage, [DONE]).
-FAKE_SERVER = textwrap.dedent('''
+FAKE_SERVER = textwrap.dedent("""
     import argparse, json, os, sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -58,7 +58,7 @@ FAKE_SERVER = textwrap.dedent('''
 
     print(f"serving a stand-in on port {args.port}", file=sys.stderr, flush=True)
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
-''')
+""")
 
 
 @pytest.fixture
@@ -70,8 +70,10 @@ def folder(tmp_path):
 
 def sse(*chunks) -> bytes:
     """A server-sent event stream: each dict (JSON) or str as a data line, bytes as they are."""
-    return b"".join(c if isinstance(c, bytes) else f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode()
-                    for c in chunks)
+    return b"".join(
+        c if isinstance(c, bytes) else f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode()
+        for c in chunks
+    )
 
 
 def run_stream(content: bytes, status: int = 200, **kwargs) -> dict:
@@ -85,14 +87,19 @@ def run_stream(content: bytes, status: int = 200, **kwargs) -> dict:
 
 def test_stream_times_only_the_chunks_that_carry_tokens():
     progress = [0]
-    r = run_stream(sse({"choices": [{"delta": {"role": "assistant"}}]},  # no text: not a token
-                       b": a comment, then an event of another kind\n\nevent: ping\n\n",
-                       {"choices": [{"delta": {"content": "Hel"}}]},
-                       {"choices": [{"text": "lo"}]},  # the completions endpoint's form
-                       {"choices": [{"delta": {}, "finish_reason": "stop"}]},  # the finish counts
-                       {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
-                       "[DONE]",
-                       {"choices": [{"delta": {"content": "after the end"}}]}), progress=progress)
+    r = run_stream(
+        sse(
+            {"choices": [{"delta": {"role": "assistant"}}]},  # no text: not a token
+            b": a comment, then an event of another kind\n\nevent: ping\n\n",
+            {"choices": [{"delta": {"content": "Hel"}}]},
+            {"choices": [{"text": "lo"}]},  # the completions endpoint's form
+            {"choices": [{"delta": {}, "finish_reason": "stop"}]},  # the finish counts
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
+            "[DONE]",
+            {"choices": [{"delta": {"content": "after the end"}}]},
+        ),
+        progress=progress,
+    )
     assert len(r["times"]) == 3 and progress == [3] and r["times"] == sorted(r["times"])
     assert r["t_send"] <= r["times"][0]
     assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 2} and r["finish"] == "stop"
@@ -102,8 +109,11 @@ def test_stream_hangs_up_when_told_to_stop():
     async def go():
         stop = asyncio.Event()
         stop.set()
-        transport = httpx.MockTransport(lambda request: httpx.Response(
-            200, content=sse(*({"choices": [{"text": "x"}]} for _ in range(5)), "[DONE]")))
+        transport = httpx.MockTransport(
+            lambda request: httpx.Response(
+                200, content=sse(*({"choices": [{"text": "x"}]} for _ in range(5)), "[DONE]")
+            )
+        )
         async with httpx.AsyncClient(transport=transport) as client:
             return await bench.stream(client, "http://test", "/v1/completions", {}, stop=stop)
 

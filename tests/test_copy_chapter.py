@@ -36,8 +36,12 @@ def clean_env() -> dict:
     at the repository's build of kernels/: the copy's sources are the same bytes, so it loads that
     build instead of compiling its own (a minute), as a copy with changed sources would not."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(MODELS_DIR=str(MODELS_DIR), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               KERNELS_BUILD_DIR=str(build_root()))
+    env.update(
+        MODELS_DIR=str(MODELS_DIR),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        KERNELS_BUILD_DIR=str(build_root()),
+    )
     return env
 
 
@@ -54,9 +58,22 @@ def test_entry_points_do_not_edit_sys_path():
 def test_copied_chapter_answers_a_chat_prompt(tmp_path):
     root = copy_out(tmp_path)
     r = subprocess.run(
-        [sys.executable, "generate.py", "--chat", "--prompt", "What is the capital of France?",
-         "--max-new-tokens", "12", "--dtype", "float32"],
-        cwd=root / NEWEST.name, env=clean_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "generate.py",
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "float32",
+        ],
+        cwd=root / NEWEST.name,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
@@ -65,8 +82,14 @@ def test_copied_chapter_answers_a_chat_prompt(tmp_path):
 def test_copied_chapter_says_where_models_are_looked_for(tmp_path):
     root = copy_out(tmp_path)
     env = clean_env() | {"MODELS_DIR": str(tmp_path / "no_models")}
-    r = subprocess.run([sys.executable, "generate.py", "--model", "tiny-llama3"], cwd=root / NEWEST.name,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "generate.py", "--model", "tiny-llama3"],
+        cwd=root / NEWEST.name,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "MODELS_DIR" in r.stderr and "common.prepare_models" in r.stderr
 
@@ -82,15 +105,31 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
     # a copy changes run: the kernels it loads, a server it starts as a subprocess (two requests
     # are enough to show it serves), the engine beside the comparisons that must skip. The rest of
     # the chapter's suite ran in its own `make test` step on the same bytes.
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", NEWEST.name],
-                       cwd=root, env=clean_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", NEWEST.name],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0 and re.search(r"\d+ tests collected", r.stdout), r.stdout[-4000:] + r.stderr[-2000:]
-    picked = ("test_kernels_engine.py", "test_components.py", "test_server.py::test_models_and_health",
-              "test_server.py::test_chat_streaming_equals_non_streaming_and_reports_usage")
-    suites = [f"{NEWEST.name}/tests/{t}" for t in picked if (NEWEST / "tests" / t.split("::")[0]).exists()] or [NEWEST.name]
+    picked = (
+        "test_kernels_engine.py",
+        "test_components.py",
+        "test_server.py::test_models_and_health",
+        "test_server.py::test_chat_streaming_equals_non_streaming_and_reports_usage",
+    )
+    suites = [f"{NEWEST.name}/tests/{t}" for t in picked if (NEWEST / "tests" / t.split("::")[0]).exists()] or [
+        NEWEST.name
+    ]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *suites],
-        cwd=root, env=clean_env(), capture_output=True, text=True, timeout=1200,
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert re.search(r"\d+ passed", r.stdout), r.stdout[-2000:]

@@ -72,14 +72,22 @@ def print_report(model_dir: Path) -> None:
     config = load_config(model_dir)
     print(f"# {model_dir}\n\n## config")
     fields = [
-        ("vocab_size", config.vocab_size), ("hidden_size", config.hidden_size),
-        ("intermediate_size", config.intermediate_size), ("num_hidden_layers", config.num_hidden_layers),
-        ("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", config.num_key_value_heads),
-        ("  -> query heads per KV head", config.n_rep), ("head_dim", config.head_dim),
-        ("rms_norm_eps", config.rms_norm_eps), ("rope_theta", config.rope_theta),
-        ("rope_scaling", config.rope_scaling), ("max_position_embeddings", config.max_position_embeddings),
-        ("tie_word_embeddings", config.tie_word_embeddings), ("bos_token_id", config.bos_token_id),
-        ("eos_token_ids", list(config.eos_token_ids)), ("stored dtype", config.torch_dtype),
+        ("vocab_size", config.vocab_size),
+        ("hidden_size", config.hidden_size),
+        ("intermediate_size", config.intermediate_size),
+        ("num_hidden_layers", config.num_hidden_layers),
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("  -> query heads per KV head", config.n_rep),
+        ("head_dim", config.head_dim),
+        ("rms_norm_eps", config.rms_norm_eps),
+        ("rope_theta", config.rope_theta),
+        ("rope_scaling", config.rope_scaling),
+        ("max_position_embeddings", config.max_position_embeddings),
+        ("tie_word_embeddings", config.tie_word_embeddings),
+        ("bos_token_id", config.bos_token_id),
+        ("eos_token_ids", list(config.eos_token_ids)),
+        ("stored dtype", config.torch_dtype),
     ]
     for key, value in fields:
         print(f"  {key:<30} {value}")
@@ -100,7 +108,9 @@ def print_report(model_dir: Path) -> None:
         print(f"  {dtype:<10} {human(per_token):>12}" + "".join(f" {human(b):>10}" for b in by_ctx.values()))
     if config.n_rep > 1:
         saved = config.num_attention_heads / config.num_key_value_heads
-        print(f"  GQA: {config.num_key_value_heads} KV heads instead of {config.num_attention_heads}: {saved:.0f}x less cache")
+        print(
+            f"  GQA: {config.num_key_value_heads} KV heads instead of {config.num_attention_heads}: {saved:.0f}x less cache"
+        )
 
     print("\n## tokenizer round trip")
     tok = Tokenizer(model_dir)
@@ -108,8 +118,12 @@ def print_report(model_dir: Path) -> None:
     print(f"  text   {SAMPLE_TEXT!r}")
     print(f"  ids    {ids}")
     print(f"  pieces {[tok.id_to_token(i) for i in ids]}")
-    print(f"  decode {tok.decode(ids)!r}  (round trip {'ok' if tok.decode(ids, skip_special_tokens=True) == SAMPLE_TEXT else 'DIFFERS'})")
-    print(f"  special: bos={tok.bos_token!r} ({tok.bos_id}), eos={tok.eos_token!r} ({tok.eos_id}), vocab {tok.vocab_size:,}")
+    print(
+        f"  decode {tok.decode(ids)!r}  (round trip {'ok' if tok.decode(ids, skip_special_tokens=True) == SAMPLE_TEXT else 'DIFFERS'})"
+    )
+    print(
+        f"  special: bos={tok.bos_token!r} ({tok.bos_id}), eos={tok.eos_token!r} ({tok.eos_id}), vocab {tok.vocab_size:,}"
+    )
     if tok.chat_template:
         chat = tok.apply_chat_template([{"role": "user", "content": "Hi!"}])
         print(f"  chat template renders [user: 'Hi!'] as {chat!r}")

@@ -98,8 +98,17 @@ def run_hf(model_dir, prompt, n_new, device, dtype) -> tuple[float, list[float]]
         ids = torch.tensor([prompt], device=device)
         synchronize(device)
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, temperature=None, top_p=None, top_k=None, streamer=Clock())
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            streamer=Clock(),
+        )
         return t0, times[1:]
 
     once(4)
@@ -147,9 +156,24 @@ def main() -> int:
         engines.remove("ch01")
     results = []
     for engine in engines:
-        cmd = [sys.executable, __file__, "--engine", engine, "--model", str(model_dir), "--device", str(device),
-               "--dtype", dtype_name, "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
-               str(args.new_tokens), "--ch01-new-tokens", str(args.ch01_new_tokens)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--engine",
+            engine,
+            "--model",
+            str(model_dir),
+            "--device",
+            str(device),
+            "--dtype",
+            dtype_name,
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--ch01-new-tokens",
+            str(args.ch01_new_tokens),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
@@ -158,15 +182,21 @@ def main() -> int:
 
     # Every weight is read once per decoded token (a tied LM head is the embedding, counted once).
     n_params = sum(math.prod(shape) for shape in expected_shapes(load_config(model_dir)).values())
-    print(f"{model_dir.name}, {device}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (ch01: {args.ch01_new_tokens})")
-    print(f"{'engine':<6} {'dtype':<9} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode tok/s':>12} "
-          f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'GB/s':>6} {'peak MiB':>9}")
+    print(
+        f"{model_dir.name}, {device}, prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (ch01: {args.ch01_new_tokens})"
+    )
+    print(
+        f"{'engine':<6} {'dtype':<9} {'prefill tok/s':>13} {'TTFT ms':>8} {'decode tok/s':>12} "
+        f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'GB/s':>6} {'peak MiB':>9}"
+    )
     for r in results:
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[r["dtype"]]
         r["weight_gb_s"] = n_params * itemsize * r["decode_tok_s"] / 1e9
-        print(f"{r['engine']:<6} {r['dtype']:<9} {r['prefill_tok_s']:>13.0f} {r['ttft_ms']:>8.1f} "
-              f"{r['decode_tok_s']:>12.1f} {r['itl_p50_ms']:>10.2f} {r['itl_p99_ms']:>10.2f} "
-              f"{r['weight_gb_s']:>6.1f} {r['peak_memory_mib']:>9.0f}")
+        print(
+            f"{r['engine']:<6} {r['dtype']:<9} {r['prefill_tok_s']:>13.0f} {r['ttft_ms']:>8.1f} "
+            f"{r['decode_tok_s']:>12.1f} {r['itl_p50_ms']:>10.2f} {r['itl_p99_ms']:>10.2f} "
+            f"{r['weight_gb_s']:>6.1f} {r['peak_memory_mib']:>9.0f}"
+        )
     by = {r["engine"]: r for r in results}
     if "ch02" in by and "hf" in by:
         print(f"ch02 decode / HF decode = {by['ch02']['decode_tok_s'] / by['hf']['decode_tok_s']:.2f}x")
@@ -174,8 +204,14 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"ch02_decode_{model_dir.name}_{dtype_name}"
-    record = {"model": model_dir.name, "device": str(device), "machine": machine(), "weight_params": n_params,
-              "command": " ".join(["python", "chapters/02_kv_cache/bench.py", *sys.argv[1:]]), "engines": results}
+    record = {
+        "model": model_dir.name,
+        "device": str(device),
+        "machine": machine(),
+        "weight_params": n_params,
+        "command": " ".join(["python", "chapters/02_kv_cache/bench.py", *sys.argv[1:]]),
+        "engines": results,
+    }
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     plot(results, out / f"{stem}.png", f"{model_dir.name}, {dtype_name}, prompt {args.prompt_tokens} tokens")
     print(f"saved {out / stem}.json/.png")

@@ -35,9 +35,7 @@ def available_memory(device: torch.device) -> int | None:
 class KVCache:
     def __init__(self, config: LlamaConfig, batch_size: int, max_seq: int, device, dtype: torch.dtype):
         if max_seq > config.max_position_embeddings:
-            raise UserError(
-                f"max_seq={max_seq} exceeds the model's context of {config.max_position_embeddings} tokens"
-            )
+            raise UserError(f"max_seq={max_seq} exceeds the model's context of {config.max_position_embeddings} tokens")
         self.shape = (batch_size, config.num_key_value_heads, max_seq, config.head_dim)
         device = torch.device(device)
         nbytes = config.kv_bytes_per_token(dtype.itemsize) * batch_size * max_seq

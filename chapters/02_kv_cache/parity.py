@@ -49,8 +49,12 @@ def main() -> int:
     cache = KVCache(model.config, 1, len(ids), device, dtype)
     ours: dict = {}
     with torch.inference_mode():
-        ours["logits"] = forward(model, torch.tensor([ids], device=device), cache, capture=ours)[0].float().cpu().numpy()
-    print(f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} torch {device} {str(dtype).removeprefix('torch.')} vs HF transformers fp32 eager")
+        ours["logits"] = (
+            forward(model, torch.tensor([ids], device=device), cache, capture=ours)[0].float().cpu().numpy()
+        )
+    print(
+        f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} torch {device} {str(dtype).removeprefix('torch.')} vs HF transformers fp32 eager"
+    )
     print(format_table(compare(ours, hf_hidden_states(model_dir, ids))))
     return 0
 

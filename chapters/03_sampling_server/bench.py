@@ -72,8 +72,13 @@ def main() -> int:
             t0 = time.perf_counter()
             stamps = []
             stream = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=args.max_tokens,
-                temperature=0, stream=True, extra_body={"ignore_eos": True})
+                model=model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     stamps.append(time.perf_counter())
@@ -88,16 +93,24 @@ def main() -> int:
     result = {
         "what": "streamed chat requests through the ch03 HTTP server, one at a time, timed at the client",
         "command": " ".join(["python", "chapters/03_sampling_server/bench.py", *sys.argv[1:]]),
-        "model": model, "machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
-        "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_max": float(max(ttft)),
-        "itl_ms_p50": float(np.percentile(gaps, 50)), "itl_ms_p99": float(np.percentile(gaps, 99)),
+        "model": model,
+        "machine": machine(),
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_max": float(max(ttft)),
+        "itl_ms_p50": float(np.percentile(gaps, 50)),
+        "itl_ms_p99": float(np.percentile(gaps, 99)),
         "stream_tok_s": float(1e3 / gaps.mean()),
-        "runs": [{"ttft_ms": round(r["ttft_ms"], 3), "gaps_ms": [round(float(g), 3) for g in r["gaps_ms"]]}
-                 for r in runs],
+        "runs": [
+            {"ttft_ms": round(r["ttft_ms"], 3), "gaps_ms": [round(float(g), 3) for g in r["gaps_ms"]]} for r in runs
+        ],
     }
     print(f"{model}: {args.requests} streamed requests x {args.max_tokens} tokens")
-    print(f"TTFT p50 {result['ttft_ms_p50']:.0f} ms (max {result['ttft_ms_max']:.0f}), ITL p50 "
-          f"{result['itl_ms_p50']:.1f} ms, p99 {result['itl_ms_p99']:.1f} ms, {result['stream_tok_s']:.1f} tok/s")
+    print(
+        f"TTFT p50 {result['ttft_ms_p50']:.0f} ms (max {result['ttft_ms_max']:.0f}), ITL p50 "
+        f"{result['itl_ms_p50']:.1f} ms, p99 {result['itl_ms_p99']:.1f} ms, {result['stream_tok_s']:.1f} tok/s"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"ch03_server_stream_{model}"
@@ -117,15 +130,18 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(result["runs"]):
-        line, = ax.plot(range(2, len(r["gaps_ms"]) + 2), r["gaps_ms"], lw=1, label=f"request {i + 1}")
+        (line,) = ax.plot(range(2, len(r["gaps_ms"]) + 2), r["gaps_ms"], lw=1, label=f"request {i + 1}")
         ax.plot(1, r["ttft_ms"], "o", color=line.get_color(), ms=6, mfc="none")
     ax.plot([], [], "o", color="grey", mfc="none", label="TTFT (token 1)")
     ax.axhline(result["itl_ms_p50"], color="grey", ls="--", lw=1, label=f"ITL p50 {result['itl_ms_p50']:.1f} ms")
     ax.set_yscale("log")
     ax.set_xlabel("streamed token (position in the answer)")
     ax.set_ylabel("ms for this token (token 1: TTFT)")
-    ax.set_title(f"ch03 server, {result['model']}: {result['requests']} streamed requests, greedy, "
-                 f"{result['stream_tok_s']:.1f} tok/s", fontsize=10)
+    ax.set_title(
+        f"ch03 server, {result['model']}: {result['requests']} streamed requests, greedy, "
+        f"{result['stream_tok_s']:.1f} tok/s",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()

@@ -20,8 +20,14 @@ from engine import Engine, Request, build_engine
 from sampling import SamplingParams
 
 # request setting -> its type; the flag is --top-k for top_k
-SAMPLING_FLAGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
-                  "seed": int}
+SAMPLING_FLAGS = {
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repetition_penalty": float,
+    "seed": int,
+}
 
 
 def parse_args():
@@ -32,8 +38,9 @@ def parse_args():
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     for name, kind in SAMPLING_FLAGS.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                        help="default: the model's generation_config.json")
+        ap.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=None, help="default: the model's generation_config.json"
+        )
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     return ap.parse_args()
 
@@ -61,8 +68,12 @@ def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
     print()
     elapsed = time.perf_counter() - (first or t0)
     rate = (n_tokens - 1) / elapsed if n_tokens > 1 and elapsed > 0 else float("nan")
-    print(f"[{len(prompt_ids)} prompt tokens, {n_tokens} generated, TTFT {((first or t0) - t0) * 1e3:.0f} ms, "
-          f"{rate:.1f} tok/s, finish: {finish}]", file=sys.stderr, flush=True)
+    print(
+        f"[{len(prompt_ids)} prompt tokens, {n_tokens} generated, TTFT {((first or t0) - t0) * 1e3:.0f} ms, "
+        f"{rate:.1f} tok/s, finish: {finish}]",
+        file=sys.stderr,
+        flush=True,
+    )
     return text
 
 
@@ -88,8 +99,11 @@ def chat_loop(engine: Engine, args) -> None:
         prompt_ids = engine.tokenizer.encode_chat(history)
         if len(prompt_ids) >= engine.context:
             history.pop()
-            print(f"error: the conversation is {len(prompt_ids)} tokens, over the {engine.context}-token context: "
-                  f"/reset to start again", file=sys.stderr)
+            print(
+                f"error: the conversation is {len(prompt_ids)} tokens, over the {engine.context}-token context: "
+                f"/reset to start again",
+                file=sys.stderr,
+            )
             continue
         print("model> ", end="", flush=True)
         history.append({"role": "assistant", "content": stream_reply(engine, prompt_ids, args)})
@@ -106,7 +120,8 @@ def main() -> int:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}]
+            {"role": "user", "content": args.prompt}
+        ]
         prompt_ids = engine.tokenizer.encode_chat(messages)
     if len(prompt_ids) >= engine.context:
         raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context} tokens")

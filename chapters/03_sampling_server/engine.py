@@ -69,9 +69,16 @@ DEFAULT_MAX_TOKENS = 1024
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer, generation_config: dict | None = None, *,
-                 max_model_len: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-                 memory_budget: int | None = None):
+    def __init__(
+        self,
+        model: Model,
+        tokenizer,
+        generation_config: dict | None = None,
+        *,
+        max_model_len: int | None = None,
+        max_tokens_default: int = DEFAULT_MAX_TOKENS,
+        memory_budget: int | None = None,
+    ):
         """max_model_len: the context, at most the model's (default: the model's).
         memory_budget: bytes one request may use beyond the weights (None: no check)."""
         self.model = model
@@ -223,8 +230,12 @@ def build_engine(model: str | None, device: str = "auto", dtype: str = "auto", *
     the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
     model_dir = resolve_model(model)
     dev = pick_device(device)
-    engine = Engine(load_model(model_dir, dev, pick_dtype(dtype, dev)), Tokenizer(model_dir),
-                    Engine.read_generation_config(model_dir), **limits)
+    engine = Engine(
+        load_model(model_dir, dev, pick_dtype(dtype, dev)),
+        Tokenizer(model_dir),
+        Engine.read_generation_config(model_dir),
+        **limits,
+    )
     return engine, model_dir.name if model in (None, "") or Path(model).is_dir() else model
 
 
@@ -232,8 +243,9 @@ def _context(model_context: int, max_model_len: int | None) -> int:
     if max_model_len is None:
         return model_context
     if not 2 <= max_model_len <= model_context:
-        raise UserError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
-                         f"got {max_model_len}")
+        raise UserError(
+            f"max_model_len must be between 2 and the model's context of {model_context} tokens, got {max_model_len}"
+        )
     return max_model_len
 
 

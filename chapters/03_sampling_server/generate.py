@@ -75,8 +75,14 @@ def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **
 def main() -> int:
     ap = base_parser(__doc__, batch=True)
     ap.add_argument("--device", default=None, help="auto, cpu, cuda, mps (default: $DEVICE, else auto)")
-    ap.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default: $DTYPE, else auto)")
-    ap.add_argument("--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default: $DTYPE, else auto)",
+    )
+    ap.add_argument(
+        "--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
+    )
     args = ap.parse_args()
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)

@@ -45,8 +45,12 @@ class BodyLimit:
         except BodyTooLarge:
             return await self._refuse(scope, receive, send, self._too_large(None))
         except TimeoutError:
-            error = APIError(408, f"the request body did not arrive within {self.timeout:g} s",
-                             code="request_timeout", headers={"connection": "close"})
+            error = APIError(
+                408,
+                f"the request body did not arrive within {self.timeout:g} s",
+                code="request_timeout",
+                headers={"connection": "close"},
+            )
             return await self._refuse(scope, receive, send, error)
         if body is None:  # the client left while sending
             return
@@ -54,8 +58,12 @@ class BodyLimit:
 
     def _too_large(self, declared: int | None) -> APIError:
         size = f" ({declared} bytes)" if declared is not None else ""
-        return APIError(413, f"the request body{size} is over this server's limit of {self.max_bytes} bytes",
-                        code="request_too_large", headers={"connection": "close"})
+        return APIError(
+            413,
+            f"the request body{size} is over this server's limit of {self.max_bytes} bytes",
+            code="request_too_large",
+            headers={"connection": "close"},
+        )
 
     @staticmethod
     async def _refuse(scope, receive, send, error: APIError) -> None:

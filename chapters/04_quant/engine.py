@@ -69,9 +69,16 @@ DEFAULT_MAX_TOKENS = 1024
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer, generation_config: dict | None = None, *,
-                 max_model_len: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-                 memory_budget: int | None = None):
+    def __init__(
+        self,
+        model: Model,
+        tokenizer,
+        generation_config: dict | None = None,
+        *,
+        max_model_len: int | None = None,
+        max_tokens_default: int = DEFAULT_MAX_TOKENS,
+        memory_budget: int | None = None,
+    ):
         """max_model_len: the context, at most the model's (default: the model's).
         memory_budget: bytes one request may use beyond the weights (None: no check)."""
         self.model = model
@@ -218,8 +225,14 @@ class Engine:
         return self._masks[key][None, :]
 
 
-def build_engine(model: str | None, device: str = "auto", dtype: str = "auto", quant: QuantSpec | None = None,
-                 matmul: str = "fast", **limits) -> tuple[Engine, str]:
+def build_engine(
+    model: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    quant: QuantSpec | None = None,
+    matmul: str = "fast",
+    **limits,
+) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
     quantized on load when `quant` is given, onto a device; -> the engine, and the name to call
     it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
@@ -233,8 +246,9 @@ def _context(model_context: int, max_model_len: int | None) -> int:
     if max_model_len is None:
         return model_context
     if not 2 <= max_model_len <= model_context:
-        raise UserError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
-                         f"got {max_model_len}")
+        raise UserError(
+            f"max_model_len must be between 2 and the model's context of {model_context} tokens, got {max_model_len}"
+        )
     return max_model_len
 
 

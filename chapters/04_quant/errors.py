@@ -1,6 +1,6 @@
 """OpenAI error objects: every error this server answers is one, whatever raised it.
 
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
+{"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": null}}
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ class ErrorResponse(BaseModel):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param=None,
+        code=None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers

@@ -76,9 +76,15 @@ def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **
 def main() -> int:
     ap = base_parser(__doc__, batch=True)
     ap.add_argument("--device", default=None, help="auto, cpu, cuda, mps (default: $DEVICE, else auto)")
-    ap.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA and for quantized weights), "
-                    "float32, bfloat16, float16 (default: $DTYPE, else auto)")
-    ap.add_argument("--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="auto (float32 on CPU, bfloat16 on CUDA and for quantized weights), "
+        "float32, bfloat16, float16 (default: $DTYPE, else auto)",
+    )
+    ap.add_argument(
+        "--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
+    )
     add_quant_args(ap)
     args = ap.parse_args()
     model, model_dir = load(args.model, args.device, args.dtype, quant_spec(args), args.matmul)

@@ -27,22 +27,37 @@ FORMAT_VERSION = 1  # bumped when a converted GGUF directory would differ: the c
 
 def add_quant_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("quantization")
-    g.add_argument("--quant", choices=["int8", "int4"], default=None,
-                   help="quantize a plain checkpoint on load (a quantized directory or .gguf needs none)")
-    g.add_argument("--group-size", type=int, default=32, choices=INT4_GROUP_SIZES, help="int4 weights per scale (default 32)")
+    g.add_argument(
+        "--quant",
+        choices=["int8", "int4"],
+        default=None,
+        help="quantize a plain checkpoint on load (a quantized directory or .gguf needs none)",
+    )
+    g.add_argument(
+        "--group-size", type=int, default=32, choices=INT4_GROUP_SIZES, help="int4 weights per scale (default 32)"
+    )
     g.add_argument("--symmetric", action="store_true", help="int4 without a zero point (a scale per group only)")
-    g.add_argument("--lm-head", choices=["int8", "int4", "none"], default="int8",
-                   help="the LM head (and tied embedding) with --quant: int8 (default), int4, or none (model dtype)")
-    g.add_argument("--matmul", choices=["fast", "reference"], default="fast",
-                   help="torch's packed int kernels (fast) or dequantize-and-multiply (reference)")
+    g.add_argument(
+        "--lm-head",
+        choices=["int8", "int4", "none"],
+        default="int8",
+        help="the LM head (and tied embedding) with --quant: int8 (default), int4, or none (model dtype)",
+    )
+    g.add_argument(
+        "--matmul",
+        choices=["fast", "reference"],
+        default="fast",
+        help="torch's packed int kernels (fast) or dequantize-and-multiply (reference)",
+    )
 
 
 def quant_spec(args) -> QuantSpec | None:
     if args.quant is None:
         return None
     head = {"int8": 8, "int4": 4, "none": None}[args.lm_head]
-    return QuantSpec(bits=8 if args.quant == "int8" else 4, group_size=args.group_size, symmetric=args.symmetric,
-                     head_bits=head)
+    return QuantSpec(
+        bits=8 if args.quant == "int8" else 4, group_size=args.group_size, symmetric=args.symmetric, head_bits=head
+    )
 
 
 def resolve(name_or_path: str | None) -> Path:
@@ -63,8 +78,9 @@ def resolve(name_or_path: str | None) -> Path:
     return out
 
 
-def load(name_or_path: str | None, device: str | None, dtype: str | None, spec: QuantSpec | None = None,
-         matmul: str = "fast"):
+def load(
+    name_or_path: str | None, device: str | None, dtype: str | None, spec: QuantSpec | None = None, matmul: str = "fast"
+):
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py)."""
     model_dir = resolve(name_or_path)

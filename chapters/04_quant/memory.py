@@ -40,8 +40,10 @@ class MemoryEstimate:
         return self.kv_cache + self.prefill + self.sampling
 
     def describe(self) -> str:
-        return (f"{self.total / GiB:.2f} GiB: KV cache {self.kv_cache / GiB:.2f}, "
-                f"prompt pass {self.prefill / GiB:.2f}, sampling {self.sampling / GiB:.2f}")
+        return (
+            f"{self.total / GiB:.2f} GiB: KV cache {self.kv_cache / GiB:.2f}, "
+            f"prompt pass {self.prefill / GiB:.2f}, sampling {self.sampling / GiB:.2f}"
+        )
 
 
 def estimate(config: LlamaConfig, dtype: torch.dtype, n: int, n_prompt: int, max_tokens: int) -> MemoryEstimate:
@@ -52,8 +54,10 @@ def estimate(config: LlamaConfig, dtype: torch.dtype, n: int, n_prompt: int, max
     # float32 tensors with a mask; the MLP and the residual stream hold a few [P, width] ones.
     # Fitted to the peak RSS of smollm2-135m prefills on CPU (P = 1000: 145 MiB, 2000: 428 MiB;
     # this gives 145 and 427).
-    prefill = 4 * (2 * config.num_attention_heads * n_prompt**2
-                   + n_prompt * (10 * config.intermediate_size + 8 * config.hidden_size))
+    prefill = 4 * (
+        2 * config.num_attention_heads * n_prompt**2
+        + n_prompt * (10 * config.intermediate_size + 8 * config.hidden_size)
+    )
     # logits, their float32 copy, probabilities, the sorted copy, sort indices (int64) and masks
     sampling = 8 * 4 * n * config.vocab_size
     return MemoryEstimate(kv, prefill, sampling)

@@ -62,8 +62,9 @@ class Model:
         return self.norm.dtype
 
 
-def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None,
-               matmul: str = "fast") -> Model:
+def load_model(
+    model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None, matmul: str = "fast"
+) -> Model:
     """Reads config.json and the weights, checked against each other (see common.checkpoint and
     weights.py), as `dtype` tensors on `device`. A quantized checkpoint loads its integers; a
     plain one is quantized on load when `quant` is given. matmul: "fast" (torch's packed kernels
@@ -102,8 +103,9 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: 
     else:  # quantized and tied: the lookup reads our codes, the head multiplies by its prepared form
         lm_head = prepare(embed, device, dtype, matmul)
         embed = embed.to(device)
-    return Model(config, embed, layers, t("model.norm.weight"), lm_head, inv_frequencies(config).to(device),
-                 quant, total_bytes)
+    return Model(
+        config, embed, layers, t("model.norm.weight"), lm_head, inv_frequencies(config).to(device), quant, total_bytes
+    )
 
 
 def embedding(embed, tokens: torch.Tensor, dtype) -> torch.Tensor:

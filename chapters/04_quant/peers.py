@@ -30,8 +30,7 @@ from common.prepare_models import find_gguf
 
 # GGML_NATIVE: compile for this CPU's instruction set (AVX512, AVX512-BF16...), as a local
 # llama.cpp build does; LLAVA_BUILD=OFF skips the image-model library we do not use.
-INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install --no-deps '
-           'llama-cpp-python==0.3.36 diskcache')
+INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install --no-deps llama-cpp-python==0.3.36 diskcache'
 
 FORMATS = ("Q4_1", "F16", "BF16")
 CACHE_DIR = MODELS_DIR / "gguf"
@@ -39,6 +38,7 @@ CACHE_DIR = MODELS_DIR / "gguf"
 
 # ---------------------------------------------------------------------------------------------
 # The GGUF files
+
 
 def gguf_path(fmt: str) -> Path:
     """The model's GGUF in `fmt` (Q4_1, F16 or BF16); F16 and BF16 are written on first use."""
@@ -89,8 +89,7 @@ def convert_gguf(src: Path, dst: Path, fmt: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     tmp.rename(dst)
-    print(f"[peers] wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(f"[peers] wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s", flush=True)
     return dst
 
 
@@ -111,6 +110,7 @@ def weight_bytes_per_token(path: Path) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Running llama.cpp
+
 
 def llama_cpp_available() -> str | None:
     """None when llama_cpp can be used, else why not and how to install it."""
@@ -134,8 +134,10 @@ def run_llama_cpp(gguf_path: Path, prompt_ids: list[int], n_decode: int, threads
     llm = llama_cpp.Llama(
         model_path=str(gguf_path),
         n_ctx=n_prompt + n_decode,
-        n_batch=max(n_prompt, 512), n_ubatch=max(n_prompt, 512),  # the prompt in one forward pass
-        n_threads=threads, n_threads_batch=threads,  # decode and prefill alike
+        n_batch=max(n_prompt, 512),
+        n_ubatch=max(n_prompt, 512),  # the prompt in one forward pass
+        n_threads=threads,
+        n_threads_batch=threads,  # decode and prefill alike
         flash_attn=True,  # llama.cpp's own default ("auto") turns it on for the CPU
         verbose=False,  # no llama.cpp log on stderr
     )
@@ -180,8 +182,10 @@ def main() -> None:
     reason = llama_cpp_available()
     paths = {fmt: gguf_path(fmt) for fmt in FORMATS}
     for fmt, path in paths.items():
-        print(f"{fmt:<5} {path.stat().st_size / 1e6:6.1f} MB file, "
-              f"{weight_bytes_per_token(path) / 1e6:6.1f} MB read per token  {path}")
+        print(
+            f"{fmt:<5} {path.stat().st_size / 1e6:6.1f} MB file, "
+            f"{weight_bytes_per_token(path) / 1e6:6.1f} MB read per token  {path}"
+        )
     if reason:
         print(f"skip llama.cpp: {reason}")
         return

@@ -77,9 +77,11 @@ def main(args) -> int:
     for name, spec in [("int4-g32", QuantSpec(4, 32)), ("bf16", None)]:
         model, _ = load(args.model, "cpu", "bfloat16", spec)
         r = results[name] = profile_steps(model)
-        print(f"{name}: {r['wall_ms_per_token']:.2f} ms per token ({1e3 / r['wall_ms_per_token']:.0f} tok/s); under the "
-              f"profiler {r['profiled_ms_per_token']:.2f} ms, {r['ops_per_token']:.0f} top-level ops per token "
-              f"({r['other_ops_per_token']:.0f} of them 'other')")
+        print(
+            f"{name}: {r['wall_ms_per_token']:.2f} ms per token ({1e3 / r['wall_ms_per_token']:.0f} tok/s); under the "
+            f"profiler {r['profiled_ms_per_token']:.2f} ms, {r['ops_per_token']:.0f} top-level ops per token "
+            f"({r['other_ops_per_token']:.0f} of them 'other')"
+        )
         for group, ms in r["ms_per_token"].items():
             print(f"  {group:<12} {ms:6.2f} ms")
         print(f"  {'Python':<12} {r['python_ms_per_token']:6.2f} ms (profiled wall time minus the operators')")

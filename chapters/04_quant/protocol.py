@@ -38,7 +38,8 @@ def _unicode(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise PydanticCustomError(
-            "invalid_unicode", "must be valid Unicode text, but character {index} is a lone surrogate ({char})",
+            "invalid_unicode",
+            "must be valid Unicode text, but character {index} is a lone surrogate ({char})",
             {"char": f"\\u{ord(text[e.start]):04x}", "index": e.start},
         ) from None
     return text
@@ -73,7 +74,8 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     for key in bias:
         if not _TOKEN_ID.fullmatch(key):
             raise PydanticCustomError(
-                "logit_bias_key", "keys must be token ids written as decimal digits, like \"1234\"; got {key}",
+                "logit_bias_key",
+                'keys must be token ids written as decimal digits, like "1234"; got {key}',
                 {"key": repr(key)},
             )
     return {int(key): value for key, value in bias.items()}
@@ -123,7 +125,8 @@ def _prompt(value) -> Prompt:
         if all(isinstance(p, str) for p in value):
             return [_unicode(p) for p in value]
     raise PydanticCustomError(
-        "prompt_type", "must be a string, a list of strings, a list of token ids or a list of lists of token ids "
+        "prompt_type",
+        "must be a string, a list of strings, a list of token ids or a list of lists of token ids "
         "(token ids are integers)",
     )
 
@@ -149,8 +152,9 @@ class TextPart(_Strict):
     def _text_only(cls, kind: str) -> str:
         if kind != "text":
             raise PydanticCustomError(
-                "unsupported_content_part", "content parts of type {kind} are not supported: this server reads "
-                "'text' parts only", {"kind": repr(kind)},
+                "unsupported_content_part",
+                "content parts of type {kind} are not supported: this server reads 'text' parts only",
+                {"kind": repr(kind)},
             )
         return kind
 
@@ -171,8 +175,9 @@ def _content(value) -> str | list[TextPart] | None:
 class ChatMessage(_Strict):
     # "developer" is OpenAI's newer name for "system"; tool messages need tools, unsupported here.
     role: Literal["system", "user", "assistant", "developer"]
-    content: Annotated[str | list[TextPart] | None,
-                       PlainValidator(_content, json_schema_input_type=str | list[TextPart] | None)] = None
+    content: Annotated[
+        str | list[TextPart] | None, PlainValidator(_content, json_schema_input_type=str | list[TextPart] | None)
+    ] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -192,9 +197,15 @@ class ChatRequest(_Common):
 def sampling_params(body: _Common, defaults: SamplingParams, logprobs: int | None) -> SamplingParams:
     """The model's defaults, overridden by every sampling field the request sets."""
     params = defaults.override(
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, seed=body.seed, logit_bias=body.logit_bias or None,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        logit_bias=body.logit_bias or None,
     )
     params.logprobs = logprobs  # the request's alone: the model's defaults have no say (a copy)
     return params
@@ -225,8 +236,9 @@ def completion_request(body: CompletionRequest, tokenizer, defaults: SamplingPar
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
-            raise RequestError("one prompt per request: this server does not batch several prompts in one call",
-                               "prompt")
+            raise RequestError(
+                "one prompt per request: this server does not batch several prompts in one call", "prompt"
+            )
         prompt = prompt[0]
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):

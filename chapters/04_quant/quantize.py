@@ -29,8 +29,13 @@ from quant import INT4_GROUP_SIZES, QuantSpec
 from weights import quantize_weights, save_quantized, spec_of, weight_bytes
 
 # Everything of a model directory except its weights and config.json.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def quantize_dir(model: str, spec: QuantSpec, out: Path) -> dict:
@@ -59,8 +64,12 @@ def main() -> int:
     ap.add_argument("--bits", type=int, choices=[4, 8], help="with --model: 8 (per channel) or 4 (per group)")
     ap.add_argument("--group-size", type=int, default=32, choices=INT4_GROUP_SIZES)
     ap.add_argument("--symmetric", action="store_true", help="int4 without a zero point")
-    ap.add_argument("--lm-head", choices=["int8", "int4", "none"], default="int8",
-                    help="the LM head (and tied embedding): int8 (default), int4, or none (kept as stored)")
+    ap.add_argument(
+        "--lm-head",
+        choices=["int8", "int4", "none"],
+        default="int8",
+        help="the LM head (and tied embedding): int8 (default), int4, or none (kept as stored)",
+    )
     ap.add_argument("--out", required=True, help="the directory to write")
     args = ap.parse_args()
     out = Path(args.out)

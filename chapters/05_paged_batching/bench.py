@@ -55,8 +55,24 @@ from types import SimpleNamespace
 
 import torch
 
-from common.bench import (LONG_TEXT, PROMPTS, RESULTS_DIR, chat_body, combine_rounds, command_line, concurrent_round,
-                          fmt, int_list, machine, median, new_client, pct, servers, stream, throughput_rounds)
+from common.bench import (
+    LONG_TEXT,
+    PROMPTS,
+    RESULTS_DIR,
+    chat_body,
+    combine_rounds,
+    command_line,
+    concurrent_round,
+    fmt,
+    int_list,
+    machine,
+    median,
+    new_client,
+    pct,
+    servers,
+    stream,
+    throughput_rounds,
+)
 from common.chapters import chapter_dir, chapter_exists
 from common.cli import run_main
 from common.errors import UserError
@@ -79,9 +95,17 @@ def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
     settings too (chapter 04's has none)."""
     base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
     base += ["--quant", args.quant] if args.quant else []
-    ours = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    argv = {label: (folder, base + (ours if folder == HERE else []) + flags) for label, (folder, flags) in specs.items()}
+    ours = [
+        "--kv-cache-memory-gb",
+        str(args.kv_cache_memory_gb),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    argv = {
+        label: (folder, base + (ours if folder == HERE else []) + flags) for label, (folder, flags) in specs.items()
+    }
     return servers(argv, record, threads=args.threads, timeout=args.server_timeout)
 
 
@@ -97,8 +121,10 @@ def part_throughput(args, record: dict, with_ch04: bool = True) -> dict:
     plan = [(CH, n) for n in args.concurrency] + [("ch04", n) for n in args.ch04_concurrency if ch04]
     with start_servers(args, specs, record.setdefault("servers", {}).setdefault("throughput", {})) as urls:
         runs = throughput_rounds(urls, plan, args.repeats, args.max_tokens, args.health_interval)
-    result = {CH: [combine_rounds(runs[(CH, n)]) for n in args.concurrency],
-              "ch04": [combine_rounds(runs[("ch04", n)]) for n in args.ch04_concurrency] if ch04 else []}
+    result = {
+        CH: [combine_rounds(runs[(CH, n)]) for n in args.concurrency],
+        "ch04": [combine_rounds(runs[("ch04", n)]) for n in args.ch04_concurrency] if ch04 else [],
+    }
     common = sorted({r["concurrency"] for r in result[CH]} & {r["concurrency"] for r in result["ch04"]})
     if common:
         n = 16 if 16 in common else common[-1]
@@ -116,9 +142,17 @@ def build_our_engine(args):
     from loading import quant_spec
 
     spec = quant_spec(SimpleNamespace(quant=args.quant, group_size=32, symmetric=False, lm_head="int8"))
-    engine, _ = build_engine(args.model, args.device, args.dtype, spec, "auto",
-                             kv_cache_bytes=int(args.kv_cache_memory_gb * GiB), max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=False)
+    engine, _ = build_engine(
+        args.model,
+        args.device,
+        args.dtype,
+        spec,
+        "auto",
+        kv_cache_bytes=int(args.kv_cache_memory_gb * GiB),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=False,
+    )
     return engine
 
 
@@ -166,8 +200,17 @@ def hf_static_batch(model, prompts: list[list[int]], max_tokens: int, pad_id: in
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+        )
     dt = time.perf_counter() - t0
     return dt, (out.shape[1] - longest) * len(prompts)
 
@@ -180,8 +223,9 @@ def load_hf(args, engine):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(args.model)), dtype=engine.model.dtype,
-                                                     attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(resolve_model(args.model)), dtype=engine.model.dtype, attn_implementation="sdpa"
+        )
         return model.to(engine.model.device).eval()
     except Exception as e:  # a .gguf or quantized directory, or transformers missing
         print(f"[engine] HF transformers skipped: {type(e).__name__}: {e}", file=sys.stderr)
@@ -214,13 +258,20 @@ def open_peers(args, engine, prompts: list[list[int]]) -> dict | None:
         if quant == args.quant and args.dtype == "bfloat16":
             ours[gguf] = engine
         else:
-            print(f"[engine] building {CH} with {quant or 'bf16'} weights (beside llama.cpp {gguf})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[engine] building {CH} with {quant or 'bf16'} weights (beside llama.cpp {gguf})",
+                file=sys.stderr,
+                flush=True,
+            )
             ours[gguf] = build_our_engine(SimpleNamespace(**{**vars(args), "quant": quant, "dtype": "bfloat16"}))
             engine_generate(ours[gguf], prompts[:2], 2)  # warm-up
-        llama[gguf] = BatchedLlamaCpp(gguf_path(gguf), slots=len(prompts),
-                                      ctx_per_seq=max(map(len, prompts)) + args.max_tokens,
-                                      max_batch_tokens=sum(map(len, prompts)), threads=args.threads)
+        llama[gguf] = BatchedLlamaCpp(
+            gguf_path(gguf),
+            slots=len(prompts),
+            ctx_per_seq=max(map(len, prompts)) + args.max_tokens,
+            max_batch_tokens=sum(map(len, prompts)),
+            threads=args.threads,
+        )
         llama[gguf].generate(prompts, 2)  # warm-up: pages the weights in, starts the threads
     return {"ours": ours, "llama": llama, "sizes": sorted({1, len(prompts)}), "runs": {}}
 
@@ -234,8 +285,12 @@ def peer_round(args, state: dict, prompts: list[list[int]]) -> None:
             runs.setdefault((f"{CH} {quant or 'bf16'}", n), []).append({"tok_s": tokens / dt, "tokens": tokens})
             r = state["llama"][gguf].generate(prompts[:n], args.max_tokens)
             runs.setdefault((f"llama.cpp {gguf}", n), []).append(r)
-            print(f"[engine] N={n:<3} {CH} {quant or 'bf16':<4} {tokens / dt:7.1f} tok/s  llama.cpp {gguf:<4} "
-                  f"{r['tok_s']:7.1f} tok/s (decode {fmt(r['decode_tok_s'])})", file=sys.stderr, flush=True)
+            print(
+                f"[engine] N={n:<3} {CH} {quant or 'bf16':<4} {tokens / dt:7.1f} tok/s  llama.cpp {gguf:<4} "
+                f"{r['tok_s']:7.1f} tok/s (decode {fmt(r['decode_tok_s'])})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def close_peers(args, state: dict, prompts: list[list[int]], check_tokens: int = 8) -> dict:
@@ -243,12 +298,18 @@ def close_peers(args, state: dict, prompts: list[list[int]], check_tokens: int =
     prompt alone in the same context, untimed, first `check_tokens`); the contexts freed."""
     series = {}
     for (label, n), runs in state["runs"].items():
-        point = {"n": n, "tok_s": median([r["tok_s"] for r in runs]), "tok_s_runs": [r["tok_s"] for r in runs],
-                 "tokens": runs[0].get("new_tokens", runs[0].get("tokens"))}
+        point = {
+            "n": n,
+            "tok_s": median([r["tok_s"] for r in runs]),
+            "tok_s_runs": [r["tok_s"] for r in runs],
+            "tokens": runs[0].get("new_tokens", runs[0].get("tokens")),
+        }
         if label.startswith("llama.cpp"):
-            point |= {"decode_tok_s": median([r["decode_tok_s"] for r in runs]),
-                      "decode_tok_s_runs": [r["decode_tok_s"] for r in runs],
-                      "prefill_ms": median([r["prefill_ms"] for r in runs])}
+            point |= {
+                "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
+                "decode_tok_s_runs": [r["decode_tok_s"] for r in runs],
+                "prefill_ms": median([r["prefill_ms"] for r in runs]),
+            }
         series.setdefault(label, []).append(point)
     agreement, info = {}, {}
     n_big = state["sizes"][-1]
@@ -259,13 +320,22 @@ def close_peers(args, state: dict, prompts: list[list[int]], check_tokens: int =
             batched = state["runs"][(f"llama.cpp {gguf}", n_big)][-1]["ids"]
             alone = [peer.generate([p], k)["ids"][0] for p in prompts[:n_big]]
             agree = [i for i in range(n_big) if batched[i][:k] == alone[i]]
-            agreement[gguf] = {"prompts": n_big, "check_tokens": k, "agree": len(agree),
-                               "differ": [i for i in range(n_big) if i not in agree]}
+            agreement[gguf] = {
+                "prompts": n_big,
+                "check_tokens": k,
+                "agree": len(agree),
+                "differ": [i for i in range(n_big) if i not in agree],
+            }
     finally:
         for peer in state["llama"].values():
             peer.close()
-    return {"sizes": state["sizes"], "formats": {gguf: quant or "bf16" for gguf, quant in PEER_FORMATS.items()},
-            "llama_cpp": info, "series": series, "batch1_agreement": agreement}
+    return {
+        "sizes": state["sizes"],
+        "formats": {gguf: quant or "bf16" for gguf, quant in PEER_FORMATS.items()},
+        "llama_cpp": info,
+        "series": series,
+        "batch1_agreement": agreement,
+    }
 
 
 def part_engine(args) -> dict:
@@ -289,24 +359,36 @@ def part_engine(args) -> dict:
             theirs.append(hf_static_batch(hf, prompts, args.max_tokens, pad, engine.model.device))
         for n in steps:
             steps[n].append(decode_step_ms(engine, prompts[:n], args.decode_steps)["step_ms"])
-        print(f"[engine] round {r + 1}/{args.repeats} {CH} {ours[-1][1] / ours[-1][0]:7.1f} tok/s"
-              + (f"  HF static batch {theirs[-1][1] / theirs[-1][0]:7.1f} tok/s" if theirs else "")
-              + "  decode step " + ", ".join(f"{n} seqs {v[-1]:.1f} ms" for n, v in steps.items()),
-              file=sys.stderr, flush=True)
+        print(
+            f"[engine] round {r + 1}/{args.repeats} {CH} {ours[-1][1] / ours[-1][0]:7.1f} tok/s"
+            + (f"  HF static batch {theirs[-1][1] / theirs[-1][0]:7.1f} tok/s" if theirs else "")
+            + "  decode step "
+            + ", ".join(f"{n} seqs {v[-1]:.1f} ms" for n, v in steps.items()),
+            file=sys.stderr,
+            flush=True,
+        )
         if peer_state:
             peer_round(args, peer_state, prompts)
     n_big = len(prompts)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "prompt_tokens": [len(p) for p in prompts],
-              f"{CH}_tokens": ours[0][1], f"{CH}_tok_s": median([t / s for s, t in ours]),
-              f"{CH}_tok_s_runs": [t / s for s, t in ours],
-              "hf": f"transformers generate, static batch, left padding, sdpa, {dtype}"
-                    + (" (unquantized)" if args.quant else "") if hf is not None else None,
-              "hf_tokens": theirs[0][1] if theirs else None,
-              "hf_tok_s": median([t / s for s, t in theirs]) if theirs else None,
-              "hf_tok_s_runs": [t / s for s, t in theirs],
-              "decode_step_ms": {str(n): median(v) for n, v in steps.items()},
-              "decode_step_ms_runs": {str(n): v for n, v in steps.items()}, "decode_steps_timed": args.decode_steps}
+    result = {
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": [len(p) for p in prompts],
+        f"{CH}_tokens": ours[0][1],
+        f"{CH}_tok_s": median([t / s for s, t in ours]),
+        f"{CH}_tok_s_runs": [t / s for s, t in ours],
+        "hf": f"transformers generate, static batch, left padding, sdpa, {dtype}"
+        + (" (unquantized)" if args.quant else "")
+        if hf is not None
+        else None,
+        "hf_tokens": theirs[0][1] if theirs else None,
+        "hf_tok_s": median([t / s for s, t in theirs]) if theirs else None,
+        "hf_tok_s_runs": [t / s for s, t in theirs],
+        "decode_step_ms": {str(n): median(v) for n, v in steps.items()},
+        "decode_step_ms_runs": {str(n): v for n, v in steps.items()},
+        "decode_steps_timed": args.decode_steps,
+    }
     result[f"ratio_{CH}_hf"] = result[f"{CH}_tok_s"] / result["hf_tok_s"] if result["hf_tok_s"] else None
     result["step_ratio"] = result["decode_step_ms"][str(n_big)] / result["decode_step_ms"]["1"]
     if peer_state:
@@ -341,9 +423,12 @@ async def chunked_round(url: str, long_ids: list[int], args) -> dict:
     async with new_client(n_streams + 1) as client:
         stop = asyncio.Event()
         counts = [[0] for _ in range(n_streams)]
-        tasks = [asyncio.create_task(stream(client, url, "/v1/chat/completions",
-                                            chat_body(PROMPTS[i], args.stream_tokens), counts[i], stop))
-                 for i in range(n_streams)]
+        tasks = [
+            asyncio.create_task(
+                stream(client, url, "/v1/chat/completions", chat_body(PROMPTS[i], args.stream_tokens), counts[i], stop)
+            )
+            for i in range(n_streams)
+        ]
 
         async def until(condition, what: str, timeout: float = 300.0):
             deadline = time.perf_counter() + timeout
@@ -358,8 +443,14 @@ async def chunked_round(url: str, long_ids: list[int], args) -> dict:
 
         try:
             await until(lambda: min(c[0] for c in counts) >= args.warm_tokens, "the streams to start")
-            body = {"prompt": long_ids, "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": long_ids,
+                "max_tokens": 1,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             long = await stream(client, url, "/v1/completions", body)
             after = [c[0] for c in counts]
             await until(lambda: all(c[0] >= a + 3 for c, a in zip(counts, after)), "the streams after the prefill")
@@ -377,11 +468,16 @@ async def chunked_round(url: str, long_ids: list[int], args) -> dict:
                 during.append((b - a) * 1e3)
             elif b <= t_send:
                 before.append((b - a) * 1e3)
-    return {"long_prompt_tokens": long["usage"]["prompt_tokens"] if long["usage"] else len(long_ids),
-            "long_ttft_ms": (t_first - t_send) * 1e3, "itl_before_ms_p50": pct(before, 50),
-            "itl_during_ms_p50": pct(during, 50), "itl_during_ms_p99": pct(during, 99),
-            "itl_during_ms_max": max(during) if during else float("nan"), "gaps_during": len(during),
-            "gaps_during_ms": [round(g, 2) for g in during]}
+    return {
+        "long_prompt_tokens": long["usage"]["prompt_tokens"] if long["usage"] else len(long_ids),
+        "long_ttft_ms": (t_first - t_send) * 1e3,
+        "itl_before_ms_p50": pct(before, 50),
+        "itl_during_ms_p50": pct(during, 50),
+        "itl_during_ms_p99": pct(during, 99),
+        "itl_during_ms_max": max(during) if during else float("nan"),
+        "gaps_during": len(during),
+        "gaps_during_ms": [round(g, 2) for g in during],
+    }
 
 
 def part_chunked(args, tokenizer: Tokenizer, record: dict) -> dict:
@@ -394,20 +490,36 @@ def part_chunked(args, tokenizer: Tokenizer, record: dict) -> dict:
                 await concurrent_round(url, 2, 4, watch=None)
             for r in range(args.repeats):
                 for mode, url in urls.items():
-                    run = await chunked_round(url, long_prompt_ids(tokenizer, args.long_prompt_tokens,
-                                                                   f"Report {r} of {mode}"), args)
+                    run = await chunked_round(
+                        url, long_prompt_ids(tokenizer, args.long_prompt_tokens, f"Report {r} of {mode}"), args
+                    )
                     runs[mode].append(run)
-                    print(f"[chunked] round {r + 1}/{args.repeats} {mode:<9} long TTFT {run['long_ttft_ms']:7.0f} ms  "
-                          f"stream ITL before {run['itl_before_ms_p50']:6.1f} ms, during p50 "
-                          f"{run['itl_during_ms_p50']:6.1f} max {run['itl_during_ms_max']:7.1f} ms",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[chunked] round {r + 1}/{args.repeats} {mode:<9} long TTFT {run['long_ttft_ms']:7.0f} ms  "
+                        f"stream ITL before {run['itl_before_ms_p50']:6.1f} ms, during p50 "
+                        f"{run['itl_during_ms_p50']:6.1f} max {run['itl_during_ms_max']:7.1f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
         asyncio.run(go())
-    result = {"streams": 4, "long_prompt_tokens": args.long_prompt_tokens,
-              "max_num_batched_tokens": args.max_num_batched_tokens}
+    result = {
+        "streams": 4,
+        "long_prompt_tokens": args.long_prompt_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
     for mode, rs in runs.items():
-        result[mode] = {k: median([r[k] for r in rs]) for k in ("long_ttft_ms", "itl_before_ms_p50", "itl_during_ms_p50",
-                                                               "itl_during_ms_p99", "itl_during_ms_max", "gaps_during")}
+        result[mode] = {
+            k: median([r[k] for r in rs])
+            for k in (
+                "long_ttft_ms",
+                "itl_before_ms_p50",
+                "itl_during_ms_p50",
+                "itl_during_ms_p99",
+                "itl_during_ms_max",
+                "gaps_during",
+            )
+        }
         result[mode]["runs"] = rs
     return result
 
@@ -417,7 +529,12 @@ def part_chunked(args, tokenizer: Tokenizer, record: dict) -> dict:
 
 def part_prefix(args, tokenizer: Tokenizer, record: dict) -> dict:
     modes = {"cached": (HERE, []), "uncached": (HERE, ["--no-prefix-caching"])}
-    ttft: dict[str, list[float]] = {"cached_first": [], "cached_second": [], "uncached_first": [], "uncached_second": []}
+    ttft: dict[str, list[float]] = {
+        "cached_first": [],
+        "cached_second": [],
+        "uncached_first": [],
+        "uncached_second": [],
+    }
     prompt_tokens = []
     health = {}
     with start_servers(args, modes, record.setdefault("servers", {}).setdefault("prefix", {})) as urls:
@@ -435,9 +552,13 @@ def part_prefix(args, tokenizer: Tokenizer, record: dict) -> dict:
                             ttft[f"{mode}_{which}"].append((s["times"][0] - s["t_send"]) * 1e3)
                             if s["usage"]:
                                 prompt_tokens.append(s["usage"]["prompt_tokens"])
-                    print(f"[prefix] round {r + 1}/{args.repeats} TTFT first {ttft['cached_first'][-1]:6.0f} ms, "
-                          f"second (cached) {ttft['cached_second'][-1]:6.0f} ms, second with --no-prefix-caching "
-                          f"{ttft['uncached_second'][-1]:6.0f} ms", file=sys.stderr, flush=True)
+                    print(
+                        f"[prefix] round {r + 1}/{args.repeats} TTFT first {ttft['cached_first'][-1]:6.0f} ms, "
+                        f"second (cached) {ttft['cached_second'][-1]:6.0f} ms, second with --no-prefix-caching "
+                        f"{ttft['uncached_second'][-1]:6.0f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 for mode, url in urls.items():
                     health[mode] = (await client.get(url + "/health")).json()
 
@@ -486,11 +607,26 @@ def part_memory(args) -> dict:
         "reserve_max_tokens": sum(p + m for p, _ in lengths),
         "static_padded": len(lengths) * (max(p for p, _ in lengths) + m),
     }
-    schemes = {k: {"slots": v, "bytes": v * per_token, "used": held / v,
-                   "requests_per_gib": GiB / (v * per_token / len(lengths))} for k, v in slots.items()}
-    return {"kv_bytes_per_token": per_token, "block_size": BLOCK_SIZE, "dtype": str(engine.model.dtype).removeprefix("torch."),
-            "max_tokens": m, "requests": len(lengths), "prompt_tokens": [p for p, _ in lengths],
-            "generated_tokens": [g for _, g in lengths], "tokens_held": held, "schemes": schemes}
+    schemes = {
+        k: {
+            "slots": v,
+            "bytes": v * per_token,
+            "used": held / v,
+            "requests_per_gib": GiB / (v * per_token / len(lengths)),
+        }
+        for k, v in slots.items()
+    }
+    return {
+        "kv_bytes_per_token": per_token,
+        "block_size": BLOCK_SIZE,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "max_tokens": m,
+        "requests": len(lengths),
+        "prompt_tokens": [p for p, _ in lengths],
+        "generated_tokens": [g for _, g in lengths],
+        "tokens_held": held,
+        "schemes": schemes,
+    }
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -499,16 +635,22 @@ def part_memory(args) -> dict:
 def print_tables(result: dict) -> None:
     tp = result.get("throughput")
     if tp:
-        print(f"throughput: chat, max_tokens {result['max_tokens']}, ignore_eos, greedy; median of "
-              f"{result['repeats']} rounds")
-        print(f"{'server':<6} {'N':>3} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-              f"{'ITL p99':>8} {'KV blocks':>9} {'running':>7}")
+        print(
+            f"throughput: chat, max_tokens {result['max_tokens']}, ignore_eos, greedy; median of "
+            f"{result['repeats']} rounds"
+        )
+        print(
+            f"{'server':<6} {'N':>3} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+            f"{'ITL p99':>8} {'KV blocks':>9} {'running':>7}"
+        )
         for label in (CH, "ch04"):
             for r in tp[label]:
-                print(f"{label:<6} {r['concurrency']:>3} {r['tokens']:>6} {fmt(r['tok_s']):>8} "
-                      f"{fmt(r['ttft_ms_p50'], '.0f'):>9} {fmt(r['ttft_ms_p99'], '.0f'):>9} "
-                      f"{fmt(r['itl_ms_p50']):>8} {fmt(r['itl_ms_p99']):>8} "
-                      f"{fmt(r['peak_kv_blocks_used'], 'd'):>9} {fmt(r['peak_running'], 'd'):>7}")
+                print(
+                    f"{label:<6} {r['concurrency']:>3} {r['tokens']:>6} {fmt(r['tok_s']):>8} "
+                    f"{fmt(r['ttft_ms_p50'], '.0f'):>9} {fmt(r['ttft_ms_p99'], '.0f'):>9} "
+                    f"{fmt(r['itl_ms_p50']):>8} {fmt(r['itl_ms_p99']):>8} "
+                    f"{fmt(r['peak_kv_blocks_used'], 'd'):>9} {fmt(r['peak_running'], 'd'):>7}"
+                )
         if f"ratio_{CH}_ch04" in tp:
             q = tp[f"ratio_{CH}_ch04"]
             print(f"{CH} / ch04 aggregate tok/s at N={q['concurrency']}: {q['ratio']:.2f}x")
@@ -516,20 +658,29 @@ def print_tables(result: dict) -> None:
     en = result.get("engine")
     if en:
         n = en["prompts"]
-        hf = (f", HF generate static batch {fmt(en['hf_tok_s'])} tok/s -> {fmt(en[f'ratio_{CH}_hf'], '.2f')}x"
-              if en["hf_tok_s"] else ", HF transformers skipped")
-        print(f"\nengine, no HTTP, {n} prompts x {en['max_tokens']} tokens: {CH} Engine.generate "
-              f"{fmt(en[f'{CH}_tok_s'])} tok/s{hf}")
+        hf = (
+            f", HF generate static batch {fmt(en['hf_tok_s'])} tok/s -> {fmt(en[f'ratio_{CH}_hf'], '.2f')}x"
+            if en["hf_tok_s"]
+            else ", HF transformers skipped"
+        )
+        print(
+            f"\nengine, no HTTP, {n} prompts x {en['max_tokens']} tokens: {CH} Engine.generate "
+            f"{fmt(en[f'{CH}_tok_s'])} tok/s{hf}"
+        )
         s = en["decode_step_ms"]
-        print(f"decode step: 1 sequence {fmt(s['1'], '.2f')} ms, {n} sequences {fmt(s[str(n)], '.2f')} ms "
-              f"({en['step_ratio']:.2f}x the time for {n}x the tokens)")
+        print(
+            f"decode step: 1 sequence {fmt(s['1'], '.2f')} ms, {n} sequences {fmt(s[str(n)], '.2f')} ms "
+            f"({en['step_ratio']:.2f}x the time for {n}x the tokens)"
+        )
         pe = en.get("peers")
         if pe:
             sizes = pe["sizes"]
             version = next(iter(pe["llama_cpp"].values()), {}).get("llama_cpp_version", "?")
-            print(f"\nengine vs llama.cpp {version}, batched (one llama_decode per step, a sequence id per prompt), "
-                  f"{en['max_tokens']} tokens per sequence:\naggregate tok/s (prefill + decode), median of "
-                  f"{result['repeats']}; llama.cpp's decode-only tok/s in brackets")
+            print(
+                f"\nengine vs llama.cpp {version}, batched (one llama_decode per step, a sequence id per prompt), "
+                f"{en['max_tokens']} tokens per sequence:\naggregate tok/s (prefill + decode), median of "
+                f"{result['repeats']}; llama.cpp's decode-only tok/s in brackets"
+            )
             print(f"{'':<16}" + "".join(f"{'N=' + str(n):>18}" for n in sizes))
             for fmt_, quant in pe["formats"].items():
                 for label in (f"{CH} {quant}", f"llama.cpp {fmt_}"):
@@ -543,31 +694,43 @@ def print_tables(result: dict) -> None:
             print(f"llama.cpp at N={sizes[-1]}: first {k} greedy tokens = each prompt's alone for {agree} prompts")
     ch = result.get("chunked")
     if ch:
-        print(f"\nchunked prefill: {ch['streams']} streams decoding, a {ch['long_prompt_tokens']}-token prompt arrives "
-              f"(step budget {ch['max_num_batched_tokens']} tokens)")
+        print(
+            f"\nchunked prefill: {ch['streams']} streams decoding, a {ch['long_prompt_tokens']}-token prompt arrives "
+            f"(step budget {ch['max_num_batched_tokens']} tokens)"
+        )
         print(f"{'mode':<10} {'long TTFT':>9} {'ITL before':>10} {'during p50':>10} {'p99':>8} {'max':>8}")
         for mode in ("chunked", "unchunked"):
             r = ch[mode]
-            print(f"{mode:<10} {fmt(r['long_ttft_ms'], '.0f'):>9} {fmt(r['itl_before_ms_p50']):>10} "
-                  f"{fmt(r['itl_during_ms_p50']):>10} {fmt(r['itl_during_ms_p99']):>8} {fmt(r['itl_during_ms_max']):>8}")
+            print(
+                f"{mode:<10} {fmt(r['long_ttft_ms'], '.0f'):>9} {fmt(r['itl_before_ms_p50']):>10} "
+                f"{fmt(r['itl_during_ms_p50']):>10} {fmt(r['itl_during_ms_p99']):>8} {fmt(r['itl_during_ms_max']):>8}"
+            )
     px = result.get("prefix")
     if px:
         print(f"\nprefix caching: a {px['system_prompt_tokens']}-token system prompt, TTFT (ms, median)")
         print(f"first request (nothing cached)              {fmt(px['ttft_ms_cached_first'], '.0f'):>7}")
-        print(f"second request, system prompt cached        {fmt(px['ttft_ms_cached_second'], '.0f'):>7}  "
-              f"({px['speedup_cached']:.1f}x faster)")
+        print(
+            f"second request, system prompt cached        {fmt(px['ttft_ms_cached_second'], '.0f'):>7}  "
+            f"({px['speedup_cached']:.1f}x faster)"
+        )
         print(f"second request, --no-prefix-caching server  {fmt(px['ttft_ms_uncached_second'], '.0f'):>7}")
-        print(f"hit rate (/health): {px['hit_rate']:.2f} (the server with --no-prefix-caching: "
-              f"{px['hit_rate_uncached_server']:.2f})")
+        print(
+            f"hit rate (/health): {px['hit_rate']:.2f} (the server with --no-prefix-caching: "
+            f"{px['hit_rate_uncached_server']:.2f})"
+        )
     mem = result.get("memory")
     if mem:
         gen = mem["generated_tokens"]
-        print(f"\nKV memory of {mem['requests']} chat replies run to their end (max_tokens {mem['max_tokens']}; replies "
-              f"{min(gen)}-{max(gen)} tokens, {sum(gen) / len(gen):.0f} on average), all held at once "
-              f"({mem['dtype']}, {mem['kv_bytes_per_token']} bytes/token): {mem['tokens_held']} tokens of K/V exist")
+        print(
+            f"\nKV memory of {mem['requests']} chat replies run to their end (max_tokens {mem['max_tokens']}; replies "
+            f"{min(gen)}-{max(gen)} tokens, {sum(gen) / len(gen):.0f} on average), all held at once "
+            f"({mem['dtype']}, {mem['kv_bytes_per_token']} bytes/token): {mem['tokens_held']} tokens of K/V exist"
+        )
         print(f"{'scheme':<20} {'slots':>7} {'MiB':>8} {'used':>6} {'requests/GiB':>13}")
         for name, x in mem["schemes"].items():
-            print(f"{name:<20} {x['slots']:>7} {x['bytes'] / 2**20:>8.1f} {x['used']:>6.1%} {x['requests_per_gib']:>13.0f}")
+            print(
+                f"{name:<20} {x['slots']:>7} {x['bytes'] / 2**20:>8.1f} {x['used']:>6.1%} {x['requests_per_gib']:>13.0f}"
+            )
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -585,28 +748,67 @@ def plot(result: dict, path: Path) -> bool:
         xs = [r["concurrency"] for r in tp[CH]]
         ax.plot(xs, [r["tok_s"] for r in tp[CH]], "o-", color="tab:blue", label=f"{CH} server (continuous batching)")
         if tp["ch04"]:
-            ax.plot([r["concurrency"] for r in tp["ch04"]], [r["tok_s"] for r in tp["ch04"]], "s", color="tab:orange",
-                    ms=8, label="ch04 server (one request at a time)")
+            ax.plot(
+                [r["concurrency"] for r in tp["ch04"]],
+                [r["tok_s"] for r in tp["ch04"]],
+                "s",
+                color="tab:orange",
+                ms=8,
+                label="ch04 server (one request at a time)",
+            )
         for key, color, name in (("ttft_ms_p50", "tab:red", "TTFT p50"), ("itl_ms_p50", "tab:green", "ITL p50")):
             lat.plot(xs, [r[key] for r in tp[CH]], "o-", color=color, label=f"{CH} {name}")
             if tp["ch04"]:
-                lat.plot([r["concurrency"] for r in tp["ch04"]], [r[key] for r in tp["ch04"]], "s", color=color,
-                         mfc="none", ms=8, label=f"ch04 {name}")
+                lat.plot(
+                    [r["concurrency"] for r in tp["ch04"]],
+                    [r[key] for r in tp["ch04"]],
+                    "s",
+                    color=color,
+                    mfc="none",
+                    ms=8,
+                    label=f"ch04 {name}",
+                )
     if en:
-        ax.plot(en["prompts"], en[f"{CH}_tok_s"], "D", color="tab:blue", mfc="none", ms=8,
-                label=f"{CH} Engine.generate, {en['prompts']} prompts (no HTTP)")
+        ax.plot(
+            en["prompts"],
+            en[f"{CH}_tok_s"],
+            "D",
+            color="tab:blue",
+            mfc="none",
+            ms=8,
+            label=f"{CH} Engine.generate, {en['prompts']} prompts (no HTTP)",
+        )
         if en["hf_tok_s"]:
-            ax.plot(en["prompts"], en["hf_tok_s"], "^", color="tab:purple", ms=9,
-                    label=f"HF generate, static batch of {en['prompts']}")
-        styles = {f"{CH} int4": ("v", ":", "tab:cyan"), f"{CH} bf16": ("d", ":", "tab:blue"),
-                  "llama.cpp Q4_1": ("P", "--", "black"), "llama.cpp BF16": ("X", "--", "tab:gray")}
+            ax.plot(
+                en["prompts"],
+                en["hf_tok_s"],
+                "^",
+                color="tab:purple",
+                ms=9,
+                label=f"HF generate, static batch of {en['prompts']}",
+            )
+        styles = {
+            f"{CH} int4": ("v", ":", "tab:cyan"),
+            f"{CH} bf16": ("d", ":", "tab:blue"),
+            "llama.cpp Q4_1": ("P", "--", "black"),
+            "llama.cpp BF16": ("X", "--", "tab:gray"),
+        }
         for label, pts in (en.get("peers") or {}).get("series", {}).items():
             marker, line, color = styles.get(label, ("o", ":", "tab:gray"))
-            ax.plot([p["n"] for p in pts], [p["tok_s"] for p in pts], marker=marker, ls=line, color=color, ms=7,
-                    label=f"{label}, Engine.generate" if label.startswith(CH) else f"{label}, batched")
-    ticks = sorted({r["concurrency"] for label in (CH, "ch04") for r in (tp or {}).get(label, [])}
-                   | ({en["prompts"]} if en else set())
-                   | set((en or {}).get("peers", {}).get("sizes", [])))
+            ax.plot(
+                [p["n"] for p in pts],
+                [p["tok_s"] for p in pts],
+                marker=marker,
+                ls=line,
+                color=color,
+                ms=7,
+                label=f"{label}, Engine.generate" if label.startswith(CH) else f"{label}, batched",
+            )
+    ticks = sorted(
+        {r["concurrency"] for label in (CH, "ch04") for r in (tp or {}).get(label, [])}
+        | ({en["prompts"]} if en else set())
+        | set((en or {}).get("peers", {}).get("sizes", []))
+    )
     for a in (ax, lat):
         a.set_xscale("log", base=2)
         a.set_xticks(ticks, [str(t) for t in ticks])
@@ -621,13 +823,15 @@ def plot(result: dict, path: Path) -> bool:
     lat.set_ylabel("ms")
     lat.set_title("Latency a client sees", fontsize=10)
     quant = f", {result['quant']} weights" if result["quant"] else ""
-    fig.suptitle(f"{Path(result['model']).name}{quant}, {result['dtype']}, {result['threads']} threads, "
-                 f"max_tokens {result['max_tokens']}", fontsize=10)
+    fig.suptitle(
+        f"{Path(result['model']).name}{quant}, {result['dtype']}, {result['threads']} threads, "
+        f"max_tokens {result['max_tokens']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
-
 
 
 def main() -> int:
@@ -640,17 +844,28 @@ def main() -> int:
     ap.add_argument("--ch04-concurrency", default="1,16", help="concurrent clients of the ch04 server ('' for none)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request in parts 1 and 2")
-    ap.add_argument("--memory-max-tokens", type=int, default=512,
-                    help="part 5: max_tokens of the chat requests whose replies run to their end (default: %(default)s)")
+    ap.add_argument(
+        "--memory-max-tokens",
+        type=int,
+        default=512,
+        help="part 5: max_tokens of the chat requests whose replies run to their end (default: %(default)s)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, here and in each server")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help=f"the {CH} servers' and engine's KV pool")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--peers", default="", help="llama.cpp: also run llama.cpp, batched, in part engine "
-                                               "(llama-cpp-python, optional; smollm2-135m on the CPU)")
-    ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"),
-                    help=f"the JSON (a .png is written beside it); a directory: {CH}_bench.json in it")
+    ap.add_argument(
+        "--peers",
+        default="",
+        help="llama.cpp: also run llama.cpp, batched, in part engine "
+        "(llama-cpp-python, optional; smollm2-135m on the CPU)",
+    )
+    ap.add_argument(
+        "--out",
+        default=str(RESULTS_DIR / f"{CH}_bench.json"),
+        help=f"the JSON (a .png is written beside it); a directory: {CH}_bench.json in it",
+    )
     # sizes, smaller in the tests
     ap.add_argument("--long-prompt-tokens", type=int, default=1500, help=argparse.SUPPRESS)
     ap.add_argument("--system-prompt-tokens", type=int, default=1000, help=argparse.SUPPRESS)
@@ -667,8 +882,16 @@ def main() -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise UserError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
-    for name in ("max_tokens", "repeats", "threads", "long_prompt_tokens", "system_prompt_tokens", "engine_prompts",
-                 "decode_steps", "warm_tokens"):
+    for name in (
+        "max_tokens",
+        "repeats",
+        "threads",
+        "long_prompt_tokens",
+        "system_prompt_tokens",
+        "engine_prompts",
+        "decode_steps",
+        "warm_tokens",
+    ):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
     if args.peers not in ("", "llama.cpp"):
@@ -683,13 +906,23 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer(resolve_model(args.model))
 
-    result = {"model": args.model, "quant": args.quant, "dtype": args.dtype, "device": args.device,
-              "machine": machine(), "threads": args.threads,
-              "command": command_line(__file__, sys.argv[1:]),
-              "parts": parts, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "kv_cache_memory_gb": args.kv_cache_memory_gb, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": BLOCK_SIZE,
-              "health_interval_ms": args.health_interval * 1e3}
+    result = {
+        "model": args.model,
+        "quant": args.quant,
+        "dtype": args.dtype,
+        "device": args.device,
+        "machine": machine(),
+        "threads": args.threads,
+        "command": command_line(__file__, sys.argv[1:]),
+        "parts": parts,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": BLOCK_SIZE,
+        "health_interval_ms": args.health_interval * 1e3,
+    }
     t_start = time.perf_counter()
     if "throughput" in parts:
         result["throughput"] = part_throughput(args, result)

@@ -29,8 +29,9 @@ CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 
 @torch.inference_mode()
-def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_seq: int | None = None,
-             block_size: int = 16):
+def generate(
+    model: Model, prompts: list[list[int]], max_new_tokens: int, max_seq: int | None = None, block_size: int = 16
+):
     """Greedy decoding of a batch of prompts of any lengths. Yields, once per step, one entry per
     prompt: its new token id, or None once that prompt has finished (EOS or context end).
 
@@ -88,9 +89,15 @@ def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **
 def main() -> int:
     ap = base_parser(__doc__, batch=True)
     ap.add_argument("--device", default=None, help="auto, cpu, cuda, mps (default: $DEVICE, else auto)")
-    ap.add_argument("--dtype", default=None, help="auto (float32 on CPU, bfloat16 on CUDA and for quantized weights), "
-                    "float32, bfloat16, float16 (default: $DTYPE, else auto)")
-    ap.add_argument("--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="auto (float32 on CPU, bfloat16 on CUDA and for quantized weights), "
+        "float32, bfloat16, float16 (default: $DTYPE, else auto)",
+    )
+    ap.add_argument(
+        "--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
+    )
     add_quant_args(ap)
     args = ap.parse_args()
     model, model_dir = load(args.model, args.device, args.dtype, quant_spec(args), args.matmul)

@@ -67,8 +67,9 @@ class Model:
         return self.norm.dtype
 
 
-def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None,
-               matmul: str = DEFAULT_PATH) -> Model:
+def load_model(
+    model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None, matmul: str = DEFAULT_PATH
+) -> Model:
     """Reads config.json and the weights, checked against each other (see common.checkpoint and
     weights.py), as `dtype` tensors on `device`. A quantized checkpoint loads its integers; a
     plain one is quantized on load when `quant` is given. matmul: "fast" (torch's packed kernels
@@ -110,8 +111,9 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: 
     norm = t("model.norm.weight")
     prepared = [lm_head] + [getattr(layer, f) for layer in layers for f in ("wqkv", "wo", "w_gate_up", "w_down")]
     dense_bytes = sum(p.dense.numel() * p.dense.element_size() for p in prepared if isinstance(p, PerStepLinear))
-    return Model(config, embed, layers, norm, lm_head, inv_frequencies(config).to(device), quant, total_bytes,
-                 dense_bytes)
+    return Model(
+        config, embed, layers, norm, lm_head, inv_frequencies(config).to(device), quant, total_bytes, dense_bytes
+    )
 
 
 def embedding(embed, tokens: torch.Tensor, dtype) -> torch.Tensor:
@@ -125,8 +127,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def attention(x, layer: Layer, i: int, cos, sin, cache: PagedKVCache, step: StepBatch,
-              config: LlamaConfig) -> torch.Tensor:
+def attention(
+    x, layer: Layer, i: int, cos, sin, cache: PagedKVCache, step: StepBatch, config: LlamaConfig
+) -> torch.Tensor:
     """Grouped-query self-attention through the block tables.  x: [tokens, hidden] -> [tokens, hidden]"""
     n = x.shape[0]
     nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim

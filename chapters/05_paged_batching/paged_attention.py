@@ -29,8 +29,9 @@ def gather(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return pool[block_tables].flatten(1, 2).transpose(1, 2)
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    groups: list[AttentionGroup]) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups: list[AttentionGroup]
+) -> torch.Tensor:
     """q: [T, n_heads, head_dim], the step's queries (RoPE applied), K/V already written to the
     pools. -> [T, n_heads, head_dim]"""
     out = torch.empty_like(q)
@@ -38,7 +39,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     for g in groups:  # at most two: the decodes and the prefill chunks
         B, Q = g.token_index.shape
         # A step of decodes only: the queries are already [B, 1] in order, no gather needed.
-        queries = (q.view(B, Q, *q.shape[1:]) if g.whole_step else q[g.token_index]).transpose(1, 2)  # [B, n_heads, Q, dim]
+        queries = (q.view(B, Q, *q.shape[1:]) if g.whole_step else q[g.token_index]).transpose(
+            1, 2
+        )  # [B, n_heads, Q, dim]
         keys, values = gather(k_pool, g.block_tables), gather(v_pool, g.block_tables)  # [B, n_kv_heads, K, dim]
         if q.device.type == "cpu" and q.dtype != torch.float32:
             # As in chapter 04: torch's CPU attention is several times faster in float32 than in
@@ -56,8 +59,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
-def reference_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: list[int],
-                        start: int) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: list[int], start: int
+) -> torch.Tensor:
     """One sequence, the plain way. q: [new, n_heads, head_dim] for positions start .. start+new-1.
     -> [new, n_heads, head_dim]"""
     new, n_heads, _ = q.shape

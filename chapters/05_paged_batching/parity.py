@@ -41,23 +41,30 @@ def main() -> int:
     ap.add_argument("--text", default=DEFAULT_TEXT)
     ap.add_argument("--device", default=None, help="default: $DEVICE, else auto")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--reference", default=None,
-                    help="the plain checkpoint HF runs (default: --model; needed when --model is already quantized)")
+    ap.add_argument(
+        "--reference",
+        default=None,
+        help="the plain checkpoint HF runs (default: --model; needed when --model is already quantized)",
+    )
     add_quant_args(ap)
     args = ap.parse_args()
     model, model_dir = load(args.model, args.device, args.dtype, quant_spec(args), args.matmul)
     reference = resolve(args.reference) if args.reference else model_dir
     if spec_of(reference) is not None:
-        raise UserError(f"{reference} is a quantized checkpoint, which HF transformers does not read: "
-                         "pass the plain model with --quant, or --reference PLAIN_DIR")
+        raise UserError(
+            f"{reference} is a quantized checkpoint, which HF transformers does not read: "
+            "pass the plain model with --quant, or --reference PLAIN_DIR"
+        )
     device, dtype = model.device, model.dtype
     ids = Tokenizer(model_dir).encode(args.text)
     ours: dict = {}
     with torch.inference_mode():  # through the block pool and paged attention (model.forward_sequence)
         ours["logits"] = forward_sequence(model, ids, capture=ours).float().cpu().numpy()
     what = model.quant.name if model.quant else "unquantized"
-    print(f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} torch (paged) {device} {str(dtype).removeprefix('torch.')} {what} "
-          f"vs HF transformers fp32 eager on {reference.name}")
+    print(
+        f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} torch (paged) {device} {str(dtype).removeprefix('torch.')} {what} "
+        f"vs HF transformers fp32 eager on {reference.name}"
+    )
     print(format_table(compare(ours, hf_hidden_states(reference, ids))))
     return 0
 

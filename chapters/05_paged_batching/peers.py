@@ -39,8 +39,7 @@ from common.prepare_models import find_gguf
 
 # GGML_NATIVE: compile for this CPU's instruction set (AVX512, AVX512-BF16...), as a local
 # llama.cpp build does; LLAVA_BUILD=OFF skips the image-model library we do not use.
-INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install --no-deps '
-           'llama-cpp-python==0.3.36 diskcache')
+INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install --no-deps llama-cpp-python==0.3.36 diskcache'
 
 FORMATS = ("Q4_1", "F16", "BF16")
 CACHE_DIR = MODELS_DIR / "gguf"
@@ -48,6 +47,7 @@ CACHE_DIR = MODELS_DIR / "gguf"
 
 # ---------------------------------------------------------------------------------------------
 # The GGUF files (as in chapter 04)
+
 
 def gguf_path(fmt: str) -> Path:
     """The model's GGUF in `fmt` (Q4_1, F16 or BF16); F16 and BF16 are written on first use."""
@@ -98,13 +98,13 @@ def convert_gguf(src: Path, dst: Path, fmt: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     tmp.rename(dst)
-    print(f"[peers] wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(f"[peers] wrote {dst} ({dst.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s", flush=True)
     return dst
 
 
 # ---------------------------------------------------------------------------------------------
 # Running llama.cpp
+
 
 def llama_cpp_available() -> str | None:
     """None when llama_cpp can be used, else why not and how to install it."""
@@ -129,8 +129,10 @@ def run_llama_cpp(gguf_path: Path, prompt_ids: list[int], n_decode: int, threads
     llm = llama_cpp.Llama(
         model_path=str(gguf_path),
         n_ctx=n_prompt + n_decode,
-        n_batch=max(n_prompt, 512), n_ubatch=max(n_prompt, 512),  # the prompt in one forward pass
-        n_threads=threads, n_threads_batch=threads,  # decode and prefill alike
+        n_batch=max(n_prompt, 512),
+        n_ubatch=max(n_prompt, 512),  # the prompt in one forward pass
+        n_threads=threads,
+        n_threads_batch=threads,  # decode and prefill alike
         flash_attn=True,  # llama.cpp's own default ("auto") turns it on for the CPU
         verbose=False,  # no llama.cpp log on stderr
     )
@@ -187,8 +189,15 @@ class BatchedLlamaCpp:
         self.ctx = self.batch = None
         # The high-level Llama object loads the model (mmapped, its log silenced); its own context
         # is left unused and kept tiny. Llama() has no n_seq_max, so our context is made below.
-        self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=256, n_batch=32, n_ubatch=32,
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf_path),
+            n_ctx=256,
+            n_batch=32,
+            n_ubatch=32,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
         try:
             self.n_vocab = self.llm.n_vocab()
             self.n_batch = max(max_batch_tokens, slots)
@@ -266,8 +275,10 @@ class BatchedLlamaCpp:
         if sum(lengths) > self.n_batch:
             raise ValueError(f"{sum(lengths)} prompt tokens, more than the batch's {self.n_batch}")
         if max(lengths) + max_tokens > self.n_ctx_seq or min(lengths) < 1 or max_tokens < 1:
-            raise ValueError(f"prompts of {min(lengths)}..{max(lengths)} tokens + {max_tokens} new do not fit "
-                             f"{self.n_ctx_seq} positions per sequence")
+            raise ValueError(
+                f"prompts of {min(lengths)}..{max(lengths)} tokens + {max_tokens} new do not fit "
+                f"{self.n_ctx_seq} positions per sequence"
+            )
         self.lib.llama_memory_clear(self.mem, True)  # every slot empty, as after llama_memory_seq_rm(s, -1, -1)
         prefill = [(t, j, i, j == len(p) - 1) for i, p in enumerate(prompts) for j, t in enumerate(p)]
 
@@ -299,16 +310,28 @@ class BatchedLlamaCpp:
 
     def info(self) -> dict:
         """The context's settings, for the record."""
-        return {"llama_cpp_version": self.lib.__version__, "file": self.path.name,
-                "file_bytes": self.path.stat().st_size, "slots": self.slots, "n_ctx_seq": self.n_ctx_seq,
-                "n_batch": self.n_batch, "threads": self.threads, "kv_unified": self.kv_unified,
-                "flash_attn": True}
+        return {
+            "llama_cpp_version": self.lib.__version__,
+            "file": self.path.name,
+            "file_bytes": self.path.stat().st_size,
+            "slots": self.slots,
+            "n_ctx_seq": self.n_ctx_seq,
+            "n_batch": self.n_batch,
+            "threads": self.threads,
+            "kv_unified": self.kv_unified,
+            "flash_attn": True,
+        }
 
 
 def run_llama_cpp_batched(gguf_path: Path, prompts: list[list[int]], max_tokens: int, threads: int) -> dict:
     """Open a context with len(prompts) slots, warm it up (untimed), generate once, close."""
-    with BatchedLlamaCpp(gguf_path, slots=len(prompts), ctx_per_seq=max(map(len, prompts)) + max_tokens,
-                         max_batch_tokens=sum(map(len, prompts)), threads=threads) as peer:
+    with BatchedLlamaCpp(
+        gguf_path,
+        slots=len(prompts),
+        ctx_per_seq=max(map(len, prompts)) + max_tokens,
+        max_batch_tokens=sum(map(len, prompts)),
+        threads=threads,
+    ) as peer:
         peer.generate(prompts, min(max_tokens, 2))  # pages the weights in, starts the threads
         return peer.generate(prompts, max_tokens) | peer.info()
 
@@ -340,9 +363,12 @@ def main() -> None:
         for n in sorted({1, len(prompts)}):
             r = run_llama_cpp_batched(path, prompts[:n], args.max_tokens, args.threads)
             same = sum(r["ids"][i][: args.check_tokens] == ref[i][: args.check_tokens] for i in range(n))
-            print(f"{fmt:<5} N={n:<3} {r['tok_s']:7.1f} tok/s (prefill + decode), decode {r['decode_tok_s'] or 0:7.1f} "
-                  f"tok/s, prefill {r['prefill_ms']:6.0f} ms; first {args.check_tokens} tokens = batch 1's "
-                  f"for {same}/{n} prompts", flush=True)
+            print(
+                f"{fmt:<5} N={n:<3} {r['tok_s']:7.1f} tok/s (prefill + decode), decode {r['decode_tok_s'] or 0:7.1f} "
+                f"tok/s, prefill {r['prefill_ms']:6.0f} ms; first {args.check_tokens} tokens = batch 1's "
+                f"for {same}/{n} prompts",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

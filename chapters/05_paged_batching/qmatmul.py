@@ -144,7 +144,9 @@ def prepare(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str 
     if path not in ("fast", "reference", "auto"):
         raise ValueError(f"matmul path must be 'fast', 'reference' or 'auto', got {path!r}")
     if path == "auto":
-        return PerStepLinear(prepare(w, device, dtype, "fast"), w.dequantize(dtype).to(device), PACKED_MAX_ROWS[type(w)])
+        return PerStepLinear(
+            prepare(w, device, dtype, "fast"), w.dequantize(dtype).to(device), PACKED_MAX_ROWS[type(w)]
+        )
     missing = fast_path_missing(w, device, dtype) if path == "fast" else "reference path chosen"
     if missing:
         if path == "fast" and missing not in _warned:

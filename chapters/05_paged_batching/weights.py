@@ -27,8 +27,15 @@ from common.config import LlamaConfig
 from common.errors import UserError
 from quant import Int4Weight, Int8Weight, QuantSpec, group_size_for, nbytes
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 FORMAT = "llama-from-scratch-int"  # quantization_config["quant_method"] of our own format
 
 
@@ -68,12 +75,18 @@ def spec_of(model_dir: str | Path) -> QuantSpec | None:
         return None
     if not isinstance(qc, dict) or qc.get("quant_method") != FORMAT:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise CheckpointError(f"{path}: quantization_config quant_method {method!r} is not this chapter's "
-                              f"format ({FORMAT!r}); quantize the original model with quantize.py")
+        raise CheckpointError(
+            f"{path}: quantization_config quant_method {method!r} is not this chapter's "
+            f"format ({FORMAT!r}); quantize the original model with quantize.py"
+        )
     try:
         head = qc.get("lm_head_bits")
-        return QuantSpec(bits=qc["bits"], group_size=qc.get("group_size", 32), symmetric=bool(qc.get("symmetric", False)),
-                         head_bits=head)
+        return QuantSpec(
+            bits=qc["bits"],
+            group_size=qc.get("group_size", 32),
+            symmetric=bool(qc.get("symmetric", False)),
+            head_bits=head,
+        )
     except KeyError as e:
         raise CheckpointError(f"{path}: quantization_config has no {e}") from None
     except (ValueError, TypeError) as e:
@@ -81,10 +94,15 @@ def spec_of(model_dir: str | Path) -> QuantSpec | None:
 
 
 def quantization_config(spec: QuantSpec) -> dict:
-    return {"quant_method": FORMAT, "bits": spec.bits, "group_size": spec.group_size,
-            "symmetric": spec.symmetric, "lm_head_bits": spec.head_bits,
-            "layout": "X.qweight (int8 [out,in] | uint8 [out,in/2], low nibble first), "
-                      "X.scales, X.mins (int4 asymmetric); w = mins + scales * q (int4), scales * q (int8)"}
+    return {
+        "quant_method": FORMAT,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "symmetric": spec.symmetric,
+        "lm_head_bits": spec.head_bits,
+        "layout": "X.qweight (int8 [out,in] | uint8 [out,in/2], low nibble first), "
+        "X.scales, X.mins (int4 asymmetric); w = mins + scales * q (int4), scales * q (int8)",
+    }
 
 
 def stored_tensors(weights: dict) -> dict[str, torch.Tensor]:
@@ -138,8 +156,10 @@ def load_quantized(model_dir: str | Path, config: LlamaConfig, spec: QuantSpec, 
         want_dtype, want_shape = expected[name]
         info = stored[name][1]
         if tuple(info["shape"]) != want_shape:
-            problems.append(f"{name}: shape {tuple(info['shape'])}, but config.json and its quantization_config "
-                            f"(bits={spec.bits}, group_size={spec.group_size}) imply {want_shape}")
+            problems.append(
+                f"{name}: shape {tuple(info['shape'])}, but config.json and its quantization_config "
+                f"(bits={spec.bits}, group_size={spec.group_size}) imply {want_shape}"
+            )
         elif want_dtype and info["dtype"] != want_dtype:
             problems.append(f"{name}: dtype {info['dtype']}, this format stores {want_dtype}")
         elif want_dtype is None and info["dtype"] not in ("F32", "F16", "BF16"):
@@ -149,8 +169,9 @@ def load_quantized(model_dir: str | Path, config: LlamaConfig, spec: QuantSpec, 
     problems += [f"unexpected tensor {n}" for n in stored if n not in expected]
     if problems:
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-        raise CheckpointError(f"{model_dir}: quantized checkpoint does not match config.json:\n  "
-                              + "\n  ".join(problems[:12]) + more)
+        raise CheckpointError(
+            f"{model_dir}: quantized checkpoint does not match config.json:\n  " + "\n  ".join(problems[:12]) + more
+        )
 
     flat = {}
     for path in sorted({f for f, _ in stored.values()}):
@@ -191,7 +212,9 @@ def save_quantized(weights: dict, config_dict: dict, spec: QuantSpec, out: str |
     return out
 
 
-def read_weights(model_dir: Path, config: LlamaConfig, dtype, quant: QuantSpec | None = None) -> tuple[dict, QuantSpec | None]:
+def read_weights(
+    model_dir: Path, config: LlamaConfig, dtype, quant: QuantSpec | None = None
+) -> tuple[dict, QuantSpec | None]:
     """The weights of a plain or quantized checkpoint directory -> ({name: weight}, the spec in
     effect). A plain checkpoint is quantized when `quant` is given; a quantized one cannot be
     quantized again (its floats are gone)."""
@@ -209,4 +232,3 @@ def read_weights(model_dir: Path, config: LlamaConfig, dtype, quant: QuantSpec |
 
 def weight_bytes(weights: dict) -> int:
     return sum(nbytes(w) for w in weights.values())
-

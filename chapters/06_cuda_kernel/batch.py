@@ -51,7 +51,8 @@ class AttentionGroup:
         bool mask, attention would convert it in every layer."""
         if dtype not in self._bias:
             self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
-                ~self.mask, float("-inf"))
+                ~self.mask, float("-inf")
+            )
         return self._bias[dtype]
 
 
@@ -83,7 +84,9 @@ def build_step(work: list[Work], block_size: int, device, all_logits: bool = Fal
         if not w.tokens:
             raise ValueError("a sequence in a step must add at least one token")
         if len(w.block_table) * block_size < w.start + len(w.tokens):
-            raise ValueError(f"a block table of {len(w.block_table)} blocks cannot hold {w.start + len(w.tokens)} tokens")
+            raise ValueError(
+                f"a block table of {len(w.block_table)} blocks cannot hold {w.start + len(w.tokens)} tokens"
+            )
         first.append(len(tokens))  # where this sequence's tokens start in the flat list
         tokens += w.tokens
         for p in range(w.start, w.start + len(w.tokens)):
@@ -118,5 +121,13 @@ def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bo
     mask = key_pos[None, None, :] <= query_pos.clamp(min=0)[:, :, None]  # [B, Q, K]
     padded = not bool(valid.all())
     lens = torch.tensor([w.start + len(w.tokens) for _, w in work], dtype=torch.int32)
-    return AttentionGroup(index.to(device), tables.to(device), mask[:, None].to(device), valid.to(device),
-                          padded, whole_step and not padded, lens.to(device), decodes=n_queries == 1)
+    return AttentionGroup(
+        index.to(device),
+        tables.to(device),
+        mask[:, None].to(device),
+        valid.to(device),
+        padded,
+        whole_step and not padded,
+        lens.to(device),
+        decodes=n_queries == 1,
+    )

@@ -54,8 +54,19 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from common.bench import (LONG_TEXT, RESULTS_DIR, combine_rounds, command_line, fmt, int_list, machine, median,
-                          servers, summarize, throughput_rounds)
+from common.bench import (
+    LONG_TEXT,
+    RESULTS_DIR,
+    combine_rounds,
+    command_line,
+    fmt,
+    int_list,
+    machine,
+    median,
+    servers,
+    summarize,
+    throughput_rounds,
+)
 from common.chapters import chapter_dir, chapter_exists, load_chapter
 from common.cli import run_main
 from common.errors import UserError
@@ -129,8 +140,9 @@ def attention_case(ext, dims, batch: int, context: int, device, dtype, timer, pa
     nh, nkv, hd = dims
     n_blocks = -(-context // BLOCK_SIZE)
     g = torch.Generator().manual_seed(batch * 100_003 + context)
-    k_pool, v_pool = (torch.randn(batch * n_blocks, BLOCK_SIZE, nkv, hd, generator=g).to(device, dtype)
-                      for _ in range(2))
+    k_pool, v_pool = (
+        torch.randn(batch * n_blocks, BLOCK_SIZE, nkv, hd, generator=g).to(device, dtype) for _ in range(2)
+    )
     tables = torch.randperm(batch * n_blocks, generator=g).view(batch, n_blocks).tolist()  # as after hours of serving
     q = torch.randn(batch, nh, hd, generator=g).to(device, dtype)
     step = build_step([Work([0], context - 1, t) for t in tables], BLOCK_SIZE, device)  # what the engine builds
@@ -141,15 +153,20 @@ def attention_case(ext, dims, batch: int, context: int, device, dtype, timer, pa
     q4 = q[:, :, None].to(sdpa_dtype)
     scale = hd**-0.5
     impls = {
-        "kernel": lambda: ext.paged_decode_attention(q, k_pool, v_pool, group.block_tables, group.context_lens, scale,
-                                                     partition_size),
+        "kernel": lambda: ext.paged_decode_attention(
+            q, k_pool, v_pool, group.block_tables, group.context_lens, scale, partition_size
+        ),
         "ch05 gather+SDPA": lambda: paged_attention(q, k_pool, v_pool, step.groups),
         "SDPA gathered": lambda: F.scaled_dot_product_attention(q4, keys, values, enable_gqa=nh != nkv),
     }
     r = measure(impls, timer, {"kernel": 2 * batch * context * nkv * hd * k_pool.element_size()})
     diff = (impls["kernel"]().float() - impls["SDPA gathered"]()[:, :, 0].float()).abs().max().item()
-    return {"batch": batch, "context": context, "sdpa_dtype": str(sdpa_dtype).removeprefix("torch."),
-            "max_abs_diff": diff} | r
+    return {
+        "batch": batch,
+        "context": context,
+        "sdpa_dtype": str(sdpa_dtype).removeprefix("torch."),
+        "max_abs_diff": diff,
+    } | r
 
 
 def norm_case(ext, hidden: int, rows: int, device, dtype, timer) -> dict:
@@ -159,8 +176,13 @@ def norm_case(ext, hidden: int, rows: int, device, dtype, timer) -> dict:
     x = torch.randn(rows, hidden, generator=g).to(device, dtype)
     delta = (torch.randn(rows, hidden, generator=g) * 1e-2).to(device, dtype)  # both add it to x, in place
     w = (torch.rand(hidden, generator=g) + 0.5).to(device, dtype)
-    return {"hidden": hidden, "rows": rows} | measure({"kernel": lambda: ext.add_rms_norm(x, delta, w, 1e-5),
-                                                      "torch": lambda: TorchOps.add_rms_norm(x, delta, w, 1e-5)}, timer)
+    return {"hidden": hidden, "rows": rows} | measure(
+        {
+            "kernel": lambda: ext.add_rms_norm(x, delta, w, 1e-5),
+            "torch": lambda: TorchOps.add_rms_norm(x, delta, w, 1e-5),
+        },
+        timer,
+    )
 
 
 def rope_case(ext, dims, rows: int, device, dtype, timer) -> dict:
@@ -173,7 +195,8 @@ def rope_case(ext, dims, rows: int, device, dtype, timer) -> dict:
     positions = torch.arange(1000, 1000 + rows, device=device)
     (ck, sk), (ct, st) = KernelOps.angles(inv_freq, positions, dtype), TorchOps.angles(inv_freq, positions, dtype)
     return {"heads": nh + nkv, "head_dim": hd, "rows": rows} | measure(
-        {"kernel": lambda: ext.rope_(qk, ck, sk), "torch": lambda: TorchOps.rope_(qk, ct, st)}, timer)
+        {"kernel": lambda: ext.rope_(qk, ck, sk), "torch": lambda: TorchOps.rope_(qk, ct, st)}, timer
+    )
 
 
 def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device, dtype, timer) -> list[dict]:
@@ -219,15 +242,26 @@ def part_kernels(args) -> dict:
     except kernels.KernelBuildError as e:
         raise UserError(str(e)) from None
     if device.type == "cuda" and not ext.with_cuda:
-        raise UserError("kernels/ was built without its CUDA half here: --device cuda needs a CUDA build of torch "
-                           "and nvcc")
+        raise UserError(
+            "kernels/ was built without its CUDA half here: --device cuda needs a CUDA build of torch and nvcc"
+        )
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"kernels/ runs on cpu or cuda, not {device.type}")
     timer = lambda fn: time_us(fn, device, args.calls, args.min_seconds)  # noqa: E731
     models = ["SmolLM2-135M"] + (["Llama-3.2-1B"] if device.type == "cuda" else [])
-    result = {"device": device.type, "dtype": args.dtype, "cpu_isa": ext.cpu_isa(), "min_calls": args.calls,
-              "min_seconds": args.min_seconds, "partition_size": args.partition_size, "block_size": BLOCK_SIZE,
-              "attention": [], "add_rms_norm": [], "rope": [], "linear": []}
+    result = {
+        "device": device.type,
+        "dtype": args.dtype,
+        "cpu_isa": ext.cpu_isa(),
+        "min_calls": args.calls,
+        "min_seconds": args.min_seconds,
+        "partition_size": args.partition_size,
+        "block_size": BLOCK_SIZE,
+        "attention": [],
+        "add_rms_norm": [],
+        "rope": [],
+        "linear": [],
+    }
 
     def log(what: str, r: dict) -> None:
         cells = "  ".join(f"{k} {fmt(v)}" for k, v in r["us"].items())
@@ -276,33 +310,54 @@ def build_decoder(mods, args, quant: str | None, num_blocks: int, kernels: str |
     """An engine for one sequence at a time (no prefix cache: every round prefills its prompt)."""
     spec = mods.loading.quant_spec(SimpleNamespace(quant=quant, group_size=32, symmetric=False, lm_head="int8"))
     extra = {} if kernels is None else {"kernels": kernels}  # chapter 05 has no kernels
-    engine, _ = mods.engine.build_engine(args.model, args.device, args.dtype, spec, "auto", **extra,
-                                         num_blocks=num_blocks, max_num_seqs=1, prefix_caching=False)
+    engine, _ = mods.engine.build_engine(
+        args.model,
+        args.device,
+        args.dtype,
+        spec,
+        "auto",
+        **extra,
+        num_blocks=num_blocks,
+        max_num_seqs=1,
+        prefix_caching=False,
+    )
     return engine
 
 
 def our_decode(engine, mods, prompt: list[int], n: int) -> dict:
     """Greedy, n tokens (ignore_eos), one step per token, timed as each step's event arrives."""
-    req = mods.engine.Request(list(prompt), params=mods.sampling.SamplingParams(temperature=0.0), max_tokens=n,
-                              ignore_eos=True)
+    req = mods.engine.Request(
+        list(prompt), params=mods.sampling.SamplingParams(temperature=0.0), max_tokens=n, ignore_eos=True
+    )
     ids, times = [], []
     t0 = time.perf_counter()
     for events in engine.stream(req):
         ids += [t for ev in events for t in ev.token_ids]
         times.append(time.perf_counter())
     s = summarize(t0, times, len(prompt))
-    return {"decode_tok_s": s["decode_tok_s"], "step_ms": median(s["step_ms"]), "ttft_ms": s["ttft_ms"],
-            "tok_s": len(ids) / (times[-1] - t0), "ids": ids}
+    return {
+        "decode_tok_s": s["decode_tok_s"],
+        "step_ms": median(s["step_ms"]),
+        "ttft_ms": s["ttft_ms"],
+        "tok_s": len(ids) / (times[-1] - t0),
+        "ids": ids,
+    }
 
 
 def llama_decode(peer, prompt: list[int], n: int) -> dict:
     r = peer.generate([prompt], n)
-    return {"decode_tok_s": r["decode_tok_s"], "step_ms": median(r["step_ms"]), "ttft_ms": r["prefill_ms"],
-            "tok_s": r["tok_s"], "ids": r["ids"][0]}
+    return {
+        "decode_tok_s": r["decode_tok_s"],
+        "step_ms": median(r["step_ms"]),
+        "ttft_ms": r["prefill_ms"],
+        "tok_s": r["tok_s"],
+        "ids": r["ids"][0],
+    }
 
 
 def decode_prompt(tokenizer, n_tokens: int) -> list[int]:
     """A chat prompt of n_tokens (or one or two more): "Summarize: " and the start of LONG_TEXT."""
+
     def chat(k: int) -> list[int]:
         return tokenizer.encode_chat([{"role": "user", "content": "Summarize: " + tokenizer.decode(body[:k])}])
 
@@ -365,8 +420,13 @@ def part_decode(args) -> dict:
                 from peers import BatchedLlamaCpp, gguf_path
 
                 gguf = PEER_GGUF[w]
-                peer = BatchedLlamaCpp(gguf_path(gguf), slots=1, ctx_per_seq=len(prompt) + n,
-                                       max_batch_tokens=len(prompt), threads=args.threads)
+                peer = BatchedLlamaCpp(
+                    gguf_path(gguf),
+                    slots=1,
+                    ctx_per_seq=len(prompt) + n,
+                    max_batch_tokens=len(prompt),
+                    threads=args.threads,
+                )
                 closers.append(peer.close)
                 runners[f"llama.cpp {gguf}"] = (w, lambda k, p=peer: llama_decode(p, prompt, k))
         for _, run in runners.values():  # warm-up: allocations, threads, pages of the weights
@@ -375,8 +435,12 @@ def part_decode(args) -> dict:
         for r in range(args.repeats):
             for label, (_, run) in runners.items():
                 runs[label].append(run(n))
-                print(f"[decode] round {r + 1}/{args.repeats} {label:<22} {runs[label][-1]['decode_tok_s']:7.1f} tok/s "
-                      f"({runs[label][-1]['step_ms']:.2f} ms/step)", file=sys.stderr, flush=True)
+                print(
+                    f"[decode] round {r + 1}/{args.repeats} {label:<22} {runs[label][-1]['decode_tok_s']:7.1f} tok/s "
+                    f"({runs[label][-1]['step_ms']:.2f} ms/step)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for close in closers:
             close()
@@ -384,11 +448,15 @@ def part_decode(args) -> dict:
     for label, rs in runs.items():
         w = runners[label][0]
         reference = runs[f"{CH} {w} kernels off"][0]["ids"]  # chapter 05's maths, on these weights
-        series[label] = {"weights": w, "decode_tok_s": median([x["decode_tok_s"] for x in rs]),
-                         "decode_tok_s_runs": [x["decode_tok_s"] for x in rs],
-                         "step_ms": median([x["step_ms"] for x in rs]), "ttft_ms": median([x["ttft_ms"] for x in rs]),
-                         "tok_s": median([x["tok_s"] for x in rs]),
-                         "same_tokens_as_kernels_off": common_prefix(rs[0]["ids"], reference)}
+        series[label] = {
+            "weights": w,
+            "decode_tok_s": median([x["decode_tok_s"] for x in rs]),
+            "decode_tok_s_runs": [x["decode_tok_s"] for x in rs],
+            "step_ms": median([x["step_ms"] for x in rs]),
+            "ttft_ms": median([x["ttft_ms"] for x in rs]),
+            "tok_s": median([x["tok_s"] for x in rs]),
+            "same_tokens_as_kernels_off": common_prefix(rs[0]["ids"], reference),
+        }
     ratios = {}
     for w in weights:
         on = series[f"{CH} {w} kernels on"]["decode_tok_s"]
@@ -397,14 +465,20 @@ def part_decode(args) -> dict:
             ratios[f"{w}: {CH} kernels on / ch05"] = on / series[f"ch05 {w}"]["decode_tok_s"]
         if f"llama.cpp {PEER_GGUF.get(w)}" in series:
             ratios[f"{w}: {CH} kernels on / llama.cpp {PEER_GGUF[w]}"] = (
-                on / series[f"llama.cpp {PEER_GGUF[w]}"]["decode_tok_s"])
+                on / series[f"llama.cpp {PEER_GGUF[w]}"]["decode_tok_s"]
+            )
     result = {"prompt_tokens": len(prompt), "decode_tokens": n, "weights": weights, "series": series, "ratios": ratios}
     if args.peers and peers_skipped:
         result["llama_cpp"] = {"skipped": peers_skipped}
     elif args.peers:
         import llama_cpp
 
-        result["llama_cpp"] = {"version": llama_cpp.__version__, "threads": args.threads, "slots": 1, "flash_attn": True}
+        result["llama_cpp"] = {
+            "version": llama_cpp.__version__,
+            "threads": args.threads,
+            "slots": 1,
+            "flash_attn": True,
+        }
     return result
 
 
@@ -414,9 +488,20 @@ def part_decode(args) -> dict:
 def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
     """common.bench.servers on `specs` ({label: (a chapter's folder, extra flags)}): each server with the
     bench's model, device, dtype, weights and scheduler settings."""
-    base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-            "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    base = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--kv-cache-memory-gb",
+        str(args.kv_cache_memory_gb),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
     base += ["--quant", args.quant] if args.quant != "bf16" else []
     argv = {label: (folder, base + flags) for label, (folder, flags) in specs.items()}
     return servers(argv, record, threads=args.threads, timeout=args.server_timeout)
@@ -433,8 +518,9 @@ def part_throughput(args, record: dict) -> dict:
         runs = throughput_rounds(urls, plan, args.repeats, args.max_tokens, args.health_interval)
     result = {label: [combine_rounds(runs[(label, n)]) for n in args.concurrency] for label in specs}
     if "ch05" in result:
-        result[f"ratio_{CH}_ch05"] = {str(a["concurrency"]): a["tok_s"] / b["tok_s"]
-                                      for a, b in zip(result[CH], result["ch05"])}
+        result[f"ratio_{CH}_ch05"] = {
+            str(a["concurrency"]): a["tok_s"] / b["tok_s"] for a, b in zip(result[CH], result["ch05"])
+        }
     return result
 
 
@@ -453,44 +539,60 @@ def print_tables(result: dict) -> None:
         for m in dict.fromkeys(r["model"] for r in kr["attention"]):
             nh, nkv, hd = SHAPES[m]
             rows = [r for r in kr["attention"] if r["model"] == m]
-            print(f"\npaged decode attention, {m} ({nh} heads, {nkv} KV heads, head_dim {hd}); SDPA on K/V gathered "
-                  f"in {rows[0]['sdpa_dtype']}")
-            print(f"{'batch':>5} {'context':>7} {'kernel':>9} {'ch05 gather+SDPA':>17} {'SDPA gathered':>14} "
-                  f"{'x ch05':>7} {'x SDPA':>7} {'kernel GB/s':>11}")
+            print(
+                f"\npaged decode attention, {m} ({nh} heads, {nkv} KV heads, head_dim {hd}); SDPA on K/V gathered "
+                f"in {rows[0]['sdpa_dtype']}"
+            )
+            print(
+                f"{'batch':>5} {'context':>7} {'kernel':>9} {'ch05 gather+SDPA':>17} {'SDPA gathered':>14} "
+                f"{'x ch05':>7} {'x SDPA':>7} {'kernel GB/s':>11}"
+            )
             for r in rows:
                 us = r["us"]
-                print(f"{r['batch']:>5} {r['context']:>7} {fmt(us['kernel']):>9} {fmt(us['ch05 gather+SDPA']):>17} "
-                      f"{fmt(us['SDPA gathered']):>14} "
-                      f"{fmt(ratio(us['ch05 gather+SDPA'], us['kernel']), '.2f'):>7} "
-                      f"{fmt(ratio(us['SDPA gathered'], us['kernel']), '.2f'):>7} {fmt(r['gb_s']['kernel']):>11}")
+                print(
+                    f"{r['batch']:>5} {r['context']:>7} {fmt(us['kernel']):>9} {fmt(us['ch05 gather+SDPA']):>17} "
+                    f"{fmt(us['SDPA gathered']):>14} "
+                    f"{fmt(ratio(us['ch05 gather+SDPA'], us['kernel']), '.2f'):>7} "
+                    f"{fmt(ratio(us['SDPA gathered'], us['kernel']), '.2f'):>7} {fmt(r['gb_s']['kernel']):>11}"
+                )
         print(f"\n{'op':<13} {'model':<13} {'rows':>5} {'kernel':>8} {'PyTorch':>8} {'speedup':>8}")
         for op in ("add_rms_norm", "rope"):
             for r in kr[op]:
-                print(f"{op + ('_' if op == 'rope' else ''):<13} {r['model']:<13} {r['rows']:>5} "
-                      f"{fmt(r['us']['kernel'], '.2f'):>8} {fmt(r['us']['torch'], '.2f'):>8} "
-                      f"{fmt(ratio(r['us']['torch'], r['us']['kernel']), '.2f'):>7}x")
+                print(
+                    f"{op + ('_' if op == 'rope' else ''):<13} {r['model']:<13} {r['rows']:>5} "
+                    f"{fmt(r['us']['kernel'], '.2f'):>8} {fmt(r['us']['torch'], '.2f'):>8} "
+                    f"{fmt(ratio(r['us']['torch'], r['us']['kernel']), '.2f'):>7}x"
+                )
         impls = list(dict.fromkeys(k for r in kr["linear"] for k in r["us"]))
         names = [f"{kr['dtype']} dense" if k == "dense" else k for k in impls]
         print(f"\nmatmuls x @ W.T ({kr['dtype']} activations): us per call (weight GB/s); int4 group 32")
         print(f"{'layer':<8} {'out x in':>11} {'rows':>4} " + " ".join(f"{n:>16}" for n in names))
         for r in kr["linear"]:
             cells = [f"{fmt(r['us'].get(k))} ({fmt(r['gb_s'].get(k))})" if r["us"].get(k) else "-" for k in impls]
-            print(f"{r['layer']:<8} {str(r['n_out']) + 'x' + str(r['n_in']):>11} {r['rows']:>4} "
-                  + " ".join(f"{c:>16}" for c in cells))
+            print(
+                f"{r['layer']:<8} {str(r['n_out']) + 'x' + str(r['n_in']):>11} {r['rows']:>4} "
+                + " ".join(f"{c:>16}" for c in cells)
+            )
         why = {f"{k}: {v}" for r in kr["linear"] + kr["attention"] for k, v in r.get("why", {}).items()}
         for line in sorted(why):
             print(f"  not run: {line}")
     de = result.get("decode")
     if de:
-        print(f"\ndecode, batch 1: a {de['prompt_tokens']}-token chat prompt, {de['decode_tokens']} new tokens "
-              f"(greedy, ignore_eos), median of {result['repeats']} rounds;\ndecode tok/s = the tokens after the first / "
-              f"their time; '= kernels off': greedy tokens equal to the kernels-off engine's on the same weights")
-        print(f"{'engine':<24} {'decode tok/s':>12} {'ms/step':>8} {'TTFT ms':>8} {'end-to-end tok/s':>16} "
-              f"{'= kernels off':>13}")
+        print(
+            f"\ndecode, batch 1: a {de['prompt_tokens']}-token chat prompt, {de['decode_tokens']} new tokens "
+            f"(greedy, ignore_eos), median of {result['repeats']} rounds;\ndecode tok/s = the tokens after the first / "
+            f"their time; '= kernels off': greedy tokens equal to the kernels-off engine's on the same weights"
+        )
+        print(
+            f"{'engine':<24} {'decode tok/s':>12} {'ms/step':>8} {'TTFT ms':>8} {'end-to-end tok/s':>16} "
+            f"{'= kernels off':>13}"
+        )
         for label, s in de["series"].items():
-            print(f"{label:<24} {fmt(s['decode_tok_s']):>12} {fmt(s['step_ms'], '.2f'):>8} "
-                  f"{fmt(s['ttft_ms'], '.0f'):>8} {fmt(s['tok_s']):>16} "
-                  f"{s['same_tokens_as_kernels_off']:>8}/{de['decode_tokens']}")
+            print(
+                f"{label:<24} {fmt(s['decode_tok_s']):>12} {fmt(s['step_ms'], '.2f'):>8} "
+                f"{fmt(s['ttft_ms'], '.0f'):>8} {fmt(s['tok_s']):>16} "
+                f"{s['same_tokens_as_kernels_off']:>8}/{de['decode_tokens']}"
+            )
         for name, x in de["ratios"].items():
             goal = " (goal >= 1.3x)" if name.startswith("int4") and "llama.cpp" in name else ""
             print(f"{name}: {x:.2f}x{goal}")
@@ -498,28 +600,44 @@ def print_tables(result: dict) -> None:
             print(f"llama.cpp skipped: {de['llama_cpp']['skipped']}")
     tp = result.get("throughput")
     if tp:
-        print(f"\nthroughput: the OpenAI server, chat, max_tokens {result['max_tokens']}, ignore_eos, greedy, "
-              f"{result['quant']} weights; median of {result['repeats']} rounds")
-        print(f"{'server':<6} {'N':>3} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-              f"{'ITL p99':>8} {'KV blocks':>9}")
+        print(
+            f"\nthroughput: the OpenAI server, chat, max_tokens {result['max_tokens']}, ignore_eos, greedy, "
+            f"{result['quant']} weights; median of {result['repeats']} rounds"
+        )
+        print(
+            f"{'server':<6} {'N':>3} {'tokens':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+            f"{'ITL p99':>8} {'KV blocks':>9}"
+        )
         for label in (CH, "ch05"):
             for r in tp.get(label, []):
-                print(f"{label:<6} {r['concurrency']:>3} {r['tokens']:>6} {fmt(r['tok_s']):>8} "
-                      f"{fmt(r['ttft_ms_p50'], '.0f'):>9} {fmt(r['ttft_ms_p99'], '.0f'):>9} "
-                      f"{fmt(r['itl_ms_p50']):>8} {fmt(r['itl_ms_p99']):>8} {fmt(r['peak_kv_blocks_used'], 'd'):>9}")
+                print(
+                    f"{label:<6} {r['concurrency']:>3} {r['tokens']:>6} {fmt(r['tok_s']):>8} "
+                    f"{fmt(r['ttft_ms_p50'], '.0f'):>9} {fmt(r['ttft_ms_p99'], '.0f'):>9} "
+                    f"{fmt(r['itl_ms_p50']):>8} {fmt(r['itl_ms_p99']):>8} {fmt(r['peak_kv_blocks_used'], 'd'):>9}"
+                )
         for n, x in tp.get(f"ratio_{CH}_ch05", {}).items():
             print(f"{CH} / ch05 aggregate tok/s at N={n}: {x:.2f}x")
 
 
-COLORS = {"kernel": "tab:blue", "ch05 gather+SDPA": "tab:orange", "SDPA gathered": "tab:green",
-          "int4 kernel": "tab:blue", "int4 torch": "tab:cyan", "int8 kernel": "tab:purple", "int8 torch": "tab:pink",
-          "dense": "tab:gray"}
+COLORS = {
+    "kernel": "tab:blue",
+    "ch05 gather+SDPA": "tab:orange",
+    "SDPA gathered": "tab:green",
+    "int4 kernel": "tab:blue",
+    "int4 torch": "tab:cyan",
+    "int8 kernel": "tab:purple",
+    "int8 torch": "tab:pink",
+    "dense": "tab:gray",
+}
 
 
 def plot(result: dict, path: Path) -> bool:
     kr, de, tp = result.get("kernels"), result.get("decode"), result.get("throughput")
-    panels = ([("attention", kr), ("linear", kr)] if kr else []) + ([("decode", de)] if de else []) \
+    panels = (
+        ([("attention", kr), ("linear", kr)] if kr else [])
+        + ([("decode", de)] if de else [])
         + ([("throughput", tp)] if tp else [])
+    )
     if not panels:
         return False
     import matplotlib
@@ -538,9 +656,16 @@ def plot(result: dict, path: Path) -> bool:
             for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in data["attention"]):
                 rows = [r for r in data["attention"] if r["model"] == model and r["batch"] == batch]
                 for impl, line in (("kernel", "-"), ("ch05 gather+SDPA", "--"), ("SDPA gathered", ":")):
-                    ax.plot([r["context"] for r in rows], [r["us"][impl] for r in rows], ls=line, color=COLORS[impl],
-                            marker="o" if model == "SmolLM2-135M" else "s", ms=4,
-                            alpha=1.0 if batch == batches[0] else 0.5, label=f"{impl}, {model}, B={batch}")
+                    ax.plot(
+                        [r["context"] for r in rows],
+                        [r["us"][impl] for r in rows],
+                        ls=line,
+                        color=COLORS[impl],
+                        marker="o" if model == "SmolLM2-135M" else "s",
+                        ms=4,
+                        alpha=1.0 if batch == batches[0] else 0.5,
+                        label=f"{impl}, {model}, B={batch}",
+                    )
             ax.set_xscale("log", base=2)
             contexts = sorted({r["context"] for r in data["attention"]})
             ax.set_xticks(contexts, [str(c) for c in contexts])
@@ -555,15 +680,28 @@ def plot(result: dict, path: Path) -> bool:
             impls = list(dict.fromkeys(k for r in rows for k in r["us"]))
             width = 0.8 / len(impls)
             for j, impl in enumerate(impls):
-                ax.bar([i + j * width for i in range(len(rows))], [r["gb_s"].get(impl) or 0 for r in rows], width,
-                       color=COLORS.get(impl), label=f"{data['dtype']} dense" if impl == "dense" else impl)
+                ax.bar(
+                    [i + j * width for i in range(len(rows))],
+                    [r["gb_s"].get(impl) or 0 for r in rows],
+                    width,
+                    color=COLORS.get(impl),
+                    label=f"{data['dtype']} dense" if impl == "dense" else impl,
+                )
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [r["layer"] for r in rows])
             ax.set_ylabel("weight GB/s")
             ax.set_title(f"Matmuls at {rows[0]['rows']} row(s): weight bytes read per second", fontsize=10)
         elif kind == "decode":
             labels = list(data["series"])
-            colors = ["tab:blue" if "kernels on" in lb else "tab:orange" if "off" in lb else
-                      "black" if "llama" in lb else "tab:gray" for lb in labels]
+            colors = [
+                "tab:blue"
+                if "kernels on" in lb
+                else "tab:orange"
+                if "off" in lb
+                else "black"
+                if "llama" in lb
+                else "tab:gray"
+                for lb in labels
+            ]
             ax.barh(labels, [data["series"][lb]["decode_tok_s"] for lb in labels], color=colors)
             ax.invert_yaxis()
             ax.set_xlabel("decode tok/s")
@@ -572,18 +710,25 @@ def plot(result: dict, path: Path) -> bool:
             labels = [lb for lb in (CH, "ch05") if lb in data]
             ns = [r["concurrency"] for r in data[CH]]
             for j, lb in enumerate(labels):
-                ax.bar([i + j * 0.4 for i in range(len(ns))], [r["tok_s"] for r in data[lb]], 0.4,
-                       color="tab:blue" if lb == CH else "tab:orange", label=f"{lb} server")
+                ax.bar(
+                    [i + j * 0.4 for i in range(len(ns))],
+                    [r["tok_s"] for r in data[lb]],
+                    0.4,
+                    color="tab:blue" if lb == CH else "tab:orange",
+                    label=f"{lb} server",
+                )
             ax.set_xticks([i + 0.2 * (len(labels) - 1) for i in range(len(ns))], [f"N={n}" for n in ns])
             ax.set_ylabel("aggregate output tok/s")
             ax.set_title(f"OpenAI server, concurrent streams, {result['quant']} weights", fontsize=10)
         ax.grid(alpha=0.3, which="both", axis="x" if kind == "decode" else "y")
         if kind != "decode":
             ax.legend(fontsize=6 if kind == "attention" else 7)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    fig.suptitle(f"{Path(result['model']).name}, {result['dtype']} activations, {result['device']}, "
-                 f"{result['threads']} threads", fontsize=10)
+    fig.suptitle(
+        f"{Path(result['model']).name}, {result['dtype']} activations, {result['device']}, {result['threads']} threads",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -597,16 +742,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4",
-                    help="weights of the decode part (beside bf16) and of the servers (default: %(default)s)")
+    ap.add_argument(
+        "--quant",
+        choices=["int4", "int8", "none"],
+        default="int4",
+        help="weights of the decode part (beside bf16) and of the servers (default: %(default)s)",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="activations and KV cache (default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="interleaved rounds of parts decode and throughput (median reported)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="torch threads, here and in each server, and llama.cpp's")
-    ap.add_argument("--peers", default="", help="llama.cpp: also llama.cpp in part decode (llama-cpp-python, "
-                                               "optional; smollm2-135m on the CPU)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="interleaved rounds of parts decode and throughput (median reported)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads, here and in each server, and llama.cpp's",
+    )
+    ap.add_argument(
+        "--peers",
+        default="",
+        help="llama.cpp: also llama.cpp in part decode (llama-cpp-python, optional; smollm2-135m on the CPU)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128, help="part decode: the prompt (default: %(default)s)")
     ap.add_argument("--decode-tokens", type=int, default=128, help="part decode: new tokens (default: %(default)s)")
     ap.add_argument("--concurrency", default="16", help="part throughput: concurrent clients (default: %(default)s)")
@@ -614,8 +771,11 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="the servers' KV pool")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"),
-                    help=f"the JSON (a .png is written beside it); a directory: {CH}_bench.json in it")
+    ap.add_argument(
+        "--out",
+        default=str(RESULTS_DIR / f"{CH}_bench.json"),
+        help=f"the JSON (a .png is written beside it); a directory: {CH}_bench.json in it",
+    )
     # part kernels: what is measured and how long (smaller in the tests)
     ap.add_argument("--contexts", default="128,512,1024,2048,4096,8192", help=argparse.SUPPRESS)
     ap.add_argument("--batches", default="1,16", help=argparse.SUPPRESS)
@@ -649,12 +809,22 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
 
-    result = {"model": args.model, "quant": args.quant, "dtype": args.dtype, "device": args.device,
-              "machine": machine(), "threads": args.threads,
-              "command": command_line(__file__, sys.argv[1:]),
-              "parts": parts, "repeats": args.repeats, "max_tokens": args.max_tokens,
-              "concurrency": args.concurrency, "kv_cache_memory_gb": args.kv_cache_memory_gb,
-              "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    result = {
+        "model": args.model,
+        "quant": args.quant,
+        "dtype": args.dtype,
+        "device": args.device,
+        "machine": machine(),
+        "threads": args.threads,
+        "command": command_line(__file__, sys.argv[1:]),
+        "parts": parts,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
     t_start = time.perf_counter()
     if "kernels" in parts:
         result["kernels"] = part_kernels(args)

@@ -23,8 +23,14 @@ import ops
 from sampling import SamplingParams
 
 # request setting -> its type; the flag is --top-k for top_k
-SAMPLING_FLAGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_penalty": float,
-                  "seed": int}
+SAMPLING_FLAGS = {
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repetition_penalty": float,
+    "seed": int,
+}
 
 
 def parse_args():
@@ -36,8 +42,9 @@ def parse_args():
     ap.add_argument("--dtype", default="auto")
     add_quant_args(ap)
     for name, kind in SAMPLING_FLAGS.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                        help="default: the model's generation_config.json")
+        ap.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=None, help="default: the model's generation_config.json"
+        )
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     return ap.parse_args()
 
@@ -65,8 +72,12 @@ def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
     print()
     elapsed = time.perf_counter() - (first or t0)
     rate = (n_tokens - 1) / elapsed if n_tokens > 1 and elapsed > 0 else float("nan")
-    print(f"[{len(prompt_ids)} prompt tokens, {n_tokens} generated, TTFT {((first or t0) - t0) * 1e3:.0f} ms, "
-          f"{rate:.1f} tok/s, finish: {finish}]", file=sys.stderr, flush=True)
+    print(
+        f"[{len(prompt_ids)} prompt tokens, {n_tokens} generated, TTFT {((first or t0) - t0) * 1e3:.0f} ms, "
+        f"{rate:.1f} tok/s, finish: {finish}]",
+        file=sys.stderr,
+        flush=True,
+    )
     return text
 
 
@@ -92,8 +103,11 @@ def chat_loop(engine: Engine, args) -> None:
         prompt_ids = engine.tokenizer.encode_chat(history)
         if len(prompt_ids) >= engine.context:
             history.pop()
-            print(f"error: the conversation is {len(prompt_ids)} tokens, over the {engine.context}-token context: "
-                  f"/reset to start again", file=sys.stderr)
+            print(
+                f"error: the conversation is {len(prompt_ids)} tokens, over the {engine.context}-token context: "
+                f"/reset to start again",
+                file=sys.stderr,
+            )
             continue
         print("model> ", end="", flush=True)
         history.append({"role": "assistant", "content": stream_reply(engine, prompt_ids, args)})
@@ -102,13 +116,17 @@ def chat_loop(engine: Engine, args) -> None:
 def main() -> int:
     args = parse_args()
     # One conversation, one sequence: a pool for one full context (a server sizes it for many).
-    engine, name = build_engine(args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args),
-                                max_num_seqs=1)
+    engine, name = build_engine(
+        args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args), max_num_seqs=1
+    )
     m = engine.model
     dense = f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies" if m.dense_copy_bytes else ""
-    print(f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
-          f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}]",
-          file=sys.stderr, flush=True)
+    print(
+        f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
+        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}]",
+        file=sys.stderr,
+        flush=True,
+    )
     request_params(args, engine).validate(engine.model.config.vocab_size)  # bad flags fail before any prompt
     if args.prompt is None:
         chat_loop(engine, args)
@@ -117,7 +135,8 @@ def main() -> int:
         prompt_ids = engine.tokenizer.encode(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}]
+            {"role": "user", "content": args.prompt}
+        ]
         prompt_ids = engine.tokenizer.encode_chat(messages)
     if len(prompt_ids) >= engine.context:
         raise UserError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context} tokens")

@@ -36,8 +36,9 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphs:
-    def __init__(self, model: Model, cache: PagedKVCache, max_batch: int, max_blocks: int, pad_block: int,
-                 capture: bool):
+    def __init__(
+        self, model: Model, cache: PagedKVCache, max_batch: int, max_blocks: int, pad_block: int, capture: bool
+    ):
         """pad_block: a block of the pool the block manager never hands out (padding writes there)."""
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -60,12 +61,19 @@ class DecodeGraphs:
         bs = self.cache.block_size
         pad = bucket - n
         # Padding rows write slot 0 of the spare block and read it back (context 1).
-        ids = torch.tensor([[w.tokens[0] for w in work] + [0] * pad,
-                            [w.start for w in work] + [0] * pad,
-                            [w.block_table[w.start // bs] * bs + w.start % bs for w in work] + [self.pad_block * bs] * pad])
+        ids = torch.tensor(
+            [
+                [w.tokens[0] for w in work] + [0] * pad,
+                [w.start for w in work] + [0] * pad,
+                [w.block_table[w.start // bs] * bs + w.start % bs for w in work] + [self.pad_block * bs] * pad,
+            ]
+        )
         tables = [w.block_table[: w.start // bs + 1] for w in work]
-        tables = torch.tensor([t + [self.pad_block] * (self.max_blocks - len(t)) for t in tables]
-                              + [[self.pad_block] * self.max_blocks] * pad, dtype=torch.int32)
+        tables = torch.tensor(
+            [t + [self.pad_block] * (self.max_blocks - len(t)) for t in tables]
+            + [[self.pad_block] * self.max_blocks] * pad,
+            dtype=torch.int32,
+        )
         lens = torch.tensor([w.start + 1 for w in work] + [1] * pad, dtype=torch.int32)
         self.ids[:, :bucket].copy_(ids, non_blocking=True)
         self.tables[:bucket].copy_(tables, non_blocking=True)

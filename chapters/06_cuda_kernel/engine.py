@@ -101,11 +101,23 @@ class RequestState:
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer, generation_config: dict | None = None, *,
-                 max_model_len: int | None = None, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-                 kv_cache_bytes: int | None = None, num_blocks: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, chunked_prefill: bool = True,
-                 prefix_caching: bool = True, cuda_graphs: bool = True):
+    def __init__(
+        self,
+        model: Model,
+        tokenizer,
+        generation_config: dict | None = None,
+        *,
+        max_model_len: int | None = None,
+        max_tokens_default: int = DEFAULT_MAX_TOKENS,
+        kv_cache_bytes: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        chunked_prefill: bool = True,
+        prefix_caching: bool = True,
+        cuda_graphs: bool = True,
+    ):
         """max_model_len: the context, at most the model's (default: the model's).
         The pool: `num_blocks` blocks of `block_size` tokens, or as many as `kv_cache_bytes` hold
         (default: memory.default_kv_bytes), never more than max_num_seqs full contexts.
@@ -122,25 +134,40 @@ class Engine:
         if max_tokens_default < 1:
             raise UserError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
         self.max_tokens_default = max_tokens_default
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
             if value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
             budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)
-            num_blocks = most if budget is None else min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+            num_blocks = (
+                most
+                if budget is None
+                else min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+            )
         if num_blocks < 1:
             raise UserError(f"the KV cache budget holds no block of {block_size} tokens: raise --kv-cache-memory-gb")
         graphs = cuda_graphs and model.ops.can_capture_graphs
         # With graphs, one block more than the block manager knows: padding sequences write there.
-        self.cache = PagedKVCache(model.config, num_blocks + 1 if graphs else num_blocks, block_size, model.device,
-                                  model.dtype)
-        self.graphs = DecodeGraphs(model, self.cache, max_num_seqs, -(-self.context // block_size), num_blocks,
-                                   capture=True) if graphs else None
+        self.cache = PagedKVCache(
+            model.config, num_blocks + 1 if graphs else num_blocks, block_size, model.device, model.dtype
+        )
+        self.graphs = (
+            DecodeGraphs(model, self.cache, max_num_seqs, -(-self.context // block_size), num_blocks, capture=True)
+            if graphs
+            else None
+        )
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens if chunked_prefill else
-                                   max(max_num_batched_tokens, self.context), chunked_prefill)
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs,
+            max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, self.context),
+            chunked_prefill,
+        )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.n_steps = 0
@@ -163,8 +190,10 @@ class Engine:
         return min(self.max_tokens_default, self.context - len(req.prompt_ids))
 
     def describe_pool(self) -> str:
-        return (f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = "
-                f"{self.blocks.num_blocks * self.blocks.block_size} tokens in {self.cache.nbytes / GiB:.2f} GiB")
+        return (
+            f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = "
+            f"{self.blocks.num_blocks * self.blocks.block_size} tokens in {self.cache.nbytes / GiB:.2f} GiB"
+        )
 
     def validate(self, req: Request) -> None:
         """Raises UserError with a message fit for the client."""
@@ -213,15 +242,21 @@ class Engine:
         max_tokens = self.max_tokens_for(req)
         seqs = []
         for i in range(req.n):
-            seqs.append(Sequence(
-                seq_id=next(self._ids), request_id=rid, index=i, prompt=list(req.prompt_ids), max_tokens=max_tokens,
-                params=req.params,
-                # n>1 with a seed: each choice gets its own stream, reproducibly.
-                generator=make_generator(choice_seed(req.params.seed, i), device),
-                detokenizer=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, req.prompt_ids),
-                matcher=StopStringMatcher(req.stop, req.include_stop_str_in_output),
-                parent=seqs[0] if seqs else None,
-            ))
+            seqs.append(
+                Sequence(
+                    seq_id=next(self._ids),
+                    request_id=rid,
+                    index=i,
+                    prompt=list(req.prompt_ids),
+                    max_tokens=max_tokens,
+                    params=req.params,
+                    # n>1 with a seed: each choice gets its own stream, reproducibly.
+                    generator=make_generator(choice_seed(req.params.seed, i), device),
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, req.prompt_ids),
+                    matcher=StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                    parent=seqs[0] if seqs else None,
+                )
+            )
         self.requests[rid] = RequestState(req, seqs, self._stop_ids(req))
         for seq in seqs:
             self.scheduler.add(seq)
@@ -249,8 +284,10 @@ class Engine:
         self.n_steps += 1
         self.last_plan = plan  # for the notebook and the bench: who ran what in the latest step
         bs = self.blocks.block_size
-        work = [Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table)
-                for seq, n in plan.work]
+        work = [
+            Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table)
+            for seq, n in plan.work
+        ]
         if self.graphs is not None and all(n == 1 for _, n in plan.work):
             logits = self.graphs.run(work)  # a decode step: one replay
         else:
@@ -273,8 +310,9 @@ class Engine:
                 # Too early to stop: make the stop tokens impossible for this choice.
                 x[i].masked_fill_(self._id_mask(state.stop_ids, x.device)[0], float("-inf"))
         seqs = [seq for _, seq in ready]
-        tokens, logprobs = sample(x, [s.params for s in seqs], [s.generator for s in seqs],
-                                  [s.prompt for s in seqs], [s.output for s in seqs])
+        tokens, logprobs = sample(
+            x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
+        )
         news: dict[str, list[Event]] = {}
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             state = self.requests[seq.request_id]
@@ -360,13 +398,27 @@ class Engine:
         running = {seq.request_id for seq in self.scheduler.running}
         waiting = {seq.request_id for seq in self.scheduler.waiting} - running
         b = self.blocks
-        return {"running": len(running), "waiting": len(waiting), "kv_blocks_total": b.num_blocks,
-                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_cached": b.num_cached,
-                "prefix_cache_hit_rate": round(b.hit_rate, 4), "preemptions": self.scheduler.n_preemptions}
+        return {
+            "running": len(running),
+            "waiting": len(waiting),
+            "kv_blocks_total": b.num_blocks,
+            "kv_blocks_used": b.num_used,
+            "kv_blocks_free": b.num_free,
+            "kv_blocks_cached": b.num_cached,
+            "prefix_cache_hit_rate": round(b.hit_rate, 4),
+            "preemptions": self.scheduler.n_preemptions,
+        }
 
 
-def build_engine(model: str | None, device: str = "auto", dtype: str = "auto", quant: QuantSpec | None = None,
-                 matmul: str = DEFAULT_PATH, kernels: Kernels | str = Kernels(), **limits) -> tuple[Engine, str]:
+def build_engine(
+    model: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    quant: QuantSpec | None = None,
+    matmul: str = DEFAULT_PATH,
+    kernels: Kernels | str = Kernels(),
+    **limits,
+) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
     quantized on load when `quant` is given, onto a device, with the kernel flags (ops.from_args, or
     a --kernels choice); -> the engine, and the name to call it by. `limits` are Engine's keyword
@@ -381,8 +433,9 @@ def _context(model_context: int, max_model_len: int | None) -> int:
     if max_model_len is None:
         return model_context
     if not 2 <= max_model_len <= model_context:
-        raise UserError(f"max_model_len must be between 2 and the model's context of {model_context} tokens, "
-                         f"got {max_model_len}")
+        raise UserError(
+            f"max_model_len must be between 2 and the model's context of {model_context} tokens, got {max_model_len}"
+        )
     return max_model_len
 
 

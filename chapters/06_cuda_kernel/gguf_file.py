@@ -37,9 +37,14 @@ from weights import save_quantized
 GGUF_SPEC = QuantSpec(bits=4, group_size=32, symmetric=False, head_bits=8)
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -77,9 +82,11 @@ def read_q8_0_as_float(data: np.ndarray, n_out: int, n_in: int) -> torch.Tensor:
 
 def unpermute_rows(w, n_heads: int):
     """llama.cpp's q/k row order -> HF's (see the module docstring). Works on any per-row tensor."""
+
     def fix(t):
         rows = t.shape[0]
         return t.reshape(n_heads, rows // n_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
     if isinstance(w, Int4Weight):
         return Int4Weight(fix(w.packed), fix(w.scale), fix(w.min), w.group_size, w.symmetric)
     return fix(w)
@@ -106,10 +113,13 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
     names = {t.name for t in reader.tensors}
     hidden = _field(reader, "llama.embedding_length")
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": _field(reader, "llama.feed_forward_length"),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, "llama.feed_forward_length"),
         "num_hidden_layers": _field(reader, "llama.block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "head_dim": _field(reader, "llama.rope.dimension_count", hidden // heads),
         "rms_norm_eps": float(np.float32(_field(reader, "llama.attention.layer_norm_rms_epsilon"))),
         "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
@@ -118,7 +128,8 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
     }
     if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
         raise CheckpointError(f"{path}: RoPE scaling in GGUF metadata is not supported by this loader")
@@ -155,8 +166,9 @@ def convert_gguf(path: str | Path, out: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     save_quantized(weights, config, spec, tmp)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n"
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -167,7 +179,10 @@ def _spec_of(weights: dict, config: dict) -> QuantSpec:
     (tied) embedding, F32 norms."""
     head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
     linears = [w for n, w in weights.items() if n.startswith("model.layers.") and "norm" not in n]
-    if not (all(isinstance(w, Int4Weight) for w in linears) and isinstance(head, Int8Weight)
-            and config["tie_word_embeddings"]):
+    if not (
+        all(isinstance(w, Int4Weight) for w in linears)
+        and isinstance(head, Int8Weight)
+        and config["tie_word_embeddings"]
+    ):
         raise CheckpointError("this chapter reads Q4_1 GGUF files (Q4_1 linears, a tied Q8_0 embedding, F32 norms)")
     return GGUF_SPEC

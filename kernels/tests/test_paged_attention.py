@@ -40,10 +40,17 @@ def test_flash_decoding_reference_equals_plain_softmax():
 
 
 SHAPES = [  # n_heads, n_kv_heads (GQA ratio 1, 3, 4, 8), head_dim
-    (4, 4, 64), (9, 3, 64), (8, 2, 128), (32, 4, 64),
+    (4, 4, 64),
+    (9, 3, 64),
+    (8, 2, 128),
+    (32, 4, 64),
 ]
 LENGTHS = [  # per sequence: one token, a block exactly, one past, partitions that do not divide
-    [1], [16], [17], [1, 300, 64, 513], [1000],
+    [1],
+    [16],
+    [17],
+    [1, 300, 64, 513],
+    [1000],
 ]
 
 

@@ -18,7 +18,6 @@ def int4_weight(n_out, n_in, group_size, seed=0):
 SHAPES = [(960, 576), (576, 1536), (13, 64), (3072, 576), (40, 128)]  # odd row counts too
 
 
-
 @pytest.mark.parametrize("n_out,n_in", SHAPES)
 @pytest.mark.parametrize("group_size", [32, 64])
 @pytest.mark.parametrize("rows", [1, 3, 16])
@@ -58,7 +57,9 @@ def test_every_cpu_path(ops, isa, rows):
     q = torch.randint(-127, 128, (70, 320), dtype=torch.int8)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, 320).to(dtype)
-        assert_close(ops.int4_linear(x, packed, scale, min_, 32), reference.int4_linear(x, packed, scale, min_, 32), isa)
+        assert_close(
+            ops.int4_linear(x, packed, scale, min_, 32), reference.int4_linear(x, packed, scale, min_, 32), isa
+        )
         assert_close(ops.int8_linear(x, q, scale[:, 0].contiguous()), reference.int8_linear(x, q, scale[:, 0]), isa)
 
 

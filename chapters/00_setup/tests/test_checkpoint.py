@@ -219,7 +219,11 @@ BAD_ENTRIES = [
     ("negative dimension", lambda e: e.update(shape=[-256]), "shape must be a list"),
     ("string dimension", lambda e: e.update(shape=["256"]), "shape must be a list"),
     ("size mismatch", lambda e: e.update(shape=[128]), "holds 1024 bytes, but F32 with shape \\(128,\\) needs 512"),
-    ("dtype size mismatch", lambda e: e.update(dtype="F16"), "holds 1024 bytes, but F16 with shape \\(256,\\) needs 512"),
+    (
+        "dtype size mismatch",
+        lambda e: e.update(dtype="F16"),
+        "holds 1024 bytes, but F16 with shape \\(256,\\) needs 512",
+    ),
 ]
 
 
@@ -275,7 +279,9 @@ def test_overflow_when_cast_to_fp16_is_named(tiny, tmp_path):
     bad = _copy_model(d, tmp_path / "m")
     save_file(tensors, bad / "model.safetensors")
     load_checkpoint_torch(bad, config, torch.float32)  # fine as stored
-    with pytest.raises(CheckpointError, match="'model.norm.weight' .* after conversion from torch.float32 to torch.float16"):
+    with pytest.raises(
+        CheckpointError, match="'model.norm.weight' .* after conversion from torch.float32 to torch.float16"
+    ):
         load_checkpoint_torch(bad, config, torch.float16)
 
 
@@ -295,7 +301,10 @@ def test_config_with_many_more_layers_fails_fast_and_names_the_range(tiny):
     config = dataclasses.replace(tiny[1], num_hidden_layers=1_000_000)
     with pytest.raises(CheckpointError) as e:
         load_checkpoint_torch(tiny[0], config)
-    assert "missing tensors: model.layers.4.* ... model.layers.999999.* (config says 1000000 layers, checkpoint has 4)" in str(e.value)
+    assert (
+        "missing tensors: model.layers.4.* ... model.layers.999999.* (config says 1000000 layers, checkpoint has 4)"
+        in str(e.value)
+    )
 
 
 def test_torch_reader_keeps_bf16_and_equals_numpy_reader():
@@ -321,18 +330,27 @@ def test_torch_reader_sharded_and_cast(tiny, tmp_path):
     assert loaded["model.norm.weight"].dtype == torch.bfloat16
     torch.testing.assert_close(loaded["model.norm.weight"], torch.from_numpy(tensors["model.norm.weight"]).bfloat16())
     # The same tensor in both shards: which copy would win was an accident of file order.
-    save_file({NORM: tensors[NORM], "model.layers.0.input_layernorm.weight": tensors["model.layers.0.input_layernorm.weight"]},
-              tmp_path / "model-00003-of-00003.safetensors")
+    save_file(
+        {
+            NORM: tensors[NORM],
+            "model.layers.0.input_layernorm.weight": tensors["model.layers.0.input_layernorm.weight"],
+        },
+        tmp_path / "model-00003-of-00003.safetensors",
+    )
     weight_map[NORM] = "model-00003-of-00003.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match="is stored twice, in model-0000.-of-00002.safetensors and model-00003"):
         load_checkpoint_torch(tmp_path, config)
 
 
-@pytest.mark.parametrize("index", ["[1, 2]", '{"weight_map": ["a"]}', '{"weight_map": {"x": "../model.safetensors"}}', "{"])
+@pytest.mark.parametrize(
+    "index", ["[1, 2]", '{"weight_map": ["a"]}', '{"weight_map": {"x": "../model.safetensors"}}', "{"]
+)
 def test_bad_shard_index(tiny, tmp_path, index):
     (tmp_path / "model.safetensors.index.json").write_text(index)
-    with pytest.raises(CheckpointError, match="model.safetensors.index.json: (unreadable shard index|weight_map must map)"):
+    with pytest.raises(
+        CheckpointError, match="model.safetensors.index.json: (unreadable shard index|weight_map must map)"
+    ):
         load_checkpoint(tmp_path, tiny[1])
 
 

@@ -20,7 +20,12 @@ def test_tiny_llama3_config_uses_llama3_rope_scaling():
     assert c.num_attention_heads // c.num_key_value_heads == 4
     assert c.rope_theta == 500000.0
     s = c.rope_scaling
-    assert (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == (32.0, 1.0, 4.0, 8192)
+    assert (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == (
+        32.0,
+        1.0,
+        4.0,
+        8192,
+    )
 
 
 def test_download_form_and_transformers5_form_agree():
@@ -119,7 +124,9 @@ def test_wrongly_typed_field_is_named(tmp_path, field, value, message):
 def test_llama3_scaling_fields_are_checked():
     raw = json.loads((resolve_model("tiny-llama3") / "config.json").read_text())
     raw["rope_parameters"] = raw["rope_parameters"] | {"original_max_position_embeddings": "8192"}
-    with pytest.raises(ConfigError, match="\\(rope scaling\\): field 'original_max_position_embeddings' must be an integer"):
+    with pytest.raises(
+        ConfigError, match="\\(rope scaling\\): field 'original_max_position_embeddings' must be an integer"
+    ):
         config_from_dict(raw)
     raw["rope_parameters"] |= {"original_max_position_embeddings": 8192, "high_freq_factor": 1.0}
     with pytest.raises(ConfigError, match="high_freq_factor \\(1.0\\) must be greater than low_freq_factor \\(1.0\\)"):
@@ -132,7 +139,9 @@ def test_llama3_scaling_fields_are_checked():
 def test_large_integer_context_is_accepted():
     # 100,000,000 positions is a legal integer: what must not happen is a table for all of them
     # (see test_model_loading.py).
-    assert config_from_dict(_smollm2() | {"max_position_embeddings": 100_000_000}).max_position_embeddings == 100_000_000
+    assert (
+        config_from_dict(_smollm2() | {"max_position_embeddings": 100_000_000}).max_position_embeddings == 100_000_000
+    )
 
 
 @pytest.mark.parametrize("text,kind", [("[1, 2]", "a list"), ('"llama"', "a string"), ("null", "null")])

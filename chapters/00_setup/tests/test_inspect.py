@@ -55,7 +55,9 @@ def test_smollm2_kv_bytes_figure():
 def test_inspect_cli_prints_report():
     out = subprocess.run(
         [sys.executable, "chapters/00_setup/inspect_model.py", "--model", "smollm2-135m"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "134,515,008" in out and "22.5 KiB" in out and "round trip ok" in out
 

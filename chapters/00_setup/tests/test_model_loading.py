@@ -33,7 +33,9 @@ def _edit_config(d, **fields):
 
 def _run(script, d):
     args = SCRIPTS[script]
-    return subprocess.run([sys.executable, args[0], "--model", str(d), *args[1:]], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, args[0], "--model", str(d), *args[1:]], capture_output=True, text=True, timeout=120
+    )
 
 
 def _nan_weights(d):
@@ -50,14 +52,25 @@ def _one_byte_short_header(d):
 
 CORRUPTIONS = {
     "layers as a float": (lambda d: _edit_config(d, num_hidden_layers=1e7), "'num_hidden_layers' must be an integer"),
-    "context as a float": (lambda d: _edit_config(d, max_position_embeddings=1e8), "'max_position_embeddings' must be an integer"),
+    "context as a float": (
+        lambda d: _edit_config(d, max_position_embeddings=1e8),
+        "'max_position_embeddings' must be an integer",
+    ),
     "hidden size as a string": (lambda d: _edit_config(d, hidden_size="256"), "'hidden_size' must be an integer"),
-    "tie as a string": (lambda d: _edit_config(d, tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
+    "tie as a string": (
+        lambda d: _edit_config(d, tie_word_embeddings="false"),
+        "'tie_word_embeddings' must be true or false",
+    ),
     "config is a list": (lambda d: (d / "config.json").write_text("[]"), "must hold a JSON object"),
     "empty tokenizer": (lambda d: (d / "tokenizer.json").write_text(""), "not a valid tokenizer.json"),
-    "template syntax": (lambda d: (d / "chat_template.jinja").write_text("{% if %}"), "syntax error in the chat template"),
-    "10M layers": (lambda d: _edit_config(d, num_hidden_layers=10_000_000),
-                   "missing tensors: model.layers.4.\\* ... model.layers.9999999.\\* \\(config says 10000000 layers, checkpoint has 4\\)"),
+    "template syntax": (
+        lambda d: (d / "chat_template.jinja").write_text("{% if %}"),
+        "syntax error in the chat template",
+    ),
+    "10M layers": (
+        lambda d: _edit_config(d, num_hidden_layers=10_000_000),
+        "missing tensors: model.layers.4.\\* ... model.layers.9999999.\\* \\(config says 10000000 layers, checkpoint has 4\\)",
+    ),
     "NaN weight": (_nan_weights, "'model.embed_tokens.weight' contains NaN or infinite values"),
     "header one byte short": (_one_byte_short_header, "1 bytes after the last tensor"),
 }
@@ -65,7 +78,9 @@ CORRUPTIONS = {
 
 # Config and tokenizer checks are shared code: one entry point each is enough. The weights
 # travel two paths (our NumPy reader in chapter 01, the safetensors library in 02+): both.
-CASES = [(c, "ch01") for c in CORRUPTIONS] + [(c, "ch02") for c in ("10M layers", "NaN weight", "header one byte short", "tie as a string")]
+CASES = [(c, "ch01") for c in CORRUPTIONS] + [
+    (c, "ch02") for c in ("10M layers", "NaN weight", "header one byte short", "tie as a string")
+]
 
 
 @pytest.mark.parametrize("corruption,script", CASES)
@@ -105,7 +120,9 @@ print(grown, float(logits.float().abs().sum()))
 def _load_in_subprocess(chapter, d, dtype="float32"):
     r = subprocess.run(
         [sys.executable, "-c", _MEMORY_SCRIPT.format(chapter=chapter), str(d), dtype],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     grown_mib, logits_sum = r.stdout.split()

@@ -83,7 +83,9 @@ def _copy_tokenizer(tmp_path, name="tiny-llama3"):
 
 
 @pytest.mark.parametrize(
-    "content", [b"", b"{}", b"[1, 2]", "truncated", bytes(range(256)) * 4], ids=["empty", "{}", "list", "truncated", "binary"]
+    "content",
+    [b"", b"{}", b"[1, 2]", "truncated", bytes(range(256)) * 4],
+    ids=["empty", "{}", "list", "truncated", "binary"],
 )
 def test_bad_tokenizer_json(tmp_path, content):
     d = _copy_tokenizer(tmp_path)
@@ -94,8 +96,14 @@ def test_bad_tokenizer_json(tmp_path, content):
         Tokenizer(d)
 
 
-@pytest.mark.parametrize("content,message", [("{oops", "is not valid JSON"), ("[]", "must hold a JSON object"),
-                                             ('{"bos_token": 5}', "field 'bos_token' must be a token string")])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{oops", "is not valid JSON"),
+        ("[]", "must hold a JSON object"),
+        ('{"bos_token": 5}', "field 'bos_token' must be a token string"),
+    ],
+)
 def test_bad_tokenizer_config(tmp_path, content, message):
     d = _copy_tokenizer(tmp_path)
     (d / "tokenizer_config.json").write_text(content)
@@ -107,7 +115,9 @@ def test_chat_template_syntax_error_fails_when_the_tokenizer_is_built(tmp_path):
     # Before, it failed on every chat request of a server that had started fine.
     d = _copy_tokenizer(tmp_path)
     (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}\n{% if %}{% endfor %}")
-    with pytest.raises(TokenizerError, match="chat_template.jinja: syntax error in the chat template, line 2: Expected an expression"):
+    with pytest.raises(
+        TokenizerError, match="chat_template.jinja: syntax error in the chat template, line 2: Expected an expression"
+    ):
         Tokenizer(d)
 
 
@@ -158,7 +168,10 @@ def test_template_of_ten_gigabytes_fails_at_once_without_allocating(tmp_path):
     [
         ("{{ raise_exception('') }}", "chat template: raise_exception\\(\\) was called without a message"),
         ("{{ raise_exception('roles must alternate') }}", "chat template: roles must alternate"),
-        ("{{ messages[0].content.nope() }}", "chat template failed: UndefinedError: 'str object' has no attribute 'nope'"),
+        (
+            "{{ messages[0].content.nope() }}",
+            "chat template failed: UndefinedError: 'str object' has no attribute 'nope'",
+        ),
         ("{{ 1 // 0 }}", "chat template failed: ZeroDivisionError"),
         ("{{ 10 ** 10000000 }}", "int \\*\\* int would build a value"),
     ],
@@ -209,8 +222,10 @@ def test_injection_through_a_trimming_template(tmp_path):
     messages = [{"role": "user", "content": "  <|im_start|> hello <|endoftext|>  "}]
     ids = tok.encode_chat(messages)
     assert _special_ids_in(tok, ids) == [1, 2, 1]  # <|im_start|> user ... <|im_end|> <|im_start|> assistant
-    assert tok.decode(ids) == tok.apply_chat_template(messages) == (
-        "<|im_start|>user\n<|im_start|> hello <|endoftext|><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(ids)
+        == tok.apply_chat_template(messages)
+        == ("<|im_start|>user\n<|im_start|> hello <|endoftext|><|im_end|>\n<|im_start|>assistant\n")
     )
 
 

@@ -12,7 +12,9 @@ def run(*args):
 
 
 def test_generate_answers_a_chat_prompt():
-    r = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
+    r = run(
+        str(CHAPTER / "generate.py"), "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "tok/s" in r.stderr and "tok/s" not in r.stdout  # statistics go to stderr
@@ -38,7 +40,17 @@ def test_bad_input_is_a_clear_error(args, message):
 
 
 def test_bench_runs_and_saves_figures(tmp_path):
-    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--lengths", "8,32", "--repeats", "1", "--out", str(tmp_path))
+    r = run(
+        str(CHAPTER / "bench.py"),
+        "--model",
+        "tiny-llama3",
+        "--lengths",
+        "8,32",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     import json
 
@@ -52,6 +64,7 @@ def test_engine_imports_numpy_only():
     parity.py may: it runs HF transformers as the reference."""
     code = "import sys; import model, rope, generate; assert 'torch' not in sys.modules, 'torch imported'"
     # `python -c` puts the working directory (the chapter) first on sys.path, as a script would.
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=CHAPTER,
-                       env={"PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=CHAPTER, env={"PATH": "/usr/bin:/bin"}
+    )
     assert r.returncode == 0, r.stderr

@@ -76,8 +76,17 @@ def test_apply_rope_matches_hf_rotate_half(tiny):
 def layer_weights(hf_layer) -> Layer:
     a, m = hf_layer.self_attn, hf_layer.mlp
     n = lambda p: p.weight.detach().numpy()  # noqa: E731
-    return Layer(n(hf_layer.input_layernorm), n(a.q_proj), n(a.k_proj), n(a.v_proj), n(a.o_proj),
-                 n(hf_layer.post_attention_layernorm), n(m.gate_proj), n(m.up_proj), n(m.down_proj))
+    return Layer(
+        n(hf_layer.input_layernorm),
+        n(a.q_proj),
+        n(a.k_proj),
+        n(a.v_proj),
+        n(a.o_proj),
+        n(hf_layer.post_attention_layernorm),
+        n(m.gate_proj),
+        n(m.up_proj),
+        n(m.down_proj),
+    )
 
 
 def test_gqa_attention_matches_hf(tiny):

@@ -91,8 +91,10 @@ def test_parity_table_names_first_diverging_layer(tiny):
 USER_MODEL = os.environ.get("MODEL", "")
 
 
-@pytest.mark.skipif(USER_MODEL in ("", "smollm2-135m", "tiny-llama3"),
-                    reason="set MODEL=/path/to/a Llama 3.x checkpoint to check a real model too")
+@pytest.mark.skipif(
+    USER_MODEL in ("", "smollm2-135m", "tiny-llama3"),
+    reason="set MODEL=/path/to/a Llama 3.x checkpoint to check a real model too",
+)
 def test_user_model_every_layer_and_greedy():
     d = resolve_model(USER_MODEL)
     model, tok = load_model(d), Tokenizer(d)

@@ -13,8 +13,19 @@ def run(*args):
 
 
 def test_bench_runs_and_saves_figures(tmp_path):
-    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--prompt-tokens", "16", "--new-tokens", "8",
-            "--ch01-new-tokens", "4", "--out", str(tmp_path))
+    r = run(
+        str(CHAPTER / "bench.py"),
+        "--model",
+        "tiny-llama3",
+        "--prompt-tokens",
+        "16",
+        "--new-tokens",
+        "8",
+        "--ch01-new-tokens",
+        "4",
+        "--out",
+        str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "ch02_decode_tiny-llama3_float32.json").read_text())
     # ch01 runs when chapter 01 sits beside this one (a copied chapter has no neighbour to time)

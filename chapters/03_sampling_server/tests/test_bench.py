@@ -13,8 +13,17 @@ def run(*args):
 
 
 def test_server_bench_runs_and_saves_figures(tmp_path):
-    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", "--requests", "2", "--max-tokens", "8",
-            "--out", str(tmp_path))
+    r = run(
+        str(CHAPTER / "bench.py"),
+        "--model",
+        "tiny-llama3",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "ch03_server_stream_tiny-llama3.json").read_text())
     assert result["requests"] == 2 and result["ttft_ms_p50"] > 0 and result["itl_ms_p50"] > 0

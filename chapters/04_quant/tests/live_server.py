@@ -28,9 +28,23 @@ def serve(log_dir: Path, model: str, *flags: str):
     port = free_port()
     log = log_dir / f"server-{port}.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, str(CHAPTER / "server.py"), "--model", model, "--port", str(port),
-                                 "--device", "cpu", "--dtype", "float32", *flags],
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(CHAPTER / "server.py"),
+                "--model",
+                model,
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180

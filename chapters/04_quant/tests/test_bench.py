@@ -13,9 +13,26 @@ def run(*args):
 
 
 def test_bench_runs_and_saves_figures(tmp_path):
-    r = run("--model", "tiny-llama3", "--formats", "bf16,int8,int4-g32,gguf-q4_1", "--repeats", "1",
-            "--prompt-tokens", "16", "--new-tokens", "8", "--ppl-tokens", "300", "--context", "128", "--stride", "64",
-            "--out", str(tmp_path))
+    r = run(
+        "--model",
+        "tiny-llama3",
+        "--formats",
+        "bf16,int8,int4-g32,gguf-q4_1",
+        "--repeats",
+        "1",
+        "--prompt-tokens",
+        "16",
+        "--new-tokens",
+        "8",
+        "--ppl-tokens",
+        "300",
+        "--context",
+        "128",
+        "--stride",
+        "64",
+        "--out",
+        str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     assert "gguf-q4_1 skipped: the bundled GGUF is smollm2-135m" in r.stderr
     result = json.loads((tmp_path / "ch04_quant_tiny-llama3.json").read_text())

@@ -48,7 +48,9 @@ def test_greedy_equals_chapter_02(engine):
 
 
 def test_finish_reasons_stop_and_length(engine):
-    text, tokens, finish = run(engine, Request(chat(engine, "What is the capital of France?"), GREEDY, max_tokens=40))[0]
+    text, tokens, finish = run(engine, Request(chat(engine, "What is the capital of France?"), GREEDY, max_tokens=40))[
+        0
+    ]
     assert finish == "stop" and tokens[-1] in engine.eos_ids and "Paris" in text
     text, tokens, finish = run(engine, Request(chat(engine, "Write a long essay."), GREEDY, max_tokens=5))[0]
     assert finish == "length" and len(tokens) == 5
@@ -88,7 +90,9 @@ def test_stop_string_across_token_boundaries(engine):
 
 def test_streamed_text_equals_one_shot_decode_with_sampling(engine):
     params = SamplingParams(temperature=1.0, seed=3)
-    text, tokens, _ = run(engine, Request(chat(engine, "Say something in Chinese and use emoji."), params, max_tokens=40))[0]
+    text, tokens, _ = run(
+        engine, Request(chat(engine, "Say something in Chinese and use emoji."), params, max_tokens=40)
+    )[0]
     assert text == engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
 
 
@@ -190,7 +194,7 @@ def test_cache_starts_small_and_grows_without_changing_the_tokens(engine, monkey
     built = record_caches(monkeypatch)
     monkeypatch.setattr(memory, "CACHE_CHUNK", 8)
     assert run(engine, req)[0][1] == expected  # grown 3 times on the way: every copy kept its slots
-    (shape, cache), = built
+    ((shape, cache),) = built
     assert shape[2] == len(prompt) + 8  # not the prompt + 40 max_tokens asked for
     assert cache.max_seq == len(prompt) + 40 and cache.length == len(prompt) + 39  # grown in place, capped
 
@@ -202,8 +206,11 @@ def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
     one = run(engine, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
     shapes = []
     real_forward = engine_module.forward
-    monkeypatch.setattr(engine_module, "forward", lambda m, tokens, *a, **k: shapes.append(tuple(tokens.shape))
-                        or real_forward(m, tokens, *a, **k))
+    monkeypatch.setattr(
+        engine_module,
+        "forward",
+        lambda m, tokens, *a, **k: shapes.append(tuple(tokens.shape)) or real_forward(m, tokens, *a, **k),
+    )
     out = run(engine, Request(prompt, GREEDY, max_tokens=6, n=3, ignore_eos=True))
     assert shapes[0] == (1, len(prompt)) and shapes[1:] == [(3, 1)] * 5
     assert [tokens for _, tokens, _ in out] == [one] * 3
@@ -225,10 +232,11 @@ def test_the_estimate_covers_the_caches_a_request_builds(engine, monkeypatch):
 
     built = record_caches(monkeypatch)
     monkeypatch.setattr(memory, "CACHE_CHUNK", 8)  # so it grows to full size within 40 tokens
-    req = Request(chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=1), max_tokens=40, n=2,
-                  ignore_eos=True)
+    req = Request(
+        chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=1), max_tokens=40, n=2, ignore_eos=True
+    )
     run(engine, req)
-    (shape, cache), = built
+    ((shape, cache),) = built
     assert shape[0] == 1  # the prompt's pass
     assert cache.shape[0] == 2 and cache.max_seq == len(req.prompt_ids) + 40
     assert cache.nbytes <= engine.memory_needed(req).kv_cache

@@ -88,7 +88,9 @@ def test_smollm2_bf16_greedy_leaves_the_fp32_path_only_at_near_ties(device):
     n, eos = 24, model.config.eos_token_ids
     picks = exact = 0
     for prompt, ours in zip(prompts, generate_all(model, prompts, n)):
-        ref = torch.from_numpy(hf_hidden_states(d, prompt + ours)["logits"][len(prompt) - 1 :])  # row i: fp32 logits for pick i
+        ref = torch.from_numpy(
+            hf_hidden_states(d, prompt + ours)["logits"][len(prompt) - 1 :]
+        )  # row i: fp32 logits for pick i
         chosen = ref[torch.arange(len(ours)), ours]
         names = [tok.decode([t]) for t in ours]
         if len(ours) < n:  # stopping early is a pick too: an EOS token
@@ -125,7 +127,9 @@ def test_decode_logits_equal_chapter_01_numpy():
     cache = KVCache(model.config, 1, len(ids) + 6, "cpu", torch.float32)
     logits = forward(model, torch.tensor([ids]), cache, last_only=True)
     for _ in range(6):
-        np.testing.assert_allclose(logits[0, -1].numpy(), ch01.model.forward(np_model, ids, last_only=True)[0], atol=1e-4)
+        np.testing.assert_allclose(
+            logits[0, -1].numpy(), ch01.model.forward(np_model, ids, last_only=True)[0], atol=1e-4
+        )
         ids.append(int(logits[0, -1].argmax()))
         logits = forward(model, torch.tensor([[ids[-1]]]), cache)
 
@@ -167,8 +171,10 @@ def test_batched_greedy_equals_hf_generate_per_prompt():
 USER_MODEL = os.environ.get("MODEL", "")
 
 
-@pytest.mark.skipif(USER_MODEL in ("", "smollm2-135m", "tiny-llama3"),
-                    reason="set MODEL=/path/to/a Llama 3.x checkpoint to check a real model too")
+@pytest.mark.skipif(
+    USER_MODEL in ("", "smollm2-135m", "tiny-llama3"),
+    reason="set MODEL=/path/to/a Llama 3.x checkpoint to check a real model too",
+)
 def test_user_model_every_layer_and_greedy(device):
     d, model, tok = engine(USER_MODEL, device)
     ids = tok.encode(TEXT)[:64]

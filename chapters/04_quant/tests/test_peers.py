@@ -20,8 +20,7 @@ T = gguf.GGMLQuantizationType
 # fp16 subnormal, 2^-25, for tiny values.
 ROUNDING = {"F16": (2.0**-11, 2.0**-25), "BF16": (2.0**-8, 0.0)}
 
-needs_llama_cpp = pytest.mark.skipif(peers.llama_cpp_available() is not None,
-                                     reason=str(peers.llama_cpp_available()))
+needs_llama_cpp = pytest.mark.skipif(peers.llama_cpp_available() is not None, reason=str(peers.llama_cpp_available()))
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,17 @@
 import pytest
 import torch
 
-from quant import (Int4Weight, QuantSpec, cat_rows, group_size_for, nbytes, pack_int4, quantize_int4, quantize_int8,
-                   unpack_int4)
+from quant import (
+    Int4Weight,
+    QuantSpec,
+    cat_rows,
+    group_size_for,
+    nbytes,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 
 def weights(out=48, n_in=192, seed=0, outliers=True):
@@ -98,8 +107,14 @@ def test_bytes_per_weight():
     assert nbytes(quantize_int4(w, 32, symmetric=True)) == 64 * 128 + 64 * 8 * 2
 
 
-@pytest.mark.parametrize("kw, message", [({"bits": 3}, "bits must be 4 or 8"), ({"bits": 4, "group_size": 48}, "group size"),
-                                         ({"bits": 8, "head_bits": 2}, "LM head")])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"bits": 3}, "bits must be 4 or 8"),
+        ({"bits": 4, "group_size": 48}, "group size"),
+        ({"bits": 8, "head_bits": 2}, "LM head"),
+    ],
+)
 def test_bad_specs_are_clear_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         QuantSpec(**kw)

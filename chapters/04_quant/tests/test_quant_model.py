@@ -30,8 +30,19 @@ def test_quantized_smollm2_answers_the_chat_prompt(quant):
     # float32 activations: the exact answer, whatever the CPU's bf16 kernels (see chapter 02's README).
     # The reference matmul: torch's int4 kernel, made for bf16 and a few rows, took 22 s on a 56-token
     # float32 prompt here (chapter 05's "auto" sends prompts to a dense copy instead).
-    r = run("generate.py", "--chat", "--prompt", PROMPT, "--max-new-tokens", "12", "--dtype", "float32",
-            "--matmul", "reference", *quant)
+    r = run(
+        "generate.py",
+        "--chat",
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "float32",
+        "--matmul",
+        "reference",
+        *quant,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert ("int8" if "int8" in quant else "int4 G=32") in r.stderr
@@ -96,11 +107,14 @@ def test_parity_refuses_a_quantized_reference(tmp_path):
     assert r.returncode == 2 and "which HF transformers does not read" in r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--quant", "int3"], "invalid choice: 'int3'"),
-    (["--quant", "int4", "--group-size", "48"], "invalid choice: 48"),
-    (["--model", "/nope/x.gguf"], "no such GGUF file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--quant", "int3"], "invalid choice: 'int3'"),
+        (["--quant", "int4", "--group-size", "48"], "invalid choice: 48"),
+        (["--model", "/nope/x.gguf"], "no such GGUF file"),
+    ],
+)
 def test_bad_quant_flags_are_clear_errors(args, message):
     r = run("generate.py", "--prompt", "hi", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -145,10 +159,18 @@ def test_the_server_serves_a_quantized_model(tmp_path):
 
     with serve(tmp_path, "smollm2-135m", "--quant", "int8") as (url, proc, log):
         client = OpenAI(base_url=url + "/v1", api_key="none")
-        reply = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12,
-                                               messages=[{"role": "user", "content": PROMPT}])
+        reply = client.chat.completions.create(
+            model="smollm2-135m", temperature=0, max_tokens=12, messages=[{"role": "user", "content": PROMPT}]
+        )
         assert "Paris" in reply.choices[0].message.content
-        stream = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12, stream=True,
-                                                messages=[{"role": "user", "content": PROMPT}])
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+        stream = client.chat.completions.create(
+            model="smollm2-135m",
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            messages=[{"role": "user", "content": PROMPT}],
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+        )
     assert "serving smollm2-135m (int8 weights)" in log.read_text()

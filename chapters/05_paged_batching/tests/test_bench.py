@@ -12,17 +12,47 @@ import pytest
 
 CHAPTER = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 8
-SMALL = ["--model", "tiny-llama3", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS), "--repeats", "1",
-         "--kv-cache-memory-gb", "0.05", "--long-prompt-tokens", "300", "--system-prompt-tokens", "200",
-         "--stream-tokens", "256", "--warm-tokens", "4", "--engine-prompts", "4", "--decode-steps", "4",
-         "--health-interval", "0.01", "--memory-max-tokens", "24"]  # tiny-llama3's requests are short: poll /health often enough to see them
+SMALL = [
+    "--model",
+    "tiny-llama3",
+    "--dtype",
+    "float32",
+    "--max-tokens",
+    str(MAX_TOKENS),
+    "--repeats",
+    "1",
+    "--kv-cache-memory-gb",
+    "0.05",
+    "--long-prompt-tokens",
+    "300",
+    "--system-prompt-tokens",
+    "200",
+    "--stream-tokens",
+    "256",
+    "--warm-tokens",
+    "4",
+    "--engine-prompts",
+    "4",
+    "--decode-steps",
+    "4",
+    "--health-interval",
+    "0.01",
+    "--memory-max-tokens",
+    "24",
+]  # tiny-llama3's requests are short: poll /health often enough to see them
 
 
 def run(*args, timeout=300):
     """bench.py in a session of its own: on a timeout the whole group goes (servers included).
     -> (the completed process, whether its group is empty now that it has exited)."""
-    proc = subprocess.Popen([sys.executable, "bench.py", *args], cwd=CHAPTER, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "bench.py", *args],
+        cwd=CHAPTER,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -44,8 +74,11 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
     assert r.returncode == 0, r.stderr
     assert stopped, "a server outlived bench.py"
     result = json.loads(out.read_text())
-    assert result["machine"]["cores"] and result["threads"] >= 1 and result["parts"] == [
-        "throughput", "engine", "chunked", "prefix", "memory"]
+    assert (
+        result["machine"]["cores"]
+        and result["threads"] >= 1
+        and result["parts"] == ["throughput", "engine", "chunked", "prefix", "memory"]
+    )
 
     tp = result["throughput"]
     # chapter 04's server runs when chapter 04 sits beside this one (a copied chapter has no neighbour)
@@ -86,8 +119,9 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
     lengths = list(zip(mem["prompt_tokens"], mem["generated_tokens"]))
     assert len(lengths) == mem["requests"] and all(1 <= g <= mem["max_tokens"] for _, g in lengths)
     assert mem["tokens_held"] == sum(p + g for p, g in lengths)
-    paged, ch04, reserve, static = (mem["schemes"][k] for k in ("paged", "ch04_growing", "reserve_max_tokens",
-                                                                "static_padded"))
+    paged, ch04, reserve, static = (
+        mem["schemes"][k] for k in ("paged", "ch04_growing", "reserve_max_tokens", "static_padded")
+    )
     # paged holds each sequence to the end of its last block: under one block more than it uses
     assert mem["tokens_held"] <= paged["slots"] < mem["tokens_held"] + 16 * mem["requests"]
     assert paged["bytes"] == paged["slots"] * mem["kv_bytes_per_token"]

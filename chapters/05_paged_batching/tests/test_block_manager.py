@@ -286,8 +286,9 @@ def test_a_collision_does_not_chain_a_later_block_onto_the_wrong_prefix(monkeypa
     # to the colliding name of B's block 0, so a prompt that starts like A reaches it after A's
     # block 0, and B's K/V (computed after B's first tokens) would be served as A's.
     real = block_manager.block_hash
-    monkeypatch.setattr(block_manager, "block_hash",
-                        lambda previous, tokens: 7 if previous is None else real(previous, tokens))
+    monkeypatch.setattr(
+        block_manager, "block_hash", lambda previous, tokens: 7 if previous is None else real(previous, tokens)
+    )
     m = BlockManager(16, BS)
     a = prompt(BS, start=100)  # block 0 of sequence A
     b = prompt(BS, start=200)  # block 0 of sequence B: the same hash as A's, other tokens
@@ -464,15 +465,20 @@ def test_random_operations_keep_the_books(colliding, monkeypatch):
     register = st.booleans()  # name the full blocks once computed (or not: then they go back unnamed)
     start = st.tuples(st.just("start"), st.lists(st.integers(0, 1), min_size=1, max_size=8), register)
     operation = st.one_of(
-        start, start,  # twice as likely as the others: more sequences, more shared prefixes
+        start,
+        start,  # twice as likely as the others: more sequences, more shared prefixes
         st.tuples(st.just("step"), which, st.integers(0, 1), register),
         st.tuples(st.just("fork"), which),
         st.tuples(st.just("free"), which),
     )
 
     @hypothesis.settings(max_examples=200, deadline=None, database=None)
-    @hypothesis.given(num_blocks=st.integers(1, 10), block_size=st.integers(1, 3), caching=st.booleans(),
-                      operations=st.lists(operation, min_size=10, max_size=50))
+    @hypothesis.given(
+        num_blocks=st.integers(1, 10),
+        block_size=st.integers(1, 3),
+        caching=st.booleans(),
+        operations=st.lists(operation, min_size=10, max_size=50),
+    )
     def run(num_blocks, block_size, caching, operations):
         m = BlockManager(num_blocks, block_size, prefix_caching=caching)
         live: list[Seq] = []

@@ -22,8 +22,9 @@ def contiguous_attention(q, k, v, start):
     q [new, n_heads, dim] -> [new, n_heads, dim]."""
     new, keys = q.shape[0], k.shape[0]
     causal = torch.arange(keys)[None, :] <= torch.arange(start, start + new)[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=causal, enable_gqa=True
+    )
     return out[0].transpose(0, 1)
 
 

@@ -92,11 +92,14 @@ def test_parity_refuses_a_quantized_reference(tmp_path):
     assert r.returncode == 2 and "which HF transformers does not read" in r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--quant", "int3"], "invalid choice: 'int3'"),
-    (["--quant", "int4", "--group-size", "48"], "invalid choice: 48"),
-    (["--model", "/nope/x.gguf"], "no such GGUF file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--quant", "int3"], "invalid choice: 'int3'"),
+        (["--quant", "int4", "--group-size", "48"], "invalid choice: 48"),
+        (["--model", "/nope/x.gguf"], "no such GGUF file"),
+    ],
+)
 def test_bad_quant_flags_are_clear_errors(args, message):
     r = run("generate.py", "--prompt", "hi", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -141,10 +144,18 @@ def test_the_server_serves_a_quantized_model(tmp_path):
 
     with serve(tmp_path, "smollm2-135m", "--quant", "int8") as (url, proc, log):
         client = OpenAI(base_url=url + "/v1", api_key="none")
-        reply = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12,
-                                               messages=[{"role": "user", "content": PROMPT}])
+        reply = client.chat.completions.create(
+            model="smollm2-135m", temperature=0, max_tokens=12, messages=[{"role": "user", "content": PROMPT}]
+        )
         assert "Paris" in reply.choices[0].message.content
-        stream = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=12, stream=True,
-                                                messages=[{"role": "user", "content": PROMPT}])
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+        stream = client.chat.completions.create(
+            model="smollm2-135m",
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            messages=[{"role": "user", "content": PROMPT}],
+        )
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+        )
     assert "serving smollm2-135m (int8 weights, " in log.read_text()

@@ -27,18 +27,26 @@ def logits(model):
 
 def quantize(tmp_path: Path, *args, model="tiny-llama3") -> Path:
     out = tmp_path / "q"
-    r = subprocess.run([sys.executable, "quantize.py", "--model", model, *args, "--out", str(out)], cwd=CHAPTER,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "quantize.py", "--model", model, *args, "--out", str(out)],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     return out
 
 
-@pytest.mark.parametrize("args, spec", [
-    (["--bits", "8"], QuantSpec(8)),
-    (["--bits", "4", "--group-size", "64"], QuantSpec(4, 64)),
-    (["--bits", "4", "--group-size", "128", "--symmetric", "--lm-head", "int4"], QuantSpec(4, 128, True, 4)),
-    (["--bits", "4", "--lm-head", "none"], QuantSpec(4, 32, head_bits=None)),
-])
+@pytest.mark.parametrize(
+    "args, spec",
+    [
+        (["--bits", "8"], QuantSpec(8)),
+        (["--bits", "4", "--group-size", "64"], QuantSpec(4, 64)),
+        (["--bits", "4", "--group-size", "128", "--symmetric", "--lm-head", "int4"], QuantSpec(4, 128, True, 4)),
+        (["--bits", "4", "--lm-head", "none"], QuantSpec(4, 32, head_bits=None)),
+    ],
+)
 def test_saved_checkpoint_loads_with_identical_logits(tmp_path, args, spec):
     out = quantize(tmp_path, *args)
     config = json.loads((out / "config.json").read_text())
@@ -92,7 +100,9 @@ def test_missing_scales_are_named(int4_dir):
 
 def test_a_wrong_group_size_is_named(int4_dir):
     edit_config(int4_dir, lambda q: q.update(group_size=64))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.scales: shape \(256, 8\).*group_size=64"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.scales: shape \(256, 8\).*group_size=64"
+    ):
         load(int4_dir)
 
 
@@ -106,19 +116,29 @@ def test_bits_other_than_4_or_8_are_an_error(int4_dir, bits):
 def test_int8_checkpoint_declared_as_int4_is_named(tmp_path):
     d = quantize(tmp_path, "--bits", "8")
     edit_config(d, lambda q: q.update(bits=4))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.qweight: shape \(256, 768\).*imply \(256, 384\)"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.qweight: shape \(256, 768\).*imply \(256, 384\)"
+    ):
         load(d)
 
 
 def test_codes_of_the_wrong_dtype_are_named(int4_dir):
-    edit_tensors(int4_dir, lambda t: t.update({"model.layers.2.mlp.up_proj.qweight": t["model.layers.2.mlp.up_proj.qweight"].to(torch.int8)}))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.up_proj\.qweight: dtype I8, this format stores U8"):
+    edit_tensors(
+        int4_dir,
+        lambda t: t.update(
+            {"model.layers.2.mlp.up_proj.qweight": t["model.layers.2.mlp.up_proj.qweight"].to(torch.int8)}
+        ),
+    )
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.2\.mlp\.up_proj\.qweight: dtype I8, this format stores U8"
+    ):
         load(int4_dir)
 
 
 def test_a_nan_scale_is_named(int4_dir):
     def poison(t):
         t["model.layers.0.mlp.gate_proj.scales"][3, 1] = float("nan")
+
     edit_tensors(int4_dir, poison)
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.scales holds NaN"):
         load(int4_dir)
@@ -138,8 +158,13 @@ def test_another_quant_method_is_refused(int4_dir):
 
 
 def test_quantizing_a_quantized_checkpoint_is_refused(int4_dir, tmp_path):
-    r = subprocess.run([sys.executable, "quantize.py", "--model", str(int4_dir), "--bits", "8", "--out", str(tmp_path / "x")],
-                       cwd=CHAPTER, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "quantize.py", "--model", str(int4_dir), "--bits", "8", "--out", str(tmp_path / "x")],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "already quantized" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(ValueError, match="already quantized"):
         load_model(int4_dir, "cpu", torch.float32, QuantSpec(8))
@@ -148,7 +173,12 @@ def test_quantizing_a_quantized_checkpoint_is_refused(int4_dir, tmp_path):
 def test_generate_reports_a_corrupt_quantized_checkpoint_plainly(int4_dir):
     shutil.copy(int4_dir / "config.json", int4_dir / "config.bak")
     edit_tensors(int4_dir, lambda t: t.pop("model.layers.3.self_attn.o_proj.mins"))
-    r = subprocess.run([sys.executable, "generate.py", "--model", str(int4_dir), "--prompt", "hi"], cwd=CHAPTER,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "generate.py", "--model", str(int4_dir), "--prompt", "hi"],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "missing tensor model.layers.3.self_attn.o_proj.mins" in r.stderr
     assert "Traceback" not in r.stderr

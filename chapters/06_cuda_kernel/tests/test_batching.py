@@ -33,8 +33,15 @@ def workload(n: int, seed: int, shared_prefix: int = 0) -> tuple[list[Request], 
     With shared_prefix, every prompt starts with the same tokens (a system prompt)."""
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 250) for _ in range(shared_prefix)]
-    reqs = [Request(prefix + [rng.randrange(3, 250) for _ in range(rng.choice([1, 3, 15, 16, 17, 40, 90]))],
-                    GREEDY, max_tokens=rng.randrange(1, 30), ignore_eos=True) for _ in range(n)]
+    reqs = [
+        Request(
+            prefix + [rng.randrange(3, 250) for _ in range(rng.choice([1, 3, 15, 16, 17, 40, 90]))],
+            GREEDY,
+            max_tokens=rng.randrange(1, 30),
+            ignore_eos=True,
+        )
+        for _ in range(n)
+    ]
     return reqs, [rng.randrange(0, 25) for _ in range(n)]
 
 
@@ -49,8 +56,9 @@ def alone():
     def run(req: Request) -> list[int]:
         key = (tuple(req.prompt_ids), req.max_tokens)
         if key not in memo:
-            theirs = ch04.engine.Request(req.prompt_ids, ch04.engine.SamplingParams(temperature=0),
-                                         max_tokens=req.max_tokens, ignore_eos=True)
+            theirs = ch04.engine.Request(
+                req.prompt_ids, ch04.engine.SamplingParams(temperature=0), max_tokens=req.max_tokens, ignore_eos=True
+            )
             memo[key] = [t for events in engine.stream(theirs) for ev in events for t in ev.token_ids]
         return memo[key]
 
@@ -91,7 +99,9 @@ def test_chunked_prefill_splits_long_prompts_and_changes_no_token(tiny, alone):
     def step():
         out = real_step()
         if engine.last_plan:
-            chunks.extend(n for seq, n in engine.last_plan.work if n < len(seq.prompt) and seq.n_computed < len(seq.prompt))
+            chunks.extend(
+                n for seq, n in engine.last_plan.work if n < len(seq.prompt) and seq.n_computed < len(seq.prompt)
+            )
             assert sum(n for _, n in engine.last_plan.work) <= 7
         return out
 
@@ -200,4 +210,6 @@ def test_stop_ids_covering_the_vocabulary_with_min_tokens_are_refused_up_front(t
     vocab = engine.model.config.vocab_size
     with pytest.raises(ValueError, match="leave no other token"):
         engine.add(Request([8, 9], GREEDY, max_tokens=5, min_tokens=1, stop_token_ids=list(range(vocab))))
-    engine.add(Request([8, 9], GREEDY, max_tokens=5, stop_token_ids=list(range(vocab))))  # no min_tokens: may stop at once
+    engine.add(
+        Request([8, 9], GREEDY, max_tokens=5, stop_token_ids=list(range(vocab)))
+    )  # no min_tokens: may stop at once

@@ -13,18 +13,48 @@ import pytest
 import peers
 
 CHAPTER = Path(__file__).resolve().parents[1]
-TINY = ["--model", "tiny-llama3", "--repeats", "1", "--threads", "1", "--kv-cache-memory-gb", "0.05",
-        "--health-interval", "0.01"]
+TINY = [
+    "--model",
+    "tiny-llama3",
+    "--repeats",
+    "1",
+    "--threads",
+    "1",
+    "--kv-cache-memory-gb",
+    "0.05",
+    "--health-interval",
+    "0.01",
+]
 # part kernels in miniature: short contexts, small matrices, few timed calls
-SMALL_KERNELS = ["--contexts", "32,64", "--batches", "1,2", "--rows", "1,2", "--norm-rows", "1,4",
-                 "--linear-shapes", "qkv:64x64,head:256x64", "--calls", "3", "--min-seconds", "0"]
+SMALL_KERNELS = [
+    "--contexts",
+    "32,64",
+    "--batches",
+    "1,2",
+    "--rows",
+    "1,2",
+    "--norm-rows",
+    "1,4",
+    "--linear-shapes",
+    "qkv:64x64,head:256x64",
+    "--calls",
+    "3",
+    "--min-seconds",
+    "0",
+]
 
 
 def run(*args, timeout=240):
     """bench.py in a session of its own: on a timeout the whole group goes (servers included).
     -> (the completed process, whether its group is empty now that it has exited)."""
-    proc = subprocess.Popen([sys.executable, "bench.py", *args], cwd=CHAPTER, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "bench.py", *args],
+        cwd=CHAPTER,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -42,8 +72,22 @@ def run(*args, timeout=240):
 
 def test_bench_runs_every_part_and_saves_figures(tmp_path):
     out = tmp_path / "ch06.json"
-    r, stopped = run(*TINY, *SMALL_KERNELS, "--prompt-tokens", "48", "--decode-tokens", "4", "--concurrency", "2",
-                     "--max-tokens", "6", "--peers", "llama.cpp", "--out", str(out))
+    r, stopped = run(
+        *TINY,
+        *SMALL_KERNELS,
+        "--prompt-tokens",
+        "48",
+        "--decode-tokens",
+        "4",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "6",
+        "--peers",
+        "llama.cpp",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert stopped, "a server outlived bench.py"
     result = json.loads(out.read_text())
@@ -71,8 +115,11 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
 
     de = result["decode"]
     assert de["weights"] == ["int4", "bf16"] and de["decode_tokens"] == 4 and de["prompt_tokens"] >= 48
-    expected = [f"{who} {w}{on}" for w in ("int4", "bf16") for who, on in
-                (("ch06", " kernels on"), ("ch06", " kernels off"), ("ch05", ""))]
+    expected = [
+        f"{who} {w}{on}"
+        for w in ("int4", "bf16")
+        for who, on in (("ch06", " kernels on"), ("ch06", " kernels off"), ("ch05", ""))
+    ]
     if "ch05 int4" not in de["series"]:  # a copied chapter has no neighbour
         assert "[decode] chapter 05 is not beside this chapter" in r.stderr
         expected = [e for e in expected if not e.startswith("ch05")]
@@ -103,12 +150,27 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
         assert title in r.stdout
 
 
-@pytest.mark.skipif(peers.llama_cpp_available() is not None,
-                    reason=f"optional llama.cpp peer: {peers.llama_cpp_available()}")
+@pytest.mark.skipif(
+    peers.llama_cpp_available() is not None, reason=f"optional llama.cpp peer: {peers.llama_cpp_available()}"
+)
 def test_decode_beside_llama_cpp(tmp_path):
     out = tmp_path / "decode.json"
-    r, _ = run("--parts", "decode", "--peers", "llama.cpp", "--repeats", "1", "--threads", "1", "--prompt-tokens", "40",
-               "--decode-tokens", "3", "--out", str(out))
+    r, _ = run(
+        "--parts",
+        "decode",
+        "--peers",
+        "llama.cpp",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--prompt-tokens",
+        "40",
+        "--decode-tokens",
+        "3",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     de = json.loads(out.read_text())["decode"]
     assert de["llama_cpp"]["version"] and "llama.cpp Q4_1" in de["series"] and "llama.cpp BF16" in de["series"]
@@ -119,8 +181,9 @@ def test_decode_beside_llama_cpp(tmp_path):
 
 def test_servers_are_stopped_when_a_part_fails(tmp_path):
     # more tokens than tiny-llama3's KV pool holds: the server answers 400 and the part fails with both servers up
-    r, stopped = run(*TINY, "--parts", "throughput", "--concurrency", "1", "--max-tokens", "100000",
-                     "--out", str(tmp_path))
+    r, stopped = run(
+        *TINY, "--parts", "throughput", "--concurrency", "1", "--max-tokens", "100000", "--out", str(tmp_path)
+    )
     assert r.returncode != 0 and "HTTP 400" in r.stderr
     assert stopped, "a server outlived bench.py"
     assert not list(tmp_path.iterdir())

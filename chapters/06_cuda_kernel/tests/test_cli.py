@@ -12,8 +12,14 @@ CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args, stdin=None):
-    return subprocess.run([sys.executable, str(CHAPTER / "cli.py"), *args], input=stdin, capture_output=True,
-                          text=True, cwd=CHAPTER, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(CHAPTER / "cli.py"), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=CHAPTER,
+        timeout=600,
+    )
 
 
 # Exact answers are checked in float32: --dtype auto means bf16 on a GPU, where greedy picks at
@@ -29,8 +35,14 @@ def test_one_shot_streams_an_answer():
 
 
 def test_interactive_chat_keeps_history():
-    r = run("--temperature", "0", "--max-new-tokens", "16", *EXACT,
-            stdin="What is the capital of France?\nAnd what did I just ask you?\n/reset\nHi\n/quit\n")
+    r = run(
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        *EXACT,
+        stdin="What is the capital of France?\nAnd what did I just ask you?\n/reset\nHi\n/quit\n",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("model> ") == 3 and "Paris" in r.stdout
     prompt_sizes = [int(line.split()[0][1:]) for line in r.stderr.splitlines() if "prompt tokens" in line]
@@ -40,15 +52,18 @@ def test_interactive_chat_keeps_history():
 
 
 def test_raw_completion_and_stop_string():
-    r = run("--raw", "--prompt", "1, 2, 3, 4,", "--temperature", "0", "--max-new-tokens", "20", "--stop", " 7",
-            *EXACT)
+    r = run("--raw", "--prompt", "1, 2, 3, 4,", "--temperature", "0", "--max-new-tokens", "20", "--stop", " 7", *EXACT)
     assert r.returncode == 0, r.stderr
     assert "5" in r.stdout and " 7" not in r.stdout and "finish: stop" in r.stderr
 
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"), (["--model", "/nope"], "no such directory")],
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "2"], "top_p"),
+        (["--model", "/nope"], "no such directory"),
+    ],
 )
 def test_bad_flags_are_clear_errors(args, message):
     r = run("--prompt", "hi", *args)

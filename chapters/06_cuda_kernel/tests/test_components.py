@@ -48,8 +48,12 @@ def test_rope_in_place_matches_hf(tiny, ops):
     qkv = torch.randn(4, 7, config.head_dim)  # [tokens, heads, hd]: rotate the first 5 heads
     cos, sin = ops.angles(inv_frequencies(config), positions, torch.float32)
     expected_cos, expected_sin = cos_sin_table(inv_frequencies(config), 9001)
-    theirs, _ = hf.apply_rotary_pos_emb(qkv[None, :, :5].transpose(1, 2), qkv[None, :, :5].transpose(1, 2),
-                                         expected_cos[positions][None], expected_sin[positions][None])
+    theirs, _ = hf.apply_rotary_pos_emb(
+        qkv[None, :, :5].transpose(1, 2),
+        qkv[None, :, :5].transpose(1, 2),
+        expected_cos[positions][None],
+        expected_sin[positions][None],
+    )
     v = qkv[:, 5:].clone()
     ops.rope_(qkv[:, :5], cos, sin)
     torch.testing.assert_close(qkv[:, :5], theirs[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -52,11 +52,13 @@ def test_greedy_equals_chapter_04(engine):
         assert [t for t in tokens if t not in engine.eos_ids] == ids
         assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
     together = engine.generate([Request(p, GREEDY, max_tokens=24) for p in prompts])
-    assert [[t for t in out.token_ids if t not in engine.eos_ids] for out, in together] == expected
+    assert [[t for t in out.token_ids if t not in engine.eos_ids] for (out,) in together] == expected
 
 
 def test_finish_reasons_stop_and_length(engine):
-    text, tokens, finish = run(engine, Request(chat(engine, "What is the capital of France?"), GREEDY, max_tokens=40))[0]
+    text, tokens, finish = run(engine, Request(chat(engine, "What is the capital of France?"), GREEDY, max_tokens=40))[
+        0
+    ]
     assert finish == "stop" and tokens[-1] in engine.eos_ids and "Paris" in text
     text, tokens, finish = run(engine, Request(chat(engine, "Write a long essay."), GREEDY, max_tokens=5))[0]
     assert finish == "length" and len(tokens) == 5
@@ -96,7 +98,9 @@ def test_stop_string_across_token_boundaries(engine):
 
 def test_streamed_text_equals_one_shot_decode_with_sampling(engine):
     params = SamplingParams(temperature=1.0, seed=3)
-    text, tokens, _ = run(engine, Request(chat(engine, "Say something in Chinese and use emoji."), params, max_tokens=40))[0]
+    text, tokens, _ = run(
+        engine, Request(chat(engine, "Say something in Chinese and use emoji."), params, max_tokens=40)
+    )[0]
     assert text == engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
 
 
@@ -143,8 +147,9 @@ def test_bad_requests(engine, kwargs, message):
 
 def test_defaults_follow_generation_config(tmp_path):
     d = resolve_model("tiny-llama3")
-    engine = Engine(load_model(d), Tokenizer(d), {"temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7]},
-                    num_blocks=16)
+    engine = Engine(
+        load_model(d), Tokenizer(d), {"temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7]}, num_blocks=16
+    )
     assert engine.default_params().temperature == 0.6 and engine.default_params().top_p == 0.9
     assert engine.eos_ids == {2, 7}
 
@@ -207,8 +212,11 @@ def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
     fresh = limited(engine)  # an empty prefix cache: the prompt's blocks are not found there
     steps = []  # (new tokens, sequences) of each forward pass
     real_forward = engine_module.forward
-    monkeypatch.setattr(engine_module, "forward", lambda m, step, *a, **k:
-                        steps.append((len(step.tokens), len(step.last))) or real_forward(m, step, *a, **k))
+    monkeypatch.setattr(
+        engine_module,
+        "forward",
+        lambda m, step, *a, **k: steps.append((len(step.tokens), len(step.last))) or real_forward(m, step, *a, **k),
+    )
     out = run(fresh, Request(prompt, GREEDY, max_tokens=6, n=3, ignore_eos=True))
     # Choice 0 runs the prompt. Then choices 1 and 2 start from its blocks and compute only the
     # prompt's last token (for their logits), in the step where choice 0 decodes its second: one
@@ -235,8 +243,9 @@ def test_without_a_size_the_pool_takes_the_default_share_of_free_memory(engine, 
     import engine as engine_module
 
     asked = []
-    monkeypatch.setattr(engine_module, "default_kv_bytes",
-                        lambda device: asked.append(device) or 7 * block_bytes(engine))
+    monkeypatch.setattr(
+        engine_module, "default_kv_bytes", lambda device: asked.append(device) or 7 * block_bytes(engine)
+    )
     default = Engine(engine.model, engine.tokenizer, engine.generation_config)
     assert asked == [engine.model.device] and default.blocks.num_blocks == 7
     # memory unknown (an MPS device): max_num_seqs full contexts
@@ -247,8 +256,10 @@ def test_without_a_size_the_pool_takes_the_default_share_of_free_memory(engine, 
 def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine):
     small = limited(engine, num_blocks=8)  # 128 tokens
     req = Request([5] * 100, max_tokens=100)
-    message = (r"this request needs room for 200 tokens \(100 in the prompt, 100 to generate\), but this server's "
-               r"KV cache holds 128 tokens: lower max_tokens or the prompt's length")
+    message = (
+        r"this request needs room for 200 tokens \(100 in the prompt, 100 to generate\), but this server's "
+        r"KV cache holds 128 tokens: lower max_tokens or the prompt's length"
+    )
     with pytest.raises(ValueError, match=message):
         small.validate(req)
     with pytest.raises(ValueError, match=message):

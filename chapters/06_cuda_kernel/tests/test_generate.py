@@ -46,8 +46,18 @@ def fp32_greedy_margins(prompt: str, until: str, max_new_tokens: int = 12) -> tu
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_generate_answers_a_chat_prompt(dtype):
-    r = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", PROMPT,
-            "--max-new-tokens", "12", "--device", "cpu", "--dtype", dtype)
+    r = run(
+        str(CHAPTER / "generate.py"),
+        "--chat",
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "TTFT" in r.stderr and "decode" in r.stderr and "tok/s" not in r.stdout
@@ -61,11 +71,22 @@ def test_generate_answers_a_chat_prompt(dtype):
 def test_generate_batch_prints_one_answer_per_prompt():
     second = "Name a fruit that is yellow."
     exact = ("--device", "cpu", "--dtype", "float32")  # equality across batch shapes: fp32 on CPU
-    r = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", "What is the capital of France?",
-            "--prompt", second, "--max-new-tokens", "10", *exact)
+    r = run(
+        str(CHAPTER / "generate.py"),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--prompt",
+        second,
+        "--max-new-tokens",
+        "10",
+        *exact,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    alone = run(str(CHAPTER / "generate.py"), "--chat", "--prompt", second, "--max-new-tokens", "10", *exact).stdout.strip()
+    alone = run(
+        str(CHAPTER / "generate.py"), "--chat", "--prompt", second, "--max-new-tokens", "10", *exact
+    ).stdout.strip()
     assert len(lines) == 2 and "Paris" in lines[0] and lines[1] == alone
 
 

@@ -35,16 +35,24 @@ def test_every_q4_1_tensor_equals_int4_g32_of_its_float_dequantization(gguf_mode
     import gguf
 
     _, ours = gguf_model
-    heads = {"q_proj": reader.fields["llama.attention.head_count"].contents(),
-             "k_proj": reader.fields["llama.attention.head_count_kv"].contents()}
+    heads = {
+        "q_proj": reader.fields["llama.attention.head_count"].contents(),
+        "k_proj": reader.fields["llama.attention.head_count_kv"].contents(),
+    }
     checked = 0
     for t in reader.tensors:
         if t.tensor_type.name != "Q4_1":
             continue
         # the gguf package's own dequantizer: an independent reading of the same bytes, in float32
         w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
-        name = next(n for n, x in ours.items() if isinstance(x, Int4Weight) and x.shape == tuple(w.shape)
-                    and n.startswith(f"model.layers.{t.name.split('.')[1]}.") and _same_kind(n, t.name))
+        name = next(
+            n
+            for n, x in ours.items()
+            if isinstance(x, Int4Weight)
+            and x.shape == tuple(w.shape)
+            and n.startswith(f"model.layers.{t.name.split('.')[1]}.")
+            and _same_kind(n, t.name)
+        )
         kind = name.split(".")[-2]
         if kind in heads:
             w = unpermute_rows(w, heads[kind])
@@ -57,8 +65,15 @@ def test_every_q4_1_tensor_equals_int4_g32_of_its_float_dequantization(gguf_mode
 
 
 def _same_kind(hf: str, gguf_name: str) -> bool:
-    pairs = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
-             "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+    pairs = {
+        "attn_q": "q_proj",
+        "attn_k": "k_proj",
+        "attn_v": "v_proj",
+        "attn_output": "o_proj",
+        "ffn_gate": "gate_proj",
+        "ffn_up": "up_proj",
+        "ffn_down": "down_proj",
+    }
     return hf.split(".")[-2] == pairs[gguf_name.split(".")[2]]
 
 
@@ -96,8 +111,17 @@ def test_the_q8_0_embedding_is_requantized_per_row_within_half_a_step(gguf_model
 def test_config_from_gguf_metadata_matches_the_prepared_checkpoint(gguf_model):
     config, _ = gguf_model
     prepared = load_config(resolve_model("smollm2-135m"))
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ):
         assert config[key] == getattr(prepared, key), key
     assert config["rope_theta"] == prepared.rope_theta and abs(config["rms_norm_eps"] - prepared.rms_norm_eps) < 1e-12
 
@@ -110,19 +134,42 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
 
 
 def test_generate_runs_the_gguf_file_directly():
-    r = subprocess.run([sys.executable, "generate.py", "--model", str(find_gguf()), "--chat", "--dtype", "float32",
-                        "--prompt", "What is the capital of France? Answer in one sentence.", "--max-new-tokens", "12"],
-                       cwd=CHAPTER, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "generate.py",
+            "--model",
+            str(find_gguf()),
+            "--chat",
+            "--dtype",
+            "float32",
+            "--prompt",
+            "What is the capital of France? Answer in one sentence.",
+            "--max-new-tokens",
+            "12",
+        ],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "int4 G=32" in r.stderr
 
 
 def test_quantize_from_gguf_writes_a_loadable_directory(tmp_path):
     out = tmp_path / "q4_1"
-    r = subprocess.run([sys.executable, "quantize.py", "--from-gguf", str(find_gguf()), "--out", str(out)],
-                       cwd=CHAPTER, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "quantize.py", "--from-gguf", str(find_gguf()), "--out", str(out)],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     from model import load_model
 
     model = load_model(out, "cpu", torch.float32, matmul="reference")

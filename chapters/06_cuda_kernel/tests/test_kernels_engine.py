@@ -22,8 +22,12 @@ from sampling import SamplingParams
 HERE = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-           "Explain what a KV cache is in one sentence."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a KV cache is in one sentence.",
+]
 
 
 def greedy_tokens(engine, prompt_ids, n):
@@ -71,8 +75,15 @@ def test_padded_static_decode_steps_equal_the_eager_engine():
     d = resolve_model("tiny-llama3")
     model, tok = load_model(d, ops=resolve("on", CPU)), Tokenizer(d)
     rng = random.Random(0)
-    reqs = [Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 5, 17, 40]))], GREEDY,
-                    max_tokens=rng.randrange(1, 25), ignore_eos=True) for _ in range(11)]
+    reqs = [
+        Request(
+            [rng.randrange(3, 250) for _ in range(rng.choice([1, 5, 17, 40]))],
+            GREEDY,
+            max_tokens=rng.randrange(1, 25),
+            ignore_eos=True,
+        )
+        for _ in range(11)
+    ]
     arrivals = [rng.randrange(0, 12) for _ in reqs]
     eager = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
     padded = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
@@ -109,16 +120,34 @@ def test_kernels_where_they_cannot_run(capsys):
         resolve("yes", CPU)
     # What the entry points get: --kernels auto says why it falls back, --kernels off does not.
     assert isinstance(Kernels("auto").ops(mps), TorchOps)
-    assert "note: kernels off (kernels/ has no mps implementation): chapter 05's PyTorch path runs" in capsys.readouterr().err
+    assert (
+        "note: kernels off (kernels/ has no mps implementation): chapter 05's PyTorch path runs"
+        in capsys.readouterr().err
+    )
     assert Kernels("off").ops(mps).describe() == "kernels: off (--kernels off)" and capsys.readouterr().err == ""
     assert Kernels("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
 
 
 @pytest.mark.parametrize("flag", ["on", "off"])
 def test_generate_with_and_without_kernels(flag):
-    r = subprocess.run([sys.executable, str(HERE / "generate.py"), "--chat", "--prompt", "What is the capital of France?",
-                        "--max-new-tokens", "12", "--dtype", "float32", "--kernels", flag],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "generate.py"),
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "--kernels",
+            flag,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
@@ -128,8 +157,10 @@ def test_cuda_graphs_replay_equals_eager_on_cuda():
     d = resolve_model("tiny-llama3")
     model, tok = load_model(d, "cuda", torch.float32, ops=resolve("on", torch.device("cuda"))), Tokenizer(d)
     rng = random.Random(1)
-    reqs = [Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 9, 33]))], GREEDY, max_tokens=20,
-                    ignore_eos=True) for _ in range(7)]
+    reqs = [
+        Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 9, 33]))], GREEDY, max_tokens=20, ignore_eos=True)
+        for _ in range(7)
+    ]
     graphs = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8)
     assert graphs.graphs is not None and graphs.graphs.capture
     eager = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8, cuda_graphs=False)

@@ -14,11 +14,13 @@ from common.models import resolve_model
 from common.prepare_models import find_gguf
 from common.tokenizer import Tokenizer
 
-needs_llama_cpp = pytest.mark.skipif(peers.llama_cpp_available() is not None,
-                                     reason=f"optional llama.cpp peer: {peers.llama_cpp_available()}")
+needs_llama_cpp = pytest.mark.skipif(
+    peers.llama_cpp_available() is not None, reason=f"optional llama.cpp peer: {peers.llama_cpp_available()}"
+)
 
 
 # --- the BF16 GGUF (the conversion is chapter 04's) ----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def readers(tmp_path_factory):
@@ -38,8 +40,9 @@ def test_bf16_gguf_same_metadata_and_tensors_within_rounding(readers):
     assert got == expected
     assert [t.name for t in out.tensors] == [t.name for t in q4.tensors]
     for a, b in zip(q4.tensors, out.tensors):
-        assert b.tensor_type == (gguf.GGMLQuantizationType.F32 if len(a.shape) == 1 else
-                                 gguf.GGMLQuantizationType.BF16), a.name
+        assert b.tensor_type == (
+            gguf.GGMLQuantizationType.F32 if len(a.shape) == 1 else gguf.GGMLQuantizationType.BF16
+        ), a.name
         x = gguf.quants.dequantize(a.data, a.tensor_type)
         y = gguf.quants.dequantize(b.data, b.tensor_type)
         # bf16 keeps 7 mantissa bits: round to nearest is within half a unit in the last place, 2^-8
@@ -58,8 +61,10 @@ def test_llama_cpp_available_says_how_to_install():
 
 # --- llama.cpp, batched --------------------------------------------------------------------------
 
-QUESTIONS = ["Name the largest ocean on Earth.",
-             "Say just the word yes."]  # "Yes." then <|im_end|> (EOS) by its 3rd token: the peer must go on
+QUESTIONS = [
+    "Name the largest ocean on Earth.",
+    "Say just the word yes.",
+]  # "Yes." then <|im_end|> (EOS) by its 3rd token: the peer must go on
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +94,13 @@ def test_context_is_reused_across_calls(chats):
     # The bench keeps one context per GGUF and calls generate with N = 1 and N = slots, in turn: each
     # call starts from an empty KV cache, and a sequence's tokens do not depend on the others'.
     _, prompts = chats
-    with peers.BatchedLlamaCpp(peers.gguf_path("Q4_1"), slots=2, ctx_per_seq=max(map(len, prompts)) + 4,
-                               max_batch_tokens=sum(map(len, prompts)), threads=1) as peer:
+    with peers.BatchedLlamaCpp(
+        peers.gguf_path("Q4_1"),
+        slots=2,
+        ctx_per_seq=max(map(len, prompts)) + 4,
+        max_batch_tokens=sum(map(len, prompts)),
+        threads=1,
+    ) as peer:
         both = peer.generate(prompts, 4)["ids"]
         assert peer.generate(prompts[1:], 4)["ids"] == both[1:]
         assert peer.generate(prompts, 4)["ids"] == both
@@ -106,8 +116,9 @@ def test_one_slot_decodes_as_batch_one(chats):
     tok, prompts = chats
     path = peers.gguf_path("Q4_1")
     alone = peers.run_llama_cpp(path, prompts[0], n_decode=4, threads=1)["ids"]
-    with peers.BatchedLlamaCpp(path, slots=1, ctx_per_seq=len(prompts[0]) + 4, max_batch_tokens=len(prompts[0]),
-                               threads=1) as peer:
+    with peers.BatchedLlamaCpp(
+        path, slots=1, ctx_per_seq=len(prompts[0]) + 4, max_batch_tokens=len(prompts[0]), threads=1
+    ) as peer:
         r = peer.generate(prompts[:1], 4)
     assert r["ids"] == [alone], tok.decode(r["ids"][0])
     assert len(r["step_ms"]) == 3 and r["decode_tok_s"] > 0 and r["prefill_ms"] > 0

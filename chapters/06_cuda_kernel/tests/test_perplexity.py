@@ -15,8 +15,16 @@ from common.hf_reference import load_hf_model
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from model import forward_sequence, load_model
-from perplexity import (Window, check_context, default_text, hf_perplexity, main, markdown_to_text, perplexity,
-                        window_plan)
+from perplexity import (
+    Window,
+    check_context,
+    default_text,
+    hf_perplexity,
+    main,
+    markdown_to_text,
+    perplexity,
+    window_plan,
+)
 
 CHAPTER = Path(__file__).resolve().parents[1]
 
@@ -49,22 +57,26 @@ def plan_problems(plan: list[Window], n: int, context: int, stride: int) -> list
     expected = {p for p in range(1, n) if stride < context or p % context}
     if set(times_scored) != expected or any(c != 1 for c in times_scored.values()):
         missed, twice = expected - set(times_scored), [p for p, c in times_scored.items() if c > 1]
-        problems.append(f"tokens unscored {sorted(missed)[:5]}, scored twice {twice[:5]}, "
-                        f"scored but should not be {sorted(set(times_scored) - expected)[:5]}")
+        problems.append(
+            f"tokens unscored {sorted(missed)[:5]}, scored twice {twice[:5]}, "
+            f"scored but should not be {sorted(set(times_scored) - expected)[:5]}"
+        )
     return problems
 
 
 @pytest.mark.parametrize(
     "n, context, stride",
-    [(1000, 512, 256),  # overlapping windows, a short last window
-     (1024, 512, 256),  # the last window ends exactly at the text's end
-     (1000, 512, 100),  # a stride that divides nothing
-     (1000, 512, 511),
-     (300, 512, 256),  # the whole text fits in one window
-     (513, 512, 256),
-     (2, 2, 1),
-     (1000, 128, 128),  # stride == context: disjoint windows
-     (1000, 7, 1)],
+    [
+        (1000, 512, 256),  # overlapping windows, a short last window
+        (1024, 512, 256),  # the last window ends exactly at the text's end
+        (1000, 512, 100),  # a stride that divides nothing
+        (1000, 512, 511),
+        (300, 512, 256),  # the whole text fits in one window
+        (513, 512, 256),
+        (2, 2, 1),
+        (1000, 128, 128),  # stride == context: disjoint windows
+        (1000, 7, 1),
+    ],
 )
 def test_window_plan(n, context, stride):
     plan = window_plan(n, context, stride)
@@ -79,10 +91,12 @@ def test_window_plan_by_hand():
 
 @pytest.mark.parametrize(
     "break_it",
-    [lambda w, i: dataclasses.replace(w, first=w.first + 1),  # skips a token in every window
-     lambda w, i: dataclasses.replace(w, first=w.start + 1),  # rescores the overlap
-     lambda w, i: dataclasses.replace(w, first=w.first - 1) if i else w,  # scores one token twice
-     lambda w, i: dataclasses.replace(w, start=w.start + 1) if i else w],  # shifted windows
+    [
+        lambda w, i: dataclasses.replace(w, first=w.first + 1),  # skips a token in every window
+        lambda w, i: dataclasses.replace(w, first=w.start + 1),  # rescores the overlap
+        lambda w, i: dataclasses.replace(w, first=w.first - 1) if i else w,  # scores one token twice
+        lambda w, i: dataclasses.replace(w, start=w.start + 1) if i else w,
+    ],  # shifted windows
 )
 def test_the_plan_checks_catch_a_broken_plan(break_it):
     plan = [break_it(w, i) for i, w in enumerate(window_plan(1000, 512, 256))]
@@ -92,10 +106,12 @@ def test_the_plan_checks_catch_a_broken_plan(break_it):
 
 @pytest.mark.parametrize(
     "n, context, stride, message",
-    [(100, 1, 1, "--context must be at least 2"),
-     (100, 16, 0, "--stride must be between 1 and --context"),
-     (100, 16, 17, "--stride must be between 1 and --context"),
-     (1, 16, 8, "at least 2")],
+    [
+        (100, 1, 1, "--context must be at least 2"),
+        (100, 16, 0, "--stride must be between 1 and --context"),
+        (100, 16, 17, "--stride must be between 1 and --context"),
+        (1, 16, 8, "at least 2"),
+    ],
 )
 def test_window_plan_rejects_bad_arguments(n, context, stride, message):
     with pytest.raises(ValueError, match=message):
@@ -112,10 +128,14 @@ def test_check_context():
 
 
 def test_markdown_to_text():
-    md = ("# Macbeth\n\n## ACT I\n\n_Thunder and lightning. Enter three Witches_\n\n**First Witch**  \n"
-          "When shall we three meet again  \nIn thunder?\n\n_\\[Aside]_  \n")
-    assert markdown_to_text(md) == ("Macbeth\n\nACT I\n\nThunder and lightning. Enter three Witches\n\n"
-                                    "First Witch\nWhen shall we three meet again\nIn thunder?\n\n[Aside]\n")
+    md = (
+        "# Macbeth\n\n## ACT I\n\n_Thunder and lightning. Enter three Witches_\n\n**First Witch**  \n"
+        "When shall we three meet again  \nIn thunder?\n\n_\\[Aside]_  \n"
+    )
+    assert markdown_to_text(md) == (
+        "Macbeth\n\nACT I\n\nThunder and lightning. Enter three Witches\n\n"
+        "First Witch\nWhen shall we three meet again\nIn thunder?\n\n[Aside]\n"
+    )
 
 
 def test_a_missing_text_package_names_the_pip_command(monkeypatch):
@@ -206,15 +226,28 @@ def test_ours_matches_hf_on_smollm2(smollm2_ids):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "perplexity.py", *args], capture_output=True, text=True, cwd=CHAPTER,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "perplexity.py", *args], capture_output=True, text=True, cwd=CHAPTER, timeout=300
+    )
 
 
 def test_cli_prints_the_perplexity(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
-    r = run("--model", "tiny-llama3", "--device", "cpu", "--text", str(text), "--context", "64", "--stride", "32",
-            "--max-tokens", "200")
+    r = run(
+        "--model",
+        "tiny-llama3",
+        "--device",
+        "cpu",
+        "--text",
+        str(text),
+        "--context",
+        "64",
+        "--stride",
+        "32",
+        "--max-tokens",
+        "200",
+    )
     assert r.returncode == 0, r.stderr
     assert re.fullmatch(r"perplexity \d+\.\d{4}\n", r.stdout), r.stdout
     assert "199 tokens scored" in r.stderr and "6 windows" in r.stderr
@@ -222,12 +255,14 @@ def test_cli_prints_the_perplexity(tmp_path):
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--context", "1"], "--context must be at least 2"),
-     (["--stride", "0"], "--stride must be between 1 and --context (512), got 0"),
-     (["--stride", "600"], "--stride must be between 1 and --context (512), got 600"),
-     (["--model", "smollm2-135m", "--context", "9000", "--stride", "100"], "exceeds the model's 8192 positions"),
-     (["--max-tokens", "1"], "--max-tokens must be at least 2"),
-     (["--text", "/nope.txt"], "--text /nope.txt: cannot read it")],
+    [
+        (["--context", "1"], "--context must be at least 2"),
+        (["--stride", "0"], "--stride must be between 1 and --context (512), got 0"),
+        (["--stride", "600"], "--stride must be between 1 and --context (512), got 600"),
+        (["--model", "smollm2-135m", "--context", "9000", "--stride", "100"], "exceeds the model's 8192 positions"),
+        (["--max-tokens", "1"], "--max-tokens must be at least 2"),
+        (["--text", "/nope.txt"], "--text /nope.txt: cannot read it"),
+    ],
 )
 def test_bad_arguments_are_clear_errors(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -82,8 +82,12 @@ def test_sampling_survives_huge_logits_and_tiny_temperatures():
 
 def test_greedy_rows_mixed_with_sampled_rows():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=2.0, top_k=3)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_k=3),
+    ]
     tokens, _ = sample(logits, params, [None, make_generator(5, "cpu"), None, None], [[]] * 4, [[]] * 4)
     argmax = logits.argmax(-1).tolist()
     assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
@@ -397,8 +401,16 @@ def test_valid_values_pass():
     SamplingParams().validate(VOCAB)
     SamplingParams(temperature=0, top_k=0).validate(VOCAB)
     SamplingParams(
-        temperature=1.7, top_k=VOCAB * 10, top_p=1, min_p=1, repetition_penalty=1.2, presence_penalty=-2,
-        frequency_penalty=2, logit_bias={0: -100, VOCAB - 1: 100.0}, seed=-5, logprobs=20,
+        temperature=1.7,
+        top_k=VOCAB * 10,
+        top_p=1,
+        min_p=1,
+        repetition_penalty=1.2,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logit_bias={0: -100, VOCAB - 1: 100.0},
+        seed=-5,
+        logprobs=20,
     ).validate(VOCAB)
     SamplingParams(logprobs=0, seed=2**64 - 1).validate(VOCAB)
     SamplingParams(temperature=100, repetition_penalty=0.01).validate(VOCAB)
@@ -413,8 +425,15 @@ def test_override_takes_every_value_but_none():
 
 
 def test_from_generation_config():
-    cfg = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "min_p": 0.05,
-           "repetition_penalty": 1.1, "eos_token_id": [1, 2]}
+    cfg = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 50,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "eos_token_id": [1, 2],
+    }
     p = SamplingParams.from_generation_config(cfg)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.9, 50, 0.05, 1.1)
     assert SamplingParams.from_generation_config({"do_sample": False, "temperature": 0.6}).temperature == 0.0

@@ -25,7 +25,11 @@ def pool_blocks() -> int:
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("server"), MODEL, "--kv-cache-memory-gb", str(KV_CACHE_GB)) as (url, _proc, _log):
+    with serve(tmp_path_factory.mktemp("server"), MODEL, "--kv-cache-memory-gb", str(KV_CACHE_GB)) as (
+        url,
+        _proc,
+        _log,
+    ):
         yield url
 
 
@@ -39,8 +43,16 @@ def test_models_and_health(client, base_url):
     health = httpx.get(base_url + "/health").json()
     assert health["status"] == "ok"
     # the engine's figures: requests running and waiting, the KV block pool, the prefix cache
-    assert {"running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
-            "prefix_cache_hit_rate", "preemptions"} <= set(health), health
+    assert {
+        "running",
+        "waiting",
+        "kv_blocks_total",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "kv_blocks_cached",
+        "prefix_cache_hit_rate",
+        "preemptions",
+    } <= set(health), health
     assert health["kv_blocks_total"] == pool_blocks() == 364  # 0.25 GiB / (16 x 46080 bytes)
     assert health["kv_blocks_used"] + health["kv_blocks_free"] == health["kv_blocks_total"]
 
@@ -54,8 +66,9 @@ def test_chat_non_streaming(client):
 
 
 def test_chat_streaming_equals_non_streaming_and_reports_usage(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a haiku about rain."}], temperature=0,
-              max_tokens=24)
+    kw = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Write a haiku about rain."}], temperature=0, max_tokens=24
+    )
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -88,8 +101,13 @@ def test_greedy_equals_chapter_04(client):
 
 
 def test_seeded_sampling_is_reproducible(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0, top_p=0.95,
-              max_tokens=20)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        temperature=1.0,
+        top_p=0.95,
+        max_tokens=20,
+    )
     a = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
     b = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
     c = client.chat.completions.create(**kw, seed=99).choices[0].message.content
@@ -97,12 +115,20 @@ def test_seeded_sampling_is_reproducible(client):
 
 
 def test_n_choices_and_extras(client):
-    r = client.chat.completions.create(model=MODEL, messages=PARIS, n=3, temperature=1.2, seed=7, max_tokens=8,
-                                       extra_body={"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=PARIS,
+        n=3,
+        temperature=1.2,
+        seed=7,
+        max_tokens=8,
+        extra_body={"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1
-    r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=12,
-                                       extra_body={"ignore_eos": True, "min_tokens": 12})
+    r = client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=12, extra_body={"ignore_eos": True, "min_tokens": 12}
+    )
     assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
 
 
@@ -110,14 +136,21 @@ def test_stop_strings(client):
     r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=20, stop=["Paris"])
     assert r.choices[0].finish_reason == "stop"
     assert "Paris" not in r.choices[0].message.content and r.choices[0].message.content.startswith("The capital")
-    r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=20, stop=["Paris"],
-                                       extra_body={"include_stop_str_in_output": True})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=PARIS,
+        temperature=0,
+        max_tokens=20,
+        stop=["Paris"],
+        extra_body={"include_stop_str_in_output": True},
+    )
     assert r.choices[0].message.content.endswith("Paris")
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=5, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
     for c in content:  # greedy: the chosen token is the most likely one
@@ -168,16 +201,22 @@ def test_server_still_serves_after_errors(client, base_url):
 
 def test_eight_concurrent_streams_all_finish_correctly(client):
     prompts = ["Name a color.", "Name a fruit.", "Name a planet.", "Name a country."]
-    expected = {p: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
-                                                  temperature=0, max_tokens=10).choices[0].message.content
-                for p in prompts}
+    expected = {
+        p: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=10
+        )
+        .choices[0]
+        .message.content
+        for p in prompts
+    }
     results, errors = {}, []
 
     def stream(i):
         p = prompts[i % 4]
         try:
-            chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
-                                                    temperature=0, max_tokens=10, stream=True)
+            chunks = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=10, stream=True
+            )
             results[i] = (p, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
@@ -193,8 +232,14 @@ def test_eight_concurrent_streams_all_finish_correctly(client):
 
 
 def test_client_disconnect_stops_generation(client, base_url):
-    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "stream": True, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Count: 1, 2, 3,",
+        "max_tokens": 4000,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
@@ -238,7 +283,9 @@ def test_a_request_that_can_never_fit_the_kv_pool_is_refused_before_it_is_queued
     r = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
-    assert message == (f"this request needs room for 6000 tokens (2000 in the prompt, 4000 to generate), but this "
-                       f"server's KV cache holds {slots} tokens: lower max_tokens or the prompt's length")
+    assert message == (
+        f"this request needs room for 6000 tokens (2000 in the prompt, 4000 to generate), but this "
+        f"server's KV cache holds {slots} tokens: lower max_tokens or the prompt's length"
+    )
     health = httpx.get(base_url + "/health").json()
     assert health["busy"] is False and health["running"] == health["waiting"] == health["queued"] == 0, health

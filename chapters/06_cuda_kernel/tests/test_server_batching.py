@@ -17,7 +17,9 @@ PROMPTS = [f"Tell me about the number {i}." + " And more." * (i % 5) for i in ra
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("logs"), MODEL, "--kv-cache-memory-gb", "0.05", "--max-num-batched-tokens", "64") as s:
+    with serve(
+        tmp_path_factory.mktemp("logs"), MODEL, "--kv-cache-memory-gb", "0.05", "--max-num-batched-tokens", "64"
+    ) as s:
         yield s
 
 
@@ -26,8 +28,9 @@ def health(url):
 
 
 async def stream_text(client: AsyncOpenAI, prompt: str, max_tokens: int = 24) -> str:
-    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                  temperature=0, max_tokens=max_tokens, stream=True)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=max_tokens, stream=True
+    )
     text = ""
     async for chunk in stream:
         if chunk.choices:
@@ -38,8 +41,14 @@ async def stream_text(client: AsyncOpenAI, prompt: str, max_tokens: int = 24) ->
 def test_16_concurrent_streams_equal_serial_requests(server):
     url = server[0]
     serial = OpenAI(base_url=url + "/v1", api_key="none")
-    want = [serial.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], temperature=0,
-                                           max_tokens=24).choices[0].message.content for p in PROMPTS]
+    want = [
+        serial.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=24
+        )
+        .choices[0]
+        .message.content
+        for p in PROMPTS
+    ]
 
     async def together():
         client = AsyncOpenAI(base_url=url + "/v1", api_key="none")
@@ -109,8 +118,16 @@ def test_a_request_the_pool_can_never_hold_is_a_400(server):
 
 def test_health_reports_the_engine(server):
     h = health(server[0])
-    for key in ("running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
-                "prefix_cache_hit_rate", "preemptions"):
+    for key in (
+        "running",
+        "waiting",
+        "kv_blocks_total",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "kv_blocks_cached",
+        "prefix_cache_hit_rate",
+        "preemptions",
+    ):
         assert key in h
     assert h["kv_blocks_used"] + h["kv_blocks_free"] == h["kv_blocks_total"] > 0
 

@@ -23,8 +23,20 @@ MODEL = "tiny-llama3"
 HI = [{"role": "user", "content": "hi"}]
 
 
-LIMITS = ["--max-body-mb", "0.01", "--timeout-body", "1", "--timeout-headers", "2", "--limit-concurrency", "8",
-          "--max-tokens-default", "7", "--max-model-len", "256"]
+LIMITS = [
+    "--max-body-mb",
+    "0.01",
+    "--timeout-body",
+    "1",
+    "--timeout-headers",
+    "2",
+    "--limit-concurrency",
+    "8",
+    "--max-tokens-default",
+    "7",
+    "--max-model-len",
+    "256",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +56,9 @@ def error_of(r: httpx.Response) -> dict:
 
 def test_max_tokens_default_applies_when_the_request_sets_none(limited):
     url, _ = limited
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "ignore_eos": True, "temperature": 0},
-                   timeout=60)
+    r = httpx.post(
+        url + "/v1/chat/completions", json={"messages": HI, "ignore_eos": True, "temperature": 0}, timeout=60
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 7 and r.json()["choices"][0]["finish_reason"] == "length"
 
@@ -66,8 +79,24 @@ def test_the_kv_pool_is_at_most_max_num_seqs_full_contexts(limited):
 
 
 def test_a_kv_cache_budget_without_room_for_a_block_is_a_clear_error():
-    r = subprocess.run([sys.executable, "server.py", "--model", MODEL, "--device", "cpu", "--dtype", "float32",
-                        "--kv-cache-memory-gb", "0.00001"], cwd=CHAPTER, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "server.py",
+            "--model",
+            MODEL,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-gb",
+            "0.00001",
+        ],
+        cwd=CHAPTER,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "the KV cache budget holds no block of 16 tokens: raise --kv-cache-memory-gb" in r.stderr
 
@@ -81,8 +110,9 @@ def test_a_body_over_the_limit_gets_413(limited):
     r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
     # without a Content-Length (chunked), the bytes are counted as they come
-    r = httpx.post(url + "/v1/completions", content=iter([body[:8000], body[8000:]]),
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/completions", content=iter([body[:8000], body[8000:]]), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413 and "10485 bytes" in error_of(r)["message"]
 
 
@@ -90,8 +120,10 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(limited):
     url, _ = limited
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
         reply = b""
         while chunk := s.recv(4096):  # the server gives up after --timeout-body 1, answers, and closes
             reply += chunk
@@ -249,8 +281,9 @@ def test_tokenizing_runs_off_the_event_loop(tiny_engine, monkeypatch):
     calls = []
     for name in ("encode", "encode_chat"):
         real = getattr(tiny_engine.tokenizer, name)
-        monkeypatch.setattr(tiny_engine.tokenizer, name,
-                            lambda *a, _real=real, **k: calls.append(on_event_loop()) or _real(*a, **k))
+        monkeypatch.setattr(
+            tiny_engine.tokenizer, name, lambda *a, _real=real, **k: calls.append(on_event_loop()) or _real(*a, **k)
+        )
     with TestClient(create_app(tiny_engine, MODEL)) as client:
         assert client.post("/v1/chat/completions", json={"messages": HI}).status_code == 200
         assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 200

@@ -267,8 +267,8 @@ void task_scalar(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kv
 }
 void merge_scalar(const AttnArgs& a, DType d, float* w, int b, int h) { merge_any<Scalar>(a, d, w, b, h); }
 #ifdef KERNELS_X86
-KERNELS_AVX2 __attribute__((flatten)) void task_avx2(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh,
-                                                     int p) {
+KERNELS_AVX2
+    __attribute__((flatten)) void task_avx2(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh, int p) {
     attention_task_any<Avx2>(a, d, s, b, kvh, p);
 }
 KERNELS_AVX2 __attribute__((flatten)) void merge_avx2(const AttnArgs& a, DType d, float* w, int b, int h) {
