@@ -20,6 +20,18 @@ def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:
         pytest.skip(f"compares with chapter {number:02d}, which is not here ({e})")
 
 
+# What the server tests need beyond torch: the server (fastapi, uvicorn, pydantic) and its clients.
+SERVER_STACK = ("fastapi", "uvicorn", "pydantic", "openai", "httpx")
+
+
+def require(*packages: str) -> None:
+    """Skips the calling test module (or test) where a package it needs is missing, naming it. A GPU
+    node may have torch and pytest and none of the server stack: it runs what it can, and one
+    failed import does not abort the whole pytest run."""
+    for name in packages:
+        pytest.importorskip(name, reason=f"needs {name}, which is not installed here (requirements.txt has it)")
+
+
 def threads_per_worker() -> int | None:
     """Under pytest-xdist, this run's cores divided among the workers; None in a plain run. The run's
     cores: OMP_NUM_THREADS where it is set (`make test` runs suites side by side, each with its

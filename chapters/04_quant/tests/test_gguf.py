@@ -6,6 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from common.testing import require
+
+require("gguf")  # before the imports that need them: without them, this module skips
+
 import torch
 
 from common.checkpoint import CheckpointError, load_checkpoint_torch

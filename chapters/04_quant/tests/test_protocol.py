@@ -5,6 +5,11 @@ translation into engine Requests, with the real tokenizer. A few requests go thr
 import json
 
 import pytest
+
+from common.testing import require
+
+require("pydantic")  # before the imports that need them: without them, this module skips
+
 from pydantic import ValidationError
 
 from common.models import resolve_model
@@ -237,6 +242,7 @@ def test_request_values_override_the_defaults_and_only_those(tokenizer):
 
 @pytest.fixture(scope="module")
 def http():
+    require("fastapi")
     from fastapi.testclient import TestClient
 
     import engine

@@ -11,6 +11,7 @@ import torch
 
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
+from common.testing import SERVER_STACK, require
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
 from model import forward, load_model
@@ -153,6 +154,7 @@ def test_int4_g128_costs_what_was_measured(macbeth_ppl):
 
 
 def test_the_server_serves_a_quantized_model(tmp_path):
+    require(*SERVER_STACK)
     from openai import OpenAI
 
     from live_server import serve

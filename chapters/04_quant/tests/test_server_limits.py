@@ -12,8 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from common.testing import SERVER_STACK, require
+
+require(*SERVER_STACK)  # before the imports that need them: without them, this module skips
+
+import httpx
 from fastapi.testclient import TestClient
 
 from live_server import serve

@@ -11,6 +11,7 @@ import torch
 
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
+from common.testing import SERVER_STACK, require
 from common.tokenizer import Tokenizer
 from model import forward_sequence, load_model
 from parity import DEFAULT_TEXT
@@ -138,6 +139,7 @@ def test_int4_g128_costs_what_was_measured(macbeth_ppl):
 
 
 def test_the_server_serves_a_quantized_model(tmp_path):
+    require(*SERVER_STACK)
     from openai import OpenAI
 
     from live_server import serve

@@ -4,9 +4,14 @@ import json
 import threading
 import time
 
+import pytest
+
+from common.testing import SERVER_STACK, require
+
+require(*SERVER_STACK)  # before the imports that need them: without them, this module skips
+
 import httpx
 import openai
-import pytest
 
 from live_server import serve
 

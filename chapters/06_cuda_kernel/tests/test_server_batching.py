@@ -5,8 +5,13 @@ server keeps serving."""
 import asyncio
 import time
 
-import httpx
 import pytest
+
+from common.testing import SERVER_STACK, require
+
+require(*SERVER_STACK)  # before the imports that need them: without them, this module skips
+
+import httpx
 from openai import AsyncOpenAI, OpenAI
 
 from live_server import serve
