@@ -141,6 +141,7 @@ class Engine:
         ):
             if value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
+        model.ops.check_block_size(block_size)
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
             budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)

@@ -53,6 +53,9 @@ class Ops(Protocol):
     def quant_linear(self, w: QuantWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """x -> x @ W.T through this implementation's own int matmul, or None: qmatmul's torch path."""
 
+    def check_block_size(self, block_size: int) -> None:
+        """Raises UserError, naming the limit, for a KV block size this implementation cannot read."""
+
     def describe(self) -> str:
         """For the startup line, e.g. "kernels: on (cpu, avx512)"."""
 
@@ -91,15 +94,37 @@ class TorchOps:
     def quant_linear(w: QuantWeight) -> None:
         return None
 
+    @staticmethod
+    def check_block_size(block_size: int) -> None:
+        return None  # gather + SDPA reads blocks of any size
+
     def describe(self) -> str:
         return f"kernels: off ({self.why_off})"
 
 
 class KernelOps:
-    """The kernel library's operations on `device`. `partition_size`: keys per flash-decoding partition."""
+    """The kernel library's operations on `device`."""
 
-    def __init__(self, ext, device: torch.device = torch.device("cpu"), partition_size: int = 256):
-        self._ext, self.device, self.partition_size = ext, torch.device(device), partition_size
+    # Flash-decoding cuts a sequence's keys into partitions of whole blocks, about PARTITION_KEYS
+    # keys each. The CUDA kernel keeps a partition's pool rows in shared memory (4 bytes a key,
+    # beside up to 17 KB of its merge, in the 48 KB a block gets): at most MAX_BLOCK_SIZE keys.
+    PARTITION_KEYS = 256
+    MAX_BLOCK_SIZE = 4096
+
+    def __init__(self, ext, device: torch.device = torch.device("cpu")):
+        self._ext, self.device = ext, torch.device(device)
+
+    @classmethod
+    def partition_size(cls, block_size: int) -> int:
+        """Keys per partition for blocks of `block_size`: a whole number of blocks, at least one."""
+        return block_size * max(1, cls.PARTITION_KEYS // block_size)
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size > self.MAX_BLOCK_SIZE:
+            raise UserError(
+                f"--block-size {block_size}: the decode kernel reads blocks of at most {self.MAX_BLOCK_SIZE} tokens "
+                "(its partition's rows live in shared memory); use a smaller block size or --kernels off"
+            )
 
     @property
     def can_capture_graphs(self) -> bool:
@@ -126,7 +151,7 @@ class KernelOps:
     def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup | DecodeGroup) -> torch.Tensor:
         """q: [B, n_heads, head_dim], one query per sequence of the group -> the same shape."""
         return self._ext.paged_decode_attention(
-            q, k_pool, v_pool, g.block_tables, g.context_lens, q.shape[-1] ** -0.5, self.partition_size
+            q, k_pool, v_pool, g.block_tables, g.context_lens, q.shape[-1] ** -0.5, self.partition_size(k_pool.shape[1])
         )
 
     def quant_linear(self, w: QuantWeight):

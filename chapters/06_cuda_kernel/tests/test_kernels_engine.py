@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.errors import UserError
 from common.models import resolve_model
 from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
@@ -166,3 +167,25 @@ def test_cuda_graphs_replay_equals_eager_on_cuda():
     eager = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8, cuda_graphs=False)
     assert graphs.generate(reqs, [0, 0, 1, 2, 3, 5, 8]) == eager.generate(reqs, [0, 0, 1, 2, 3, 5, 8])
     assert graphs.graphs.graphs, "no decode step was captured"
+
+
+@pytest.mark.parametrize("block_size", [1, 24, 48, 512])
+def test_any_block_size_decodes_as_pytorch_does(block_size):
+    # Partitions are whole blocks: 256 keys with 16-token blocks, 240 with 24 or 48, one block of 512.
+    assert KernelOps.partition_size(block_size) % block_size == 0
+    d = resolve_model("tiny-llama3")
+    ids = Tokenizer(d).encode_chat(
+        [{"role": "user", "content": PROMPTS[3]}]
+    )  # 41 tokens, 61 with the answer: three blocks of 24
+    tokens = {}
+    for flag in ("on", "off"):
+        engine, _ = build_engine(str(d), "cpu", "float32", kernels=flag, num_blocks=64, block_size=block_size)
+        tokens[flag] = greedy_tokens(engine, ids, 20)
+    assert tokens["on"] == tokens["off"] and len(tokens["on"]) == 20
+
+
+def test_a_block_size_the_decode_kernel_cannot_read_is_refused_at_startup():
+    d = resolve_model("tiny-llama3")
+    with pytest.raises(UserError, match="at most 4096 tokens"):
+        build_engine(str(d), "cpu", "float32", kernels="on", num_blocks=2, block_size=8192)
+    build_engine(str(d), "cpu", "float32", kernels="off", num_blocks=2, block_size=8192)  # PyTorch reads any size
