@@ -32,7 +32,11 @@ def test_a_suite_collects_without_the_server_stack_and_names_what_it_skips(suite
     env = os.environ | {"PYTHONPATH": str(tmp_path), "RUN_CARRIED_TESTS": "1"}
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider", str(suite)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "error" not in out.splitlines()[-1], out[-3000:]

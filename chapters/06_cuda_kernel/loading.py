@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from common.config import load_config
 from common.device import pick_device, pick_dtype
 from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
 from gguf_file import convert_gguf
@@ -99,5 +100,5 @@ def load(
     quantized = spec is not None or spec_of(model_dir) is not None
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
-    ops = (Kernels(kernels) if isinstance(kernels, str) else kernels).ops(dev)
+    ops = (Kernels(kernels) if isinstance(kernels, str) else kernels).ops(dev, load_config(model_dir).head_dim)
     return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

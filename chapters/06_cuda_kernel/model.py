@@ -92,7 +92,7 @@ def load_model(
     operations, resolved for `device` (ops.py); default: the kernels where they run."""
     config = load_config(model_dir)
     device = torch.device(device)
-    ops = ops if ops is not None else resolve("auto", device)
+    ops = ops if ops is not None else resolve("auto", device, config.head_dim)
     w, quant = read_weights(Path(model_dir), config, dtype, quant)  # name -> tensor or quantized weight
     total_bytes = weight_bytes(w)
 

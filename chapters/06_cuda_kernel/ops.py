@@ -163,9 +163,10 @@ class KernelOps:
         return f"kernels: on ({where})"
 
 
-def resolve(choice: str, device: torch.device) -> Ops:
+def resolve(choice: str, device: torch.device, head_dim: int | None = None) -> Ops:
     """choice: "on" (the kernels, an error where they cannot run), "off" (PyTorch), or "auto"
-    (the kernels where they run on this device, else PyTorch, which then says why)."""
+    (the kernels where they run on this device, else PyTorch, which then says why). head_dim: the
+    model's, when known: the decode kernel is built for a few sizes (kernels.head_dims())."""
     if choice not in ("auto", "on", "off"):
         raise UserError(f"kernels must be 'auto', 'on' or 'off', got {choice!r}")
     if choice == "off":
@@ -178,6 +179,9 @@ def resolve(choice: str, device: torch.device) -> Ops:
         try:
             ext = kernels.load()
             why = None if device.type == "cpu" or ext.with_cuda else "kernels/ was built without CUDA here"
+            if why is None and head_dim is not None and head_dim not in ext.head_dims():
+                sizes = ", ".join(map(str, ext.head_dims()))
+                why = f"kernels/ decodes heads of {sizes} values; this model's have {head_dim}"
         except kernels.KernelBuildError as e:
             why = str(e)
         if why is None:
@@ -197,9 +201,10 @@ class Kernels:
 
     choice: str = "auto"  # --kernels
 
-    def ops(self, device: torch.device) -> Ops:
-        """The operations for `device`; where "auto" falls back to PyTorch, a note says why."""
-        ops = resolve(self.choice, device)
+    def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
+        """The operations for `device` (and a model's head size); where "auto" falls back to
+        PyTorch, a note says why."""
+        ops = resolve(self.choice, device, head_dim)
         if self.choice == "auto" and isinstance(ops, TorchOps):
             print(f"note: kernels off ({ops.why_off}): chapter 05's PyTorch path runs", file=sys.stderr)
         return ops

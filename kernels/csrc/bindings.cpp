@@ -8,7 +8,9 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <iterator>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 #include "cpu/cpu_kernels.h"
@@ -63,6 +65,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     const int64_t batch = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
     const int64_t block_size = k_pool.size(1), n_kv_heads = k_pool.size(2);
     TORCH_CHECK(k_pool.size(3) == head_dim, "k_pool's head_dim ", k_pool.size(3), " differs from q's ", head_dim);
+    TORCH_CHECK(kernels::supported_head_dim(static_cast<int>(head_dim)), "head_dim ", head_dim,
+                " is not one the kernels are built for (32, 64, 128: kernels.head_dims())");
     TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ",
                 n_kv_heads);
     TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim,
@@ -263,6 +267,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int4_linear", &int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
           py::arg("scale"), py::arg("min"), py::arg("group_size"));
     m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
+    m.def(
+        "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
+        "the head sizes paged_decode_attention serves (CPU and CUDA alike)");
     m.def("cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::isa())); });
     m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
     m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));

@@ -14,4 +14,15 @@ namespace kernels {
 // 16 raw bits (uint16_t); every kernel widens them to float to compute and rounds once to store.
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 
+// The head sizes paged decode attention is built for, on both halves: the CUDA kernel is a
+// template on the head size (a key's vector split over a power-of-two number of lanes), and the
+// CPU twin accepts the same set so that a model runs on either or on neither.
+constexpr int kHeadDims[] = {32, 64, 128};
+
+constexpr bool supported_head_dim(int head_dim) {
+    for (int d : kHeadDims)
+        if (d == head_dim) return true;
+    return false;
+}
+
 }  // namespace kernels

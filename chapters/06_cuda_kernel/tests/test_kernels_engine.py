@@ -1,6 +1,8 @@
 """Chapter 06's engine with kernels/ against chapter 05's, and against itself with --kernels off."""
 
+import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,6 +129,30 @@ def test_kernels_where_they_cannot_run(capsys):
     )
     assert Kernels("off").ops(mps).describe() == "kernels: off (--kernels off)" and capsys.readouterr().err == ""
     assert Kernels("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
+
+
+def test_a_head_size_the_kernels_do_not_serve_falls_back_to_pytorch_and_says_why(tmp_path, capsys):
+    why = "kernels/ decodes heads of 32, 64, 128 values; this model's have 96"
+    assert resolve("auto", CPU, head_dim=96).describe() == f"kernels: off ({why})"
+    with pytest.raises(UserError, match=f"--kernels on: {why}"):
+        resolve("on", CPU, head_dim=96)
+    assert isinstance(resolve("auto", CPU, head_dim=32), KernelOps)  # tiny-llama3's
+    # A whole model: tiny-llama3 with 2 query heads of 96 values instead of 8 of 32, loaded
+    # the way every entry point loads one, answers through PyTorch and says why.
+    cfg = json.loads((resolve_model("tiny-llama3") / "config.json").read_text())
+    cfg |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 96}
+    d = tmp_path / "wide-heads"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(resolve_model("tiny-llama3") / f, d / f)
+    engine, _ = build_engine(str(d), "cpu", "float32", kernels="auto", num_blocks=16)
+    assert isinstance(engine.model.ops, TorchOps) and why in capsys.readouterr().err
+    assert len(greedy_tokens(engine, [1, 2, 3, 4], 4)) > 0
 
 
 @pytest.mark.parametrize("flag", ["on", "off"])

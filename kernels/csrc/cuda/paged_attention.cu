@@ -381,7 +381,7 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
         max_blocks <= 0 || partition_size <= 0 || partition_size % block_size != 0) {
         return cudaErrorInvalidValue;
     }
-    if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;  // the instantiated sizes
+    if (!supported_head_dim(head_dim)) return cudaErrorInvalidValue;  // the instantiated sizes (kernels.h)
     if (batch == 0) return cudaSuccess;
     // K and V are read 16 bytes at a time: every (row, kv head) vector starts 16-byte aligned
     // when the pools do (head_dim * sizeof(T) is a multiple of 16).
@@ -407,8 +407,9 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
 
     return dispatch_dtype(dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
-        const cudaError_t err = head_dim == 64 ? launch_partitions<T, 64>(p, batch, heads_per_block, stream)
-                                               : launch_partitions<T, 128>(p, batch, heads_per_block, stream);
+        const cudaError_t err = head_dim == 32   ? launch_partitions<T, 32>(p, batch, heads_per_block, stream)
+                                : head_dim == 64 ? launch_partitions<T, 64>(p, batch, heads_per_block, stream)
+                                                 : launch_partitions<T, 128>(p, batch, heads_per_block, stream);
         if (err != cudaSuccess) return err;
         merge_kernel<T><<<dim3(n_heads, batch), head_dim, 0, stream>>>(
             static_cast<T*>(out), p.part_out, p.part_max, p.part_sum, context_lens, n_heads, head_dim, partition_size,
