@@ -7,7 +7,7 @@ linear layers, each written twice, as a CUDA kernel (csrc/cuda/) and as its C++ 
     out = ops.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale)
 """
 
-__all__ = ["KernelBuildError", "load"]
+__all__ = ["KernelBuildError", "gpu_not_covered", "load"]
 
 
 def __getattr__(name):

@@ -52,6 +52,78 @@ def cuda_build_possible() -> str | None:
     return None
 
 
+# What torch's own extension builds pass nvcc: keep half and bfloat16 conversions explicit (the
+# kernels convert through dtype.cuh), so this build compiles what check_compile.sh checks.
+TORCH_NVCC_DEFINES = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+]
+# Where no GPU is visible (a login node) and TORCH_CUDA_ARCH_LIST is unset: A100 and H100 machine
+# code, and H100 PTX, which newer GPUs compile on first launch.
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def cuda_archs() -> list[tuple[int, int, bool]]:
+    """(major, minor, with PTX) for each architecture to build: TORCH_CUDA_ARCH_LIST when set
+    ("7.5;8.6+PTX", spaces or semicolons), else every visible GPU's, else DEFAULT_ARCHS."""
+    spec = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not spec:
+        import torch
+
+        if torch.cuda.is_available():
+            caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+            spec = ";".join(f"{major}.{minor}" for major, minor in caps)
+        else:
+            spec = DEFAULT_ARCHS
+    archs = []
+    for item in spec.replace(" ", ";").split(";"):
+        if not item:
+            continue
+        number, ptx = item.removesuffix("+PTX"), item.endswith("+PTX")
+        try:
+            major, minor = (int(part) for part in number.split("."))
+        except ValueError:
+            raise KernelBuildError(
+                f"TORCH_CUDA_ARCH_LIST: {item!r} is not an architecture like 8.0 or 9.0+PTX"
+            ) from None
+        archs.append((major, minor, ptx))
+    return archs
+
+
+def gencode_flags(archs: list[tuple[int, int, bool]]) -> list[str]:
+    flags = []
+    for major, minor, ptx in archs:
+        flags.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{major}{minor},code=compute_{major}{minor}")
+    return flags
+
+
+def runs_on(capability: tuple[int, int], archs: list[tuple[int, int, bool]]) -> bool:
+    """Whether a build for `archs` has code for a GPU of `capability`: machine code for the same
+    major version and an equal or lower minor one, or PTX of an equal or lower version."""
+    return any(
+        (major == capability[0] and minor <= capability[1]) or (ptx and (major, minor) <= capability)
+        for major, minor, ptx in archs
+    )
+
+
+def gpu_not_covered(module, device) -> str | None:
+    """Why `module`'s CUDA code cannot run on the GPU `device`, or None when it can."""
+    import torch
+
+    capability = torch.cuda.get_device_capability(device)
+    if runs_on(capability, module.cuda_archs):
+        return None
+    built = ", ".join(f"sm_{major}{minor}" + (" +PTX" if ptx else "") for major, minor, ptx in module.cuda_archs)
+    return (
+        f"kernels/ was built for {built}, not this GPU's sm_{capability[0]}{capability[1]}: "
+        f'rebuild with TORCH_CUDA_ARCH_LIST="{capability[0]}.{capability[1]}" (rm -rf kernels/build; make kernels)'
+    )
+
+
 def sources(with_cuda: bool) -> list[Path]:
     files = [CSRC / "bindings.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
     return files + (sorted((CSRC / "cuda").glob("*.cu")) if with_cuda else [])
@@ -143,48 +215,60 @@ _module = None
 
 
 def load(verbose: bool = False):
-    """The compiled module (see csrc/bindings.cpp for its functions), built first if needed."""
+    """The compiled module (see csrc/bindings.cpp for its functions), built first if needed. Where
+    the CUDA half cannot be built, or fails to, the CPU half alone (with a message saying why)."""
     global _module
     if _module is not None:
         return _module
     import torch  # noqa: F401  first: its libgomp must be the one loaded (see above)
+
+    if cuda_build_possible() is None:
+        try:
+            _module = _build(True, verbose)
+            return _module
+        except KernelBuildError as e:
+            print(f"kernels: the CUDA half failed to build; building the CPU half alone.\n{e}", file=sys.stderr)
+    _module = _build(False, verbose)
+    return _module
+
+
+def _build(with_cuda: bool, verbose: bool):
     from torch.utils import cpp_extension
 
-    with_cuda = cuda_build_possible() is None
     name = "llm_kernels_cuda" if with_cuda else "llm_kernels_cpu"
     files = sources(with_cuda)
     folder = build_dir(with_cuda)
     folder.mkdir(parents=True, exist_ok=True)
-    cflags = ["-O3", "-std=c++17", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
-    cuda_flags = [
-        "-O3",
-        "-std=c++17",
-        "-DWITH_CUDA",
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90,code=sm_90",
-    ]
+    # No -std: torch's build picks the standard its headers need (C++17, C++20 for newer ATen).
+    cflags = ["-O3", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
+    archs = cuda_archs() if with_cuda else []
+    cuda_flags = ["-O3", "-DWITH_CUDA", *TORCH_NVCC_DEFINES, *gencode_flags(archs)]
     stamp = fingerprint(files, cflags, cuda_flags)
-    _module = _import_built(name, folder, stamp)
-    if _module is not None:
-        return _module
-    _check_tools()
-    what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
-    try:
-        with _Ticker(what):
-            _module = cpp_extension.load(
-                name,
-                [str(f) for f in files],
-                extra_cflags=cflags,
-                extra_cuda_cflags=cuda_flags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-                verbose=verbose,
-            )
-    except (RuntimeError, OSError, ImportError) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
-        tail = "\n".join(str(e).strip().splitlines()[-25:])
-        raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
-    (folder / STAMP).write_text(stamp)
-    return _module
+    module = _import_built(name, folder, stamp)
+    if module is None:
+        _check_tools()
+        what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
+        try:
+            with _Ticker(what):
+                module = cpp_extension.load(
+                    name,
+                    [str(f) for f in files],
+                    extra_cflags=cflags,
+                    extra_cuda_cflags=cuda_flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),
+                    verbose=verbose,
+                )
+        except (
+            RuntimeError,
+            OSError,
+            ImportError,
+        ) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
+            tail = "\n".join(str(e).strip().splitlines()[-25:])
+            raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
+        (folder / STAMP).write_text(stamp)
+    module.cuda_archs = archs  # what kernels.gpu_not_covered() reads
+    return module
 
 
 def main() -> int:

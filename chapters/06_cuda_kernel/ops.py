@@ -179,6 +179,8 @@ def resolve(choice: str, device: torch.device, head_dim: int | None = None) -> O
         try:
             ext = kernels.load()
             why = None if device.type == "cpu" or ext.with_cuda else "kernels/ was built without CUDA here"
+            if why is None and device.type == "cuda":
+                why = kernels.gpu_not_covered(ext, device)
             if why is None and head_dim is not None and head_dim not in ext.head_dims():
                 sizes = ", ".join(map(str, ext.head_dims()))
                 why = f"kernels/ decodes heads of {sizes} values; this model's have {head_dim}"

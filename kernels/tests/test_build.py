@@ -99,3 +99,73 @@ def test_the_fingerprint_covers_sources_headers_and_flags():
     assert build.fingerprint(files, ["-O2"]) != base
     assert build.fingerprint(files[:-1], ["-O3"]) != base
     assert base == build.fingerprint(list(reversed(files)), ["-O3"])
+
+
+@pytest.mark.parametrize(
+    "spec, archs",
+    [
+        ("8.0;9.0+PTX", [(8, 0, False), (9, 0, True)]),
+        ("7.5 8.6", [(7, 5, False), (8, 6, False)]),
+        ("10.0+PTX", [(10, 0, True)]),
+    ],
+)
+def test_torch_cuda_arch_list_is_honoured(monkeypatch, spec, archs):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", spec)
+    assert build.cuda_archs() == archs
+
+
+def test_without_the_variable_or_a_gpu_a_login_node_builds_a100_h100_and_ptx(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    archs = build.cuda_archs()
+    assert archs == [(8, 0, False), (9, 0, True)]
+    assert build.gencode_flags(archs) == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+
+
+def test_a_bad_arch_list_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "ampere")
+    with pytest.raises(kernels.KernelBuildError, match="'ampere' is not an architecture like 8.0"):
+        build.cuda_archs()
+
+
+def test_which_gpus_a_build_runs_on():
+    a100_h100_ptx = [(8, 0, False), (9, 0, True)]
+    assert build.runs_on((8, 0), a100_h100_ptx) and build.runs_on((8, 6), a100_h100_ptx)  # same major
+    assert build.runs_on((9, 0), a100_h100_ptx) and build.runs_on((10, 0), a100_h100_ptx)  # Blackwell: the PTX
+    assert not build.runs_on((7, 5), a100_h100_ptx) and not build.runs_on((7, 0), a100_h100_ptx)  # T4, V100
+    assert not build.runs_on((10, 0), [(8, 0, False), (9, 0, False)])  # machine code only
+
+
+def test_gpu_not_covered_names_the_build_and_the_fix(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    module = type("Built", (), {"cuda_archs": [(8, 0, False), (9, 0, True)]})
+    why = build.gpu_not_covered(module, "cuda")
+    assert "built for sm_80, sm_90 +PTX, not this GPU's sm_75" in why and 'TORCH_CUDA_ARCH_LIST="7.5"' in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert build.gpu_not_covered(module, "cuda") is None
+
+
+def test_a_failed_cuda_half_still_gives_the_cpu_half(monkeypatch, capsys):
+    # Where nvcc fails (an unsupported toolkit, a compiler error), the CPU kernels still load.
+    cpu_half = build.load()  # built already: the import below reuses it
+    monkeypatch.setattr(build, "_module", None)
+    monkeypatch.setattr(build, "cuda_build_possible", lambda: None)
+    real = build._build
+
+    def failing_cuda(with_cuda, verbose):
+        if with_cuda:
+            raise kernels.KernelBuildError("building kernels/ failed (nvcc: unsupported gpu architecture)")
+        return real(with_cuda, verbose)
+
+    monkeypatch.setattr(build, "_build", failing_cuda)
+    module = build.load()
+    assert module.__file__ == cpu_half.__file__ and not module.with_cuda
+    assert "the CUDA half failed to build; building the CPU half alone" in capsys.readouterr().err

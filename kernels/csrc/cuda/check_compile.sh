@@ -21,7 +21,11 @@ fi
 #   spills registers or uses local memory (a performance bug here: the kernels keep their arrays
 #   in registers by design). To see a spilling kernel's numbers anyway, drop -Werror and use VERBOSE=1.
 # -Xptxas -v: registers, shared memory and spills of every kernel, parsed below.
+# The -D__CUDA_NO_*: what torch's extension build passes nvcc (kernels/build.py), so this checks
+#   the code users compile.
 flags=(-std=c++17 -O3 -c
+       -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+       -D__CUDA_NO_HALF2_OPERATORS__
        -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
        -Xcompiler -fPIC -Xcompiler -Wall -Xcompiler -Wextra
        -Werror all-warnings
