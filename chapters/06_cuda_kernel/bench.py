@@ -233,7 +233,8 @@ def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device,
     return out
 
 
-def part_kernels(args) -> dict:
+def part_kernels(args, saved) -> dict:
+    """Kernel by kernel against the PyTorch it replaces; saved(partial result) after every case."""
     import kernels
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -263,31 +264,68 @@ def part_kernels(args) -> dict:
         "linear": [],
     }
 
-    def log(what: str, r: dict) -> None:
-        cells = "  ".join(f"{k} {fmt(v)}" for k, v in r["us"].items())
-        print(f"[kernels] {what:<36} us: {cells}", file=sys.stderr, flush=True)
+    # Every case as (list, label, measurement), then measured in order: each result is saved as it
+    # comes (`saved`), and a --budget-s that runs out leaves the rest unmeasured, said in the result.
+    cases = []
+    for m in models:
+        for batch in args.batches:
+            for ctx in args.contexts:
+                cases.append(
+                    (
+                        "attention",
+                        f"attention {m} B={batch} ctx={ctx}",
+                        {"model": m, "shape": list(SHAPES[m])},
+                        lambda m=m, b=batch, c=ctx: attention_case(
+                            ext, SHAPES[m], b, c, device, dtype, timer, args.partition_size
+                        ),
+                    )
+                )
+    for m in models:
+        for rows in args.norm_rows:
+            cases.append(
+                (
+                    "add_rms_norm",
+                    f"add_rms_norm {m} rows={rows}",
+                    {"model": m},
+                    lambda m=m, r=rows: norm_case(ext, HIDDEN[m], r, device, dtype, timer),
+                )
+            )
+            cases.append(
+                (
+                    "rope",
+                    f"rope_ {m} rows={rows}",
+                    {"model": m},
+                    lambda m=m, r=rows: rope_case(ext, SHAPES[m], r, device, dtype, timer),
+                )
+            )
+    for spec in args.linear_shapes.split(","):
+        name, dims = spec.split(":")
+        n_out, n_in = map(int, dims.split("x"))
+        cases.append(
+            (
+                "linear",
+                f"linear {name} {n_out}x{n_in}",
+                {},
+                lambda name=name, o=n_out, i=n_in: linear_cases(ext, name, o, i, args.rows, device, dtype, timer),
+            )
+        )
 
+    start = time.perf_counter()
     with torch.inference_mode():
-        for m in models:
-            for batch in args.batches:
-                for ctx in args.contexts:
-                    r = attention_case(ext, SHAPES[m], batch, ctx, device, dtype, timer, args.partition_size)
-                    result["attention"].append({"model": m, "shape": list(SHAPES[m])} | r)
-                    log(f"attention {m} B={batch} ctx={ctx}", r)
-        for m in models:
-            for rows in args.norm_rows:
-                r = norm_case(ext, HIDDEN[m], rows, device, dtype, timer)
-                result["add_rms_norm"].append({"model": m} | r)
-                log(f"add_rms_norm {m} rows={rows}", r)
-                r = rope_case(ext, SHAPES[m], rows, device, dtype, timer)
-                result["rope"].append({"model": m} | r)
-                log(f"rope_ {m} rows={rows}", r)
-        for spec in args.linear_shapes.split(","):
-            name, dims = spec.split(":")
-            n_out, n_in = map(int, dims.split("x"))
-            for r in linear_cases(ext, name, n_out, n_in, args.rows, device, dtype, timer):
-                result["linear"].append(r)
-                log(f"linear {name} {n_out}x{n_in} rows={r['rows']}", r)
+        for done, (kind, label, fields, run) in enumerate(cases):
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                result["stopped"] = (
+                    f"--budget-s {args.budget_s:g} spent: {len(cases) - done} of {len(cases)} cases not measured"
+                )
+                print(f"[kernels] {result['stopped']}", file=sys.stderr, flush=True)
+                break
+            measured = run() if kind == "linear" else [run()]
+            result[kind] += [fields | r for r in measured]
+            saved(result)  # before the log line: whoever sees the line finds the file
+            for r in measured:
+                cells = "  ".join(f"{k} {fmt(v)}" for k, v in r["us"].items())
+                what = label + (f" rows={r['rows']}" if kind == "linear" else "")
+                print(f"[kernels] {what:<36} us: {cells}", file=sys.stderr, flush=True)
     return result
 
 
@@ -634,7 +672,7 @@ COLORS = {
 def plot(result: dict, path: Path) -> bool:
     kr, de, tp = result.get("kernels"), result.get("decode"), result.get("throughput")
     panels = (
-        ([("attention", kr), ("linear", kr)] if kr else [])
+        [(kind, kr) for kind in ("attention", "linear") if kr and kr[kind]]  # a spent --budget-s leaves some empty
         + ([("decode", de)] if de else [])
         + ([("throughput", tp)] if tp else [])
     )
@@ -785,6 +823,12 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument("--min-seconds", type=float, default=0.5, help=argparse.SUPPRESS)
     ap.add_argument("--partition-size", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="part kernels: stop starting new cases after this many seconds (the JSON says which were left)",
+    )
     ap.add_argument("--server-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     ap.add_argument("--health-interval", type=float, default=0.05, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -826,13 +870,20 @@ def main() -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
     t_start = time.perf_counter()
+
+    def save_partial(kernels_so_far: dict) -> None:
+        # Written as it goes: a run cut short by a timeout still leaves what it measured.
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result | {"kernels": kernels_so_far, "complete": False}, indent=2) + "\n")
+
     if "kernels" in parts:
-        result["kernels"] = part_kernels(args)
+        result["kernels"] = part_kernels(args, save_partial)
     if "decode" in parts:
         result["decode"] = part_decode(args)
     if "throughput" in parts:
         result["throughput"] = part_throughput(args, result)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
+    result["complete"] = True
 
     print_tables(result)
     out.parent.mkdir(parents=True, exist_ok=True)

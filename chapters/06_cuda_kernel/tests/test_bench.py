@@ -3,6 +3,7 @@ asserted), and stops the servers it starts, also when a part fails."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,3 +193,25 @@ def test_servers_are_stopped_when_a_part_fails(tmp_path):
 def test_unknown_part_is_a_clear_error():
     r, _ = run("--parts", "kernels,speed")
     assert r.returncode == 2 and "unknown part(s) speed" in r.stderr
+
+
+def test_part_kernels_saves_each_case_as_it_is_measured_and_keeps_to_its_budget(tmp_path):
+    # What slurm/gpu_check.sh relies on: a run its timeout stops still leaves what it measured.
+    out = tmp_path / "k.json"
+    args = [sys.executable, "bench.py", "--parts", "kernels", *SMALL_KERNELS, "--out", str(out)]
+    proc = subprocess.Popen(args, cwd=CHAPTER, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("[kernels] attention"):
+                proc.terminate()
+                break
+    finally:
+        proc.communicate(timeout=60)
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False and len(partial["kernels"]["attention"]) >= 1
+
+    r, _ = run("--parts", "kernels", *SMALL_KERNELS, "--budget-s", "0", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["complete"] is True and result["kernels"]["attention"] == []
+    assert re.fullmatch(r"--budget-s 0 spent: (\d+) of \1 cases not measured", result["kernels"]["stopped"])
