@@ -11,25 +11,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = ("pydantic", "pydantic_core", "fastapi", "starlette", "uvicorn", "openai", "gguf")
-# Imported as the interpreter starts (PYTHONPATH first): every import of an ABSENT package fails
-# as it would where the package was never installed.
-BLOCKER = f"""
-import sys
-
-class NotInstalled:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {ABSENT!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-
-sys.meta_path.insert(0, NotInstalled())
-"""
 SUITES = [d for d in sorted(REPO.glob("chapters/*/tests")) if (d.parent / "server.py").exists()]
 
 
 @pytest.mark.parametrize("suite", SUITES, ids=lambda d: d.parent.name)
-def test_a_suite_collects_without_the_server_stack_and_names_what_it_skips(suite, tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
-    env = os.environ | {"PYTHONPATH": str(tmp_path), "RUN_CARRIED_TESTS": "1"}
+def test_a_suite_collects_without_the_server_stack_and_names_what_it_skips(suite, hiding):
+    env = os.environ | {"PYTHONPATH": hiding(*ABSENT), "RUN_CARRIED_TESTS": "1"}
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider", str(suite)],
         cwd=REPO,

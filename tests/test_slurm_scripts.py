@@ -35,21 +35,14 @@ def test_the_nominal_bandwidth_is_the_named_models_not_its_family(name, gbs):
     assert load_bench().nominal_gbs(name) == gbs
 
 
-def test_without_common_on_the_path_it_says_how_to_run_it(tmp_path):
-    # A bare machine: python with torch, the repository, no `make setup`. Blocking `common`
-    # stands in for the editable install this venv has.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'common':\n"
-        "            raise ModuleNotFoundError(name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-    )
+def test_without_common_on_the_path_it_says_how_to_run_it(tmp_path, hiding):
+    # A bare machine: python with torch, the repository, no `make setup`. Hiding `common` stands
+    # in for the editable install this venv has.
+    path = hiding("common")
     r = subprocess.run(
         [sys.executable, str(BENCH)],
         cwd=tmp_path,
-        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=120,

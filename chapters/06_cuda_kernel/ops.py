@@ -181,9 +181,9 @@ def resolve(choice: str, device: torch.device, head_dim: int | None = None) -> O
             why = None if device.type == "cpu" or ext.with_cuda else "kernels/ was built without CUDA here"
             if why is None and device.type == "cuda":
                 why = kernels.gpu_not_covered(ext, device)
-            if why is None and head_dim is not None and head_dim not in ext.head_dims():
-                sizes = ", ".join(map(str, ext.head_dims()))
-                why = f"kernels/ decodes heads of {sizes} values; this model's have {head_dim}"
+            served = ext.head_dims()
+            if why is None and head_dim is not None and head_dim not in served:
+                why = f"kernels/ decodes heads of {', '.join(map(str, served))} values; this model's have {head_dim}"
         except kernels.KernelBuildError as e:
             why = str(e)
         if why is None:
