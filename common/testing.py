@@ -52,3 +52,23 @@ def pytest_configure(config):
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if "torch" in sys.modules:  # the chapter conftest imported it before this hook ran
         sys.modules["torch"].set_num_threads(threads)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The devices this suite ran on, printed at its end (also under -q): on a GPU node a reader sees
+    whether the [cuda] cases ran or skipped, and why. A conftest takes this hook by importing it."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # chapters 00 and 01 run without torch
+        return
+    if torch.cuda.is_available():
+        cuda = f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}: the [cuda] cases ran"
+    elif torch.version.cuda:
+        cuda = f"none visible (torch is a CUDA {torch.version.cuda} build): the [cuda] cases skipped"
+    else:
+        cuda = "none (a CPU build of torch; TORCH_INDEX_URL= at make setup installs a CUDA one)"
+    only = (
+        f"; DEVICE={os.environ['DEVICE']} (device-parametrised tests ran there only)"
+        if os.environ.get("DEVICE")
+        else ""
+    )
+    terminalreporter.write_line(f"devices: torch {torch.__version__}, cpu; cuda: {cuda}{only}")

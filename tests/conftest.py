@@ -3,7 +3,7 @@ it editable) and chapters through common.chapters."""
 
 import pytest
 
-from common.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)
+from common.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
 
 # Imported as a child interpreter starts (its folder first on PYTHONPATH): every import of a
 # hidden package fails as it would where the package was never installed.

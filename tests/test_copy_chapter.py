@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from common.models import MODELS_DIR
 from kernels.build import build_root
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from common.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)
+from common.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,52 @@
+"""`make setup`'s venv recipe, run with a stand-in python that records what it is asked to do."""
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_PYTHON = """#!/bin/bash
+echo "$*" >> "$(dirname "$0")/../calls"
+case "$*" in *"import torch"*) exit 1 ;; esac  # the torch here is not a CUDA build
+exit 0
+"""
+
+
+def make_venv(tmp_path: Path, *variables: str) -> list[str]:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    python = venv / "bin" / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    (venv / "calls").unlink(missing_ok=True)
+    r = subprocess.run(
+        ["make", "--no-print-directory", f"VENV={venv}", *variables, f"{venv}/.stamp"],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "TORCH_INDEX_URL"},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = venv / "calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+def test_torch_index_url_puts_the_cuda_build_in_before_the_pinned_requirements(tmp_path):
+    pin = next(line for line in (REPO / "requirements.txt").read_text().splitlines() if line.startswith("torch=="))
+    url = "https://download.pytorch.org/whl/cu128"
+    calls = make_venv(tmp_path, f"TORCH_INDEX_URL={url}")
+    cuda = calls.index(f"-m pip install -q {pin} --index-url {url}")
+    assert "-m pip uninstall -q -y torch" in calls[:cuda]  # the CPU build goes first
+    assert calls.index("-m pip install -q -r requirements.txt") > cuda
+    assert make_venv(tmp_path, f"TORCH_INDEX_URL={url}") == []  # set up: nothing to do
+    assert any(
+        "--index-url https://example.org/whl" in c
+        for c in make_venv(tmp_path, "TORCH_INDEX_URL=https://example.org/whl")
+    )
+
+
+def test_without_it_pip_takes_torch_from_requirements_alone(tmp_path):
+    calls = make_venv(tmp_path)
+    assert not any("--index-url" in c or "uninstall" in c for c in calls)
+    assert "-m pip install -q -r requirements.txt" in calls
