@@ -136,7 +136,7 @@ diff-chapter%:
 # for the C++ and CUDA. Neither is a requirement: install them where you write code.
 format:
 	ruff format .
-	clang-format -i $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h kernels/csrc/cpu/*.cpp kernels/csrc/cpu/*.h kernels/csrc/cuda/*.cu kernels/csrc/cuda/*.cuh kernels/csrc/cuda/*.h)
+	clang-format -i $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h kernels/csrc/cpu/*.cpp kernels/csrc/cpu/*.h kernels/csrc/cuda/*.cu kernels/csrc/cuda/*.cuh kernels/csrc/cuda/*.h kernels/csrc/emulator/*.cpp kernels/csrc/emulator/include/*.h)
 
 notebooks: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_notebooks.py

@@ -10,21 +10,28 @@
 //
 // The plan (flash-decoding). One block per (sequence, head) would leave most of the GPU idle at
 // small batch, and walk long contexts slowly, so the keys are cut into partitions of
-// partition_size and each partition gets its own block:
+// partition_size, and the partitions of a sequence are shared among n_splits blocks:
 //
-//   kernel 1  grid (n_partitions, n_kv_heads * head_chunks, batch), 128 threads (4 warps).
-//             A block takes one partition of one sequence, for one KV head and every query head
-//             of that KV head's group (GQA: query head h reads KV head h / (n_heads / n_kv_heads)),
-//             up to kMaxHeads of them; a bigger group is split into head_chunks blocks. It reads
-//             each of its K and V vectors from global memory once, uses it for all its query
-//             heads, and leaves per head an unnormalised partial output o = sum_j e^(s_j - m) v_j,
-//             its max m and its sum l = sum_j e^(s_j - m) in the workspace.
-//   kernel 2  grid (n_heads, batch): merges a head's partitions into the output.
+//   kernel 1  grid (n_splits, n_kv_heads * head_chunks, batch), 128 threads (4 warps).
+//             A block takes partitions split, split + n_splits, ... of one sequence, for one KV
+//             head and every query head of that KV head's group (GQA: query head h reads KV head
+//             h / (n_heads / n_kv_heads)), up to kMaxHeads of them; a bigger group is split into
+//             head_chunks blocks. It reads each of its K and V vectors from global memory once,
+//             uses it for all its query heads, and leaves per head an unnormalised partial output
+//             o = sum_j e^(s_j - m) v_j, its max m and its sum l = sum_j e^(s_j - m) in the
+//             workspace, or, when the sequence has a single partition, the output itself.
+//   kernel 2  grid (n_heads, batch): merges a head's splits into the output; nothing to do for a
+//             sequence with one partition.
 //
-// The number of partitions comes from max_blocks * block_size, a number the host knows, never
-// from context_lens (device memory): the launch never waits for the GPU, so the pair can be
-// captured in a CUDA graph and replayed whatever the lengths. A partition at or past the end of
-// its sequence writes m = -inf, l = 0, o = 0 and stops.
+// The grid comes from numbers the host knows (the batch, the SM count, and max_blocks *
+// block_size, the table's width), never from context_lens (device memory): the launch never
+// waits for the GPU, so the pair can be captured in a CUDA graph and replayed whatever the
+// lengths. Under graphs the table is as wide as the longest context the engine allows (131,072
+// keys for Llama 3.2, 512 partitions of 256): one block per partition would launch 4,096 blocks
+// per layer at batch 1 and 131,072 at batch 32, almost all of them for partitions past the end.
+// Here n_splits is what fills the GPU (about kBlocksPerSm blocks per SM, split among the batch's
+// sequences and KV heads) and at most the number of partitions; a block loops over its
+// partitions, and a split with none (past the end of its sequence) returns without writing.
 //
 // Inside a block: lane groups, each running an online softmax.
 // A key's head_dim vector is 128 or 256 bytes in bf16. kLanesPerKey lanes read it with one
@@ -47,6 +54,7 @@
 // with a_i = 0 for a part that saw no key (m_i = -inf): e^(-inf - -inf) would be NaN.
 // The groups of a warp merge through shuffles, the warps of a block through shared memory, the
 // partitions of a sequence in kernel 2, which finally divides o by l.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -61,6 +69,7 @@ constexpr int kWarps = 4;  // warps per block of kernel 1
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxHeads = 8;           // query heads per block: their q and o live in registers
 constexpr int kSmemLimit = 48 * 1024;  // shared memory a block gets without opting in
+constexpr int kBlocksPerSm = 4;        // kernel 1's grid: enough resident warps to keep loads in flight
 
 // The weight e^(m - M) of a part whose max is m in a merge whose max is M >= m; 0 for a part that
 // saw no key (m = -inf), which also covers M = -inf, where e^(m - M) would be NaN.
@@ -86,8 +95,10 @@ struct Layout {
     // Keys per group per step, all loaded before any is used: more bytes in flight per lane, and
     // fewer steps, each of which waits for the memory once. Bounded by registers: q and o take
     // 2 * HEADS * kVec floats per lane, a key's K and V 8 more words. With these values ptxas
-    // (CUDA 13) stays at <= 128 registers up to 4 heads (4 blocks of 128 threads per SM) and
-    // ~210 with 8 heads (2 blocks, as many as with a single key).
+    // (CUDA 13) uses 72-156 registers up to 4 heads (3 to 7 blocks of 128 threads per SM) and
+    // ~210 with 8 heads (2 blocks, as many as with a single key). __launch_bounds__(kThreads, 1)
+    // asks for no occupancy: without it, ptxas spilled a few bytes of the 4-head variants to
+    // squeeze them into 96 or 128 registers, and a spill is a local-memory round trip per step.
     static constexpr int kUnroll = HEADS >= 8 ? 2 : (HEADS >= 4 ? 3 : 4);
     // Static shared memory of the warps' merge.
     static constexpr int kMergeBytes = kWarps * HEADS * (HEAD_DIM + 2) * static_cast<int>(sizeof(float));
@@ -103,16 +114,17 @@ struct Params {
     const void* v_pool;
     const int32_t* block_tables;
     const int32_t* context_lens;
-    float* part_out;  // [batch, n_heads, n_partitions, head_dim]
-    float* part_max;  // [batch, n_heads, n_partitions]
-    float* part_sum;  // [batch, n_heads, n_partitions]
-    int n_heads, n_kv_heads, block_size, max_blocks, partition_size, n_partitions, head_chunks;
+    void* out;        // [batch, n_heads, head_dim]: written here for a sequence with one partition
+    float* part_out;  // [batch, n_heads, n_splits, head_dim]
+    float* part_max;  // [batch, n_heads, n_splits]
+    float* part_sum;  // [batch, n_heads, n_splits]
+    int n_heads, n_kv_heads, block_size, max_blocks, partition_size, n_splits, head_chunks;
     float scale;
 };
 
-// --- kernel 1: one partition, one KV head, the query heads of its group ------------------------
+// --- kernel 1: one split of the partitions, one KV head, the query heads of its group ------------
 template <typename T, int HEAD_DIM, int HEADS>
-__global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) {
     using L = Layout<T, HEAD_DIM, HEADS>;
     constexpr int VEC = L::kVec;
 
@@ -121,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
     __shared__ float merge_sum[kWarps][HEADS];
     __shared__ float merge_out[kWarps][HEADS][HEAD_DIM];
 
-    const int part = blockIdx.x;
+    const int split = blockIdx.x;
     const int kv_head = blockIdx.y / p.head_chunks;
     const int chunk = blockIdx.y % p.head_chunks;
     const int b = blockIdx.z;
@@ -129,38 +141,23 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
     const int head0 = kv_head * group_heads + chunk * HEADS;     // this block's first query head
     const int n_here = min(HEADS, group_heads - chunk * HEADS);  // and how many it has
 
-    // Keys [key_begin, key_begin + n_keys) of sequence b. The clamp guards the block table against
-    // a context longer than the table (a broken caller); the contract says it never is.
+    // The partitions that hold keys of sequence b. The clamp guards the block table against a
+    // context longer than the table (a broken caller); the contract says it never is.
     const int max_keys = p.max_blocks * p.block_size;
     const int context = min(max(p.context_lens[b], 0), max_keys);
-    const int key_begin = part * p.partition_size;
-    const int n_keys = min(p.partition_size, context - key_begin);  // <= 0: past the context
+    const int n_parts = (context + p.partition_size - 1) / p.partition_size;
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(b) * p.n_heads + head0) * HEAD_DIM;
 
-    // Workspace entry (b, head0 + h, part) of the [batch, n_heads, n_partitions] arrays.
-    const auto entry = [&](int h) { return (static_cast<int64_t>(b) * p.n_heads + head0 + h) * p.n_partitions + part; };
-
-    if (n_keys <= 0) {  // the whole block takes this branch: no barrier is skipped by some threads only
-        for (int i = threadIdx.x; i < n_here * HEAD_DIM; i += kThreads) {
-            const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-            p.part_out[entry(h) * HEAD_DIM + d] = 0.f;
-            if (d == 0) {
-                p.part_max[entry(h)] = -INFINITY;
-                p.part_sum[entry(h)] = 0.f;
-            }
-        }
+    // Past the end of the sequence: nothing to read, nothing to write. The whole block takes this
+    // branch (no barrier is skipped by some threads only). An empty context (outside the
+    // contract) still gets its zeros, from split 0.
+    if (split >= n_parts) {
+        if (n_parts == 0 && split == 0)
+            for (int i = threadIdx.x; i < n_here * HEAD_DIM; i += kThreads) store(out + i, 0.f);
         return;
     }
 
-    // 1. Where each key of the partition lives: token t is slot t % block_size of block
-    //    block_tables[b, t / block_size]. One division per key here, none in the loop below.
-    const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
-    for (int k = threadIdx.x; k < n_keys; k += kThreads) {
-        const int t = key_begin + k;
-        key_rows[k] = table[t / p.block_size] * p.block_size + t % p.block_size;
-    }
-    __syncthreads();
-
-    // 2. This lane's place: lane group `group` reads one key at a time, this lane its elements
+    // 1. This lane's place: lane group `group` reads one key at a time, this lane its elements
     //    [d0, d0 + VEC) of head_dim.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = warp * L::kKeysPerWarp + lane / L::kLanesPerKey;
@@ -175,7 +172,7 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
         for (int e = 0; e < VEC; ++e) qv[h][e] = h < n_here ? load(q + h * HEAD_DIM + e) * p.scale : 0.f;
     }
 
-    // 3. The online softmax of this lane group over its keys.
+    // 2. The online softmax of this lane group over its keys, in every partition of the split.
     float m[HEADS], l[HEADS], o[HEADS][VEC];
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
@@ -190,78 +187,94 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
     const int64_t row_stride = static_cast<int64_t>(p.n_kv_heads) * HEAD_DIM;  // pool row: [n_kv_heads, head_dim]
     const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM + d0;
 
-    // The trip count is the same for every thread of the block (it depends on n_keys only), so
-    // every lane reaches every shuffle; a group with no key in a step masks its scores to -inf.
-    for (int base = 0; base < n_keys; base += L::kGroups * L::kUnroll) {
-        // a. Issue the loads of all kUnroll keys first: they are in flight together.
-        Packed<T, VEC> kraw[L::kUnroll], vraw[L::kUnroll];
-        bool valid[L::kUnroll];
-#pragma unroll
-        for (int u = 0; u < L::kUnroll; ++u) {
-            const int k = base + u * L::kGroups + group;
-            valid[u] = k < n_keys;
-            if (valid[u]) {
-                const int64_t offset = key_rows[k] * row_stride + head_offset;
-                kraw[u] = load_packed<T, VEC, true>(k_pool + offset);
-                vraw[u] = load_packed<T, VEC, true>(v_pool + offset);
-            } else {  // zeros, not garbage: p = 0 below, and 0 * NaN would still be NaN
-                kraw[u] = zero_packed<T, VEC>();
-                vraw[u] = zero_packed<T, VEC>();
-            }
+    // Partitions split, split + n_splits, ...: the softmax state above carries over from one to
+    // the next, so the split's result is one partial whatever the number of its partitions.
+#pragma unroll 1  // a loop of whole partitions: unrolling it would only double the code
+    for (int key_begin = split * p.partition_size; key_begin < context; key_begin += p.n_splits * p.partition_size) {
+        // 3. Where each key of the partition lives: token t is slot t % block_size of block
+        //    block_tables[b, t / block_size]. One division per key here, none in the loop below.
+        const int n_keys = min(p.partition_size, context - key_begin);  // >= 1
+        const int32_t* table = p.block_tables + static_cast<int64_t>(b) * p.max_blocks;
+        __syncthreads();  // every thread is done with the previous partition's rows
+        for (int k = threadIdx.x; k < n_keys; k += kThreads) {
+            const int t = key_begin + k;
+            key_rows[k] = table[t / p.block_size] * p.block_size + t % p.block_size;
         }
+        __syncthreads();
 
-        // b. Scores s[u][h] = q_h . k_u: a partial dot product per lane, summed over the group.
-        float s[L::kUnroll][HEADS];
-#pragma unroll
-        for (int u = 0; u < L::kUnroll; ++u) {
-            float kf[VEC];
-            unpack<T, VEC>(kraw[u], kf);
-#pragma unroll
-            for (int h = 0; h < HEADS; ++h) {
-                if (h >= n_here) break;  // the same for the whole block
-                float dot = 0.f;
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) dot = fmaf(qv[h][e], kf[e], dot);
-                dot = group_sum<L::kLanesPerKey>(dot);
-                s[u][h] = valid[u] ? dot : -INFINITY;
-            }
-        }
-
-        // c. Per head: the new running max, the rescale of what came before, and the weights
-        //    p = e^(s - m_new) of the step's keys (in place of their scores). One rescale per step
-        //    of kUnroll keys rather than per key.
-#pragma unroll
-        for (int h = 0; h < HEADS; ++h) {
-            if (h >= n_here) break;
-            float m_new = m[h];
-#pragma unroll
-            for (int u = 0; u < L::kUnroll; ++u) m_new = fmaxf(m_new, s[u][h]);
-            // m_new is -inf only while the group has seen no key; rescale() then gives 0, not NaN.
-            const float a = rescale(m[h], m_new);
-            l[h] *= a;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) o[h][e] *= a;
+        // The trip count is the same for every thread of the block (it depends on n_keys only), so
+        // every lane reaches every shuffle; a group with no key in a step masks its scores to -inf.
+        for (int base = 0; base < n_keys; base += L::kGroups * L::kUnroll) {
+            // a. Issue the loads of all kUnroll keys first: they are in flight together.
+            Packed<T, VEC> kraw[L::kUnroll], vraw[L::kUnroll];
+            bool valid[L::kUnroll];
 #pragma unroll
             for (int u = 0; u < L::kUnroll; ++u) {
-                s[u][h] = rescale(s[u][h], m_new);  // 0 for a masked key (s = -inf)
-                l[h] += s[u][h];
+                const int k = base + u * L::kGroups + group;
+                valid[u] = k < n_keys;
+                if (valid[u]) {
+                    const int64_t offset = key_rows[k] * row_stride + head_offset;
+                    kraw[u] = load_packed<T, VEC, true>(k_pool + offset);
+                    vraw[u] = load_packed<T, VEC, true>(v_pool + offset);
+                } else {  // zeros, not garbage: p = 0 below, and 0 * NaN would still be NaN
+                    kraw[u] = zero_packed<T, VEC>();
+                    vraw[u] = zero_packed<T, VEC>();
+                }
             }
-            m[h] = m_new;
-        }
 
-        // d. o += p v, key by key: a V vector is converted to float once and used for every head.
+            // b. Scores s[u][h] = q_h . k_u: a partial dot product per lane, summed over the group.
+            float s[L::kUnroll][HEADS];
 #pragma unroll
-        for (int u = 0; u < L::kUnroll; ++u) {
-            float vf[VEC];
-            unpack<T, VEC>(vraw[u], vf);
+            for (int u = 0; u < L::kUnroll; ++u) {
+                float kf[VEC];
+                unpack<T, VEC>(kraw[u], kf);
+#pragma unroll
+                for (int h = 0; h < HEADS; ++h) {
+                    if (h >= n_here) break;  // the same for the whole block
+                    float dot = 0.f;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) dot = fmaf(qv[h][e], kf[e], dot);
+                    dot = group_sum<L::kLanesPerKey>(dot);
+                    s[u][h] = valid[u] ? dot : -INFINITY;
+                }
+            }
+
+            // c. Per head: the new running max, the rescale of what came before, and the weights
+            //    p = e^(s - m_new) of the step's keys (in place of their scores). One rescale per step
+            //    of kUnroll keys rather than per key.
 #pragma unroll
             for (int h = 0; h < HEADS; ++h) {
                 if (h >= n_here) break;
+                float m_new = m[h];
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) o[h][e] = fmaf(s[u][h], vf[e], o[h][e]);
+                for (int u = 0; u < L::kUnroll; ++u) m_new = fmaxf(m_new, s[u][h]);
+                // m_new is -inf only while the group has seen no key; rescale() then gives 0, not NaN.
+                const float a = rescale(m[h], m_new);
+                l[h] *= a;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) o[h][e] *= a;
+#pragma unroll
+                for (int u = 0; u < L::kUnroll; ++u) {
+                    s[u][h] = rescale(s[u][h], m_new);  // 0 for a masked key (s = -inf)
+                    l[h] += s[u][h];
+                }
+                m[h] = m_new;
+            }
+
+            // d. o += p v, key by key: a V vector is converted to float once and used for every head.
+#pragma unroll
+            for (int u = 0; u < L::kUnroll; ++u) {
+                float vf[VEC];
+                unpack<T, VEC>(vraw[u], vf);
+#pragma unroll
+                for (int h = 0; h < HEADS; ++h) {
+                    if (h >= n_here) break;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) o[h][e] = fmaf(s[u][h], vf[e], o[h][e]);
+                }
             }
         }
-    }
+    }  // the next partition of this split: the same running max, sum and output go on
 
     // 4. Merge the lane groups of the warp: lanes holding the same slice [d0, d0 + VEC) sit
     //    kLanesPerKey apart, so xor over the group bits of the lane index pairs them up.
@@ -286,7 +299,8 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
 
     // 5. Merge the warps through shared memory: the first group of each warp (which now holds
     //    the warp's result, as every group does) writes it, then each thread combines the warps
-    //    for some (head, d) and writes the partition's result to the workspace.
+    //    for some (head, d) and writes the split's result to the workspace, or, for a sequence
+    //    of one partition, the output itself: then there is nothing to merge.
     if (lane < L::kLanesPerKey) {
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
@@ -305,35 +319,43 @@ __global__ void __launch_bounds__(kThreads) partition_kernel(const Params p) {
         float M = -INFINITY;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) M = fmaxf(M, merge_max[w][h]);
-        float out = 0.f, sum = 0.f;
+        float out_d = 0.f, sum = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) {
             const float a = rescale(merge_max[w][h], M);
-            out += a * merge_out[w][h][d];
+            out_d += a * merge_out[w][h][d];
             sum += a * merge_sum[w][h];
         }
-        p.part_out[entry(h) * HEAD_DIM + d] = out;
+        if (n_parts == 1) {
+            store(out + i, out_d / sum);  // sum >= 1: the largest key has weight 1
+            continue;
+        }
+        // Workspace entry (b, head0 + h, split) of the [batch, n_heads, n_splits] arrays.
+        const int64_t entry = (static_cast<int64_t>(b) * p.n_heads + head0 + h) * p.n_splits + split;
+        p.part_out[entry * HEAD_DIM + d] = out_d;
         if (d == 0) {
-            p.part_max[entry(h)] = M;  // finite: n_keys >= 1, so some group saw a key
-            p.part_sum[entry(h)] = sum;
+            p.part_max[entry] = M;  // finite: the split had keys, so some group saw one
+            p.part_sum[entry] = sum;
         }
     }
 }
 
-// --- kernel 2: merge the partitions of one (sequence, head) -----------------------------------
+// --- kernel 2: merge the splits of one (sequence, head) ---------------------------------------
 // One thread per element of head_dim. Every thread computes the global max M and the weights
-// e^(m_p - M) itself: they are a few loads of the same addresses (served once, broadcast) and
-// no barrier is needed. Partitions past the context hold m = -inf and add nothing, so only the
-// ones that hold keys are read.
+// e^(m_s - M) itself: they are a few loads of the same addresses (served once, broadcast) and
+// no barrier is needed. Only the splits that had partitions wrote an entry, and only those are
+// read; a sequence with one partition (or none) was written by kernel 1.
 template <typename T>
 __global__ void merge_kernel(T* __restrict__ out, const float* __restrict__ part_out,
                              const float* __restrict__ part_max, const float* __restrict__ part_sum,
                              const int32_t* __restrict__ context_lens, int n_heads, int head_dim, int partition_size,
-                             int n_partitions, int max_keys) {
+                             int n_splits, int max_keys) {
     const int h = blockIdx.x, b = blockIdx.y;
     const int context = min(max(context_lens[b], 0), max_keys);
-    const int used = static_cast<int>((static_cast<int64_t>(context) + partition_size - 1) / partition_size);
-    const int64_t first = (static_cast<int64_t>(b) * n_heads + h) * n_partitions;  // entry of partition 0
+    const int n_parts = static_cast<int>((static_cast<int64_t>(context) + partition_size - 1) / partition_size);
+    if (n_parts <= 1) return;
+    const int used = min(n_parts, n_splits);
+    const int64_t first = (static_cast<int64_t>(b) * n_heads + h) * n_splits;  // entry of split 0
 
     float M = -INFINITY;
     for (int part = 0; part < used; ++part) M = fmaxf(M, part_max[first + part]);
@@ -345,9 +367,9 @@ __global__ void merge_kernel(T* __restrict__ out, const float* __restrict__ part
             num += a * part_out[(first + part) * head_dim + d];
             den += a * part_sum[first + part];
         }
-        // den >= 1 whenever a key was seen (the max key has weight 1); no key gives 0, not 0/0.
-        // (A NaN in q or K still reaches the output, as it would in the reference.)
-        store(out + (static_cast<int64_t>(b) * n_heads + h) * head_dim + d, den == 0.f ? 0.f : num / den);
+        // den >= 1: the largest key has weight 1. (A NaN in q or K still reaches the output, as it
+        // would in the reference.)
+        store(out + (static_cast<int64_t>(b) * n_heads + h) * head_dim + d, num / den);
     }
 }
 
@@ -356,7 +378,7 @@ cudaError_t launch_partitions(const Params& p, int batch, cudaStream_t stream) {
     using L = Layout<T, HEAD_DIM, HEADS>;
     const size_t dynamic_smem = static_cast<size_t>(p.partition_size) * sizeof(int);
     if (dynamic_smem + L::kMergeBytes > static_cast<size_t>(kSmemLimit)) return cudaErrorInvalidValue;
-    const dim3 grid(p.n_partitions, p.n_kv_heads * p.head_chunks, batch);
+    const dim3 grid(p.n_splits, p.n_kv_heads * p.head_chunks, batch);
     partition_kernel<T, HEAD_DIM, HEADS><<<grid, kThreads, dynamic_smem, stream>>>(p);
     return cudaGetLastError();
 }
@@ -369,6 +391,20 @@ cudaError_t launch_partitions(const Params& p, int batch, int heads_per_block, c
         case 4: return launch_partitions<T, HEAD_DIM, 4>(p, batch, stream);
         default: return launch_partitions<T, HEAD_DIM, kMaxHeads>(p, batch, stream);
     }
+}
+
+// Kernel 1's splits per sequence: about kBlocksPerSm blocks per SM over the whole grid
+// (blocks_per_split = the batch's sequences times their KV-head blocks), at least one, at most a
+// block per partition. A host query of the device (no wait for the GPU), so graph capture is fine.
+int splits_for(int batch, int kv_blocks, int n_partitions) {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+        sms = 108;  // an A100's count: never reached on a working device
+    }
+    const int64_t per_split = static_cast<int64_t>(batch) * kv_blocks;
+    const int64_t wanted = (static_cast<int64_t>(kBlocksPerSm) * sms + per_split - 1) / per_split;
+    return static_cast<int>(std::min<int64_t>(std::max<int64_t>(wanted, 1), n_partitions));
 }
 
 }  // namespace
@@ -399,21 +435,22 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
     const int head_chunks = (group_heads + heads_per_block - 1) / heads_per_block;
     if (static_cast<int64_t>(n_kv_heads) * head_chunks > 65535 || batch > 65535) return cudaErrorInvalidValue;
 
-    const int64_t partials = static_cast<int64_t>(batch) * n_heads * n_partitions;
+    const int n_splits = splits_for(batch, n_kv_heads * head_chunks, n_partitions);
+    const int64_t partials = static_cast<int64_t>(batch) * n_heads * n_splits;
     float* part_max = workspace + partials * head_dim;  // after the partial outputs
     float* part_sum = part_max + partials;
-    Params p{q,       q_stride,   k_pool,     v_pool,     block_tables,   context_lens, workspace,   part_max, part_sum,
-             n_heads, n_kv_heads, block_size, max_blocks, partition_size, n_partitions, head_chunks, scale};
+    Params p{q,        q_stride, k_pool,     v_pool,     block_tables, context_lens,   out,      workspace,   part_max,
+             part_sum, n_heads,  n_kv_heads, block_size, max_blocks,   partition_size, n_splits, head_chunks, scale};
 
     return dispatch_dtype(dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
         const cudaError_t err = head_dim == 32   ? launch_partitions<T, 32>(p, batch, heads_per_block, stream)
                                 : head_dim == 64 ? launch_partitions<T, 64>(p, batch, heads_per_block, stream)
                                                  : launch_partitions<T, 128>(p, batch, heads_per_block, stream);
-        if (err != cudaSuccess) return err;
+        if (err != cudaSuccess || n_partitions == 1) return err;  // one partition: kernel 1 wrote the output
         merge_kernel<T><<<dim3(n_heads, batch), head_dim, 0, stream>>>(
             static_cast<T*>(out), p.part_out, p.part_max, p.part_sum, context_lens, n_heads, head_dim, partition_size,
-            n_partitions, static_cast<int>(max_keys));
+            n_splits, static_cast<int>(max_keys));
         return cudaGetLastError();
     });
 }

@@ -1,0 +1,40 @@
+// The emulated launchers of csrc/cuda/launchers.h as C functions (kernels/emulator.py calls them
+// through ctypes, with the addresses of CPU tensors standing in for device memory). Each returns
+// the launcher's cudaError_t; emu_last_message() says more about a failed launch.
+#include "../cuda/launchers.h"
+
+using kernels::DType;
+namespace cu = kernels::cuda;
+
+extern "C" {
+
+int emu_paged_decode_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                               const int32_t* block_tables, const int32_t* context_lens, float* workspace, int batch,
+                               int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
+                               int partition_size, float scale, int dtype) {
+    return cu::paged_decode_attention(out, q, q_stride, k_pool, v_pool, block_tables, context_lens, workspace, batch,
+                                      n_heads, n_kv_heads, head_dim, block_size, max_blocks, partition_size, scale,
+                                      static_cast<DType>(dtype), nullptr);
+}
+
+int emu_add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
+                     int dtype) {
+    return cu::add_rms_norm(out, x, delta, weight, rows, hidden, eps, static_cast<DType>(dtype), nullptr);
+}
+
+int emu_rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim, int64_t token_stride,
+             int dtype) {
+    return cu::rope(qk, cos, sin, tokens, n_heads, head_dim, token_stride, static_cast<DType>(dtype), nullptr);
+}
+
+int emu_int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+                    int n_in, int n_out, int group_size, int dtype) {
+    return cu::int4_linear(y, x, packed, scale, min, rows, n_in, n_out, group_size, static_cast<DType>(dtype), nullptr);
+}
+
+int emu_int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                    int dtype) {
+    return cu::int8_linear(y, x, q, scale, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
+}
+
+}  // extern "C"

@@ -1,0 +1,303 @@
+"""The CUDA kernels of csrc/cuda/, compiled by the host C++ compiler and run on the CPU: a test
+tool, so that every CUDA kernel executes in `make test` on a machine without a GPU.
+
+    from kernels import emulator
+    emu = emulator.load()                          # builds once (kernels/build/emulator/), then loads
+    out = emu.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale)   # CPU tensors
+
+csrc/emulator/include/emu.h is the CUDA this needs (qualifiers, threadIdx and friends,
+__syncthreads, warp shuffles and votes, bf16 and half) and says what the emulation shows and what
+it cannot (timing, coalescing, the GPU's memory model); csrc/emulator/emu.cpp runs a launch:
+blocks one after another, each CUDA thread a fiber. The .cu files are compiled unchanged except
+for two constructs that are not C++, rewritten as they are read (translate()): the launch syntax
+kernel<<<grid, block, smem, stream>>>(args) and `extern __shared__ T name[];`.
+
+load(plant=...) compiles a variant with a bug planted in one file (a text replacement), so that a
+test can show the emulated tests catch it; load(sanitize=True) builds with the address and
+undefined-behaviour sanitizers, which need their runtime preloaded into the process
+(sanitizer_env() gives the environment for a subprocess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
+CUDA = CSRC / "cuda"
+EMU = CSRC / "emulator"
+KERNEL_SOURCES = ["paged_attention.cu", "norm_rope.cu", "quant_linear.cu"]
+FLAGS = ["-std=c++20", "-O1", "-fPIC", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{EMU / 'include'}", f"-I{CUDA}"]
+# Unoptimised: the sanitized build compiles in half the time, and its test cases are small.
+SANITIZE = ["-O0", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
+DTYPE_CODES = {"torch.float32": 0, "torch.bfloat16": 1, "torch.float16": 2}  # kernels.h's DType
+
+
+class EmulatorError(RuntimeError):
+    """A launch the emulator refused or stopped: the message says which threads waited where."""
+
+
+def translate(text: str, path: str) -> str:
+    """The two CUDA constructs that are not C++, as calls into the emulator; line numbers kept."""
+    text = re.sub(
+        r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;",
+        r"\1* const \2 = reinterpret_cast<\1*>(::emu::dynamic_shared(alignof(\1)));",
+        text,
+    )
+    # name or name<template args> <<<config>>> ( args )  ->  ::emu::launch(config, name, args)
+    launch = re.compile(r"(\b[A-Za-z_]\w*(?:<[^<>;{}]*>)?)\s*<<<(.*?)>>>\s*\(\s*(\)?)", re.S)
+    text = launch.sub(lambda m: f"::emu::launch({m[2]}, {m[1]}" + (")" if m[3] else ", "), text)
+    return f'#line 1 "{path}"\n{text}'
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise EmulatorError("no C++ compiler found (set CXX): the emulator compiles the .cu files with it")
+    return cxx
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted([*CUDA.glob("*.cuh"), *CUDA.glob("*.h"), *(EMU / "include").glob("*.h"), CSRC / "kernels.h"]):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def build_dir() -> Path:
+    from kernels.build import build_root
+
+    return build_root() / "emulator"
+
+
+def _compile(cxx: str, text: str, flags: list[str], objects: Path) -> Path:
+    """One translation unit to an object, cached by the hash of its text, the headers and the flags."""
+    key = hashlib.sha256("\0".join([text, _headers_digest(), cxx, *flags]).encode()).hexdigest()[:24]
+    obj = objects / f"{key}.o"
+    if obj.exists():
+        return obj
+    source = objects / f"{key}.cpp"
+    source.write_text(text)
+    tmp = obj.with_suffix(f".{os.getpid()}.tmp")
+    r = subprocess.run([cxx, *flags, "-c", str(source), "-o", str(tmp)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise EmulatorError(f"the emulator's build failed:\n{r.stderr[-4000:]}")
+    tmp.replace(obj)  # atomic: a parallel build sees the whole object or none
+    return obj
+
+
+def build(plant: list[tuple[str, str, str]] | None = None, sanitize: bool = False) -> Path:
+    """The emulator as a shared library, built if needed: every kernel source (with `plant`'s
+    (file, old, new) replacements), the runtime and the C entry points. Returns its path."""
+    cxx = compiler()
+    flags = FLAGS + (SANITIZE if sanitize else [])
+    units = []
+    for name in KERNEL_SOURCES:
+        text = (CUDA / name).read_text()
+        for file, old, new in plant or []:
+            if file == name:
+                if text.count(old) != 1:
+                    raise ValueError(f"plant: {old!r} occurs {text.count(old)} times in {name}, not once")
+                text = text.replace(old, new)
+        units.append(translate(text, f"kernels/csrc/cuda/{name}"))
+    for name in ("emu.cpp", "api.cpp"):
+        # Compiled from a copy in the object folder: its includes are made absolute.
+        text = (EMU / name).read_text().replace('#include "include/', f'#include "{EMU}/include/')
+        text = text.replace('#include "../cuda/', f'#include "{CUDA}/')
+        units.append(f'#line 1 "kernels/csrc/emulator/{name}"\n{text}')
+    objects = build_dir() / "obj"
+    objects.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
+        objs = list(pool.map(lambda text: _compile(cxx, text, flags, objects), units))
+    key = hashlib.sha256("\0".join(o.name for o in objs).encode() + str(sanitize).encode()).hexdigest()[:24]
+    lib = build_dir() / f"emu-{key}{'-asan' if sanitize else ''}.so"
+    if not lib.exists():
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        link = [cxx, "-shared", *(SANITIZE[:1] if sanitize else []), *map(str, objs), "-o", str(tmp)]
+        r = subprocess.run(link, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise EmulatorError(f"the emulator's link failed:\n{r.stderr[-4000:]}")
+        tmp.replace(lib)
+    return lib
+
+
+def sanitizer_env() -> dict[str, str]:
+    """The environment in which a Python process can load a sanitize=True build: the sanitizers'
+    runtimes preloaded (they must come before any other library), leak checks off (Python and
+    torch keep memory to the end on purpose), and the first error fatal."""
+    cxx = compiler()
+    libs = [
+        subprocess.run([cxx, f"-print-file-name={n}"], capture_output=True, text=True).stdout.strip()
+        for n in ("libasan.so", "libubsan.so")
+    ]
+    return os.environ | {
+        "LD_PRELOAD": ":".join(libs),
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:halt_on_error=1",
+        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+    }
+
+
+def _ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+class Emulated:
+    """The kernel library's calls (as kernels.load() gives them), each running the CUDA kernel in
+    the emulator, on CPU tensors. Shapes are checked by the launchers' own checks only: this is a
+    test tool, and the extension (bindings.cpp) is where the user-facing checks live."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.emu_last_message.restype = ctypes.c_char_p
+        self.lib.emu_blocks_run.restype = ctypes.c_int64
+        f, i, i64 = ctypes.c_float, ctypes.c_int, ctypes.c_int64
+        self.lib.emu_paged_decode_attention.argtypes = (
+            [ctypes.c_void_p, ctypes.c_void_p, i64] + [ctypes.c_void_p] * 5 + [i] * 7 + [f, i]
+        )
+        self.lib.emu_add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [i, i, f, i]
+        self.lib.emu_rope.argtypes = [ctypes.c_void_p] * 3 + [i, i, i, i64, i]
+        self.lib.emu_int4_linear.argtypes = [ctypes.c_void_p] * 5 + [i] * 5
+        self.lib.emu_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [i] * 4
+
+    def set_sm_count(self, n: int) -> None:
+        """The SM count the emulated device reports (132 by default, an H100 SXM's): the attention
+        kernel sizes its grid from it."""
+        self.lib.emu_set_sm_count(n)
+
+    @property
+    def blocks_run(self) -> int:
+        """Blocks the emulator has run in this process, all launches together."""
+        return self.lib.emu_blocks_run()
+
+    def _check(self, err: int, what: str) -> None:
+        if err != 0:
+            message = self.lib.emu_last_message().decode()
+            raise EmulatorError(f"{what}: cudaError {err}" + (f": {message}" if message else ""))
+
+    def paged_decode_attention(
+        self, q, k_pool, v_pool, block_tables, context_lens, scale, partition_size=256, workspace=None
+    ):
+        """As the extension's; `workspace` (float32, batch * n_heads * n_partitions * (head_dim + 2))
+        may be given, to look at the partial results the merge read."""
+        import torch
+
+        batch, n_heads, head_dim = q.shape
+        block_size, n_kv_heads = k_pool.shape[1], k_pool.shape[2]
+        max_blocks = block_tables.shape[1]
+        n_partitions = -(-max_blocks * block_size // partition_size)
+        if workspace is None:
+            workspace = torch.empty(batch * n_heads * n_partitions * (head_dim + 2), dtype=torch.float32)
+        out = torch.empty_like(q)
+        err = self.lib.emu_paged_decode_attention(
+            _ptr(out),
+            _ptr(q),
+            q.stride(0),
+            _ptr(k_pool),
+            _ptr(v_pool),
+            _ptr(block_tables),
+            _ptr(context_lens),
+            _ptr(workspace),
+            batch,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            block_size,
+            max_blocks,
+            partition_size,
+            scale,
+            DTYPE_CODES[str(q.dtype)],
+        )
+        self._check(err, "paged_decode_attention")
+        return out
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        import torch
+
+        out = torch.empty_like(x)
+        err = self.lib.emu_add_rms_norm(
+            _ptr(out), _ptr(x), _ptr(delta), _ptr(weight), x.shape[0], x.shape[1], eps, DTYPE_CODES[str(x.dtype)]
+        )
+        self._check(err, "add_rms_norm")
+        return out
+
+    def rope_(self, qk, cos, sin):
+        tokens, heads, head_dim = qk.shape
+        err = self.lib.emu_rope(
+            _ptr(qk), _ptr(cos), _ptr(sin), tokens, heads, head_dim, qk.stride(0), DTYPE_CODES[str(qk.dtype)]
+        )
+        self._check(err, "rope")
+
+    def int4_linear(self, x, packed, scale, min, group_size):
+        import torch
+
+        n_out, n_in = packed.shape[0], packed.shape[1] * 2
+        y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
+        err = self.lib.emu_int4_linear(
+            _ptr(y),
+            _ptr(x),
+            _ptr(packed),
+            _ptr(scale),
+            _ptr(min),
+            x.shape[0],
+            n_in,
+            n_out,
+            group_size,
+            DTYPE_CODES[str(x.dtype)],
+        )
+        self._check(err, "int4_linear")
+        return y
+
+    def int8_linear(self, x, q, scale):
+        import torch
+
+        n_out, n_in = q.shape
+        y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
+        err = self.lib.emu_int8_linear(
+            _ptr(y), _ptr(x), _ptr(q), _ptr(scale), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)]
+        )
+        self._check(err, "int8_linear")
+        return y
+
+
+def load(plant: list[tuple[str, str, str]] | None = None, sanitize: bool = False) -> Emulated:
+    return Emulated(build(plant, sanitize))
+
+
+class Printed:
+    text = ""
+
+
+@contextlib.contextmanager
+def printed():
+    """What the kernels printf while the block runs, as `.text`: C's stdout (file descriptor 1) goes
+    to a file meanwhile. A notebook shows Python's output, not what a C library writes there.
+
+        with emulator.printed() as out:
+            emu.add_rms_norm(x, None, w, 1e-5)
+        print(out.text)
+    """
+    libc = ctypes.CDLL(None)
+    result = Printed()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            yield result
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+            f.seek(0)
+            result.text = f.read().decode(errors="replace")
