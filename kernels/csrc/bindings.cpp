@@ -54,6 +54,12 @@ void check_supported_device(const at::Tensor& t) {
 
 // --- paged decode attention ------------------------------------------------------------------
 
+std::string head_dims_text() {  // "32, 64, ...": kernels.h's list, for an error message
+    std::string text;
+    for (int d : kernels::kHeadDims) text += (text.empty() ? "" : ", ") + std::to_string(d);
+    return text;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t partition_size) {
@@ -66,7 +72,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     const int64_t block_size = k_pool.size(1), n_kv_heads = k_pool.size(2);
     TORCH_CHECK(k_pool.size(3) == head_dim, "k_pool's head_dim ", k_pool.size(3), " differs from q's ", head_dim);
     TORCH_CHECK(kernels::supported_head_dim(static_cast<int>(head_dim)), "head_dim ", head_dim,
-                " is not one the kernels are built for (32, 64, 128: kernels.head_dims())");
+                " is not one the kernels are built for (", head_dims_text(), ": kernels.head_dims())");
     TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ",
                 n_kv_heads);
     TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim,

@@ -17,7 +17,7 @@ enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 // The head sizes paged decode attention is built for, on both halves: the CUDA kernel is a
 // template on the head size (a key's vector split over a power-of-two number of lanes), and the
 // CPU twin accepts the same set so that a model runs on either or on neither.
-constexpr int kHeadDims[] = {32, 64, 128};
+constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
 
 constexpr bool supported_head_dim(int head_dim) {
     for (int d : kHeadDims)

@@ -28,12 +28,13 @@ def emu():
 
 # --- paged decode attention ------------------------------------------------------------------------
 
-SHAPES = [  # n_heads, n_kv_heads: GQA groups of 1, 3, 4, 8 and 16 (two blocks of 8 heads); head_dim
+SHAPES = [  # n_heads, n_kv_heads: GQA groups of 1, 3, 4, 8 and 16 (two blocks of 8 heads); every head_dim
     (4, 4, 64),
-    (9, 3, 64),
+    (9, 3, 96),
     (8, 2, 32),
     (16, 2, 128),
     (32, 2, 64),
+    (4, 1, 256),
 ]
 LENGTHS = [[1], [17], [1, 300, 64, 513], [1000]]  # one token, odd lengths, partitions that do not divide
 
@@ -123,7 +124,7 @@ def test_llama_3_2_1b_blocks_per_layer(emu):
 
 
 def test_paged_attention_refuses_what_it_cannot_run(emu):
-    case = make_case(1, 4, 2, 48, 16, [20], torch.float32, "cpu")  # head_dim 48: not instantiated
+    case = make_case(1, 4, 2, 80, 16, [20], torch.float32, "cpu")  # head_dim 80: not instantiated
     with pytest.raises(emulator.EmulatorError, match="cudaError 1"):
         emu.paged_decode_attention(*case, 0.1, 64)
 

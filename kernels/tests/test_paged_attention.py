@@ -43,8 +43,10 @@ SHAPES = [  # n_heads, n_kv_heads (GQA ratio 1, 3, 4, 8), head_dim (every size t
     (8, 2, 32),
     (4, 4, 64),
     (9, 3, 64),
+    (6, 2, 96),
     (8, 2, 128),
     (32, 4, 64),
+    (4, 1, 256),
 ]
 LENGTHS = [  # per sequence: one token, a block exactly, one past, partitions that do not divide
     [1],
@@ -107,10 +109,12 @@ def test_bad_arguments_are_clear_errors(ops):
         ops.paged_decode_attention(q[:, :3], k_pool, v_pool, tables, lens, 0.125)
 
 
-@pytest.mark.parametrize("head_dim", [16, 48, 96, 256])
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 192])
 def test_a_head_size_the_kernels_are_not_built_for_is_refused_naming_the_sizes(ops, device, head_dim):
     # The same contract on CPU and CUDA: the CUDA kernel is instantiated for these sizes only.
-    assert list(ops.head_dims()) == [32, 64, 128]
+    assert list(ops.head_dims()) == [32, 64, 96, 128, 256]
     case = make_case(1, 4, 2, head_dim, 16, [20], torch.float32, device)
-    with pytest.raises(RuntimeError, match=rf"head_dim {head_dim} is not one the kernels are built for \(32, 64, 128"):
+    with pytest.raises(
+        RuntimeError, match=rf"head_dim {head_dim} is not one the kernels are built for \(32, 64, 96, 128, 256:"
+    ):
         ops.paged_decode_attention(*case, 0.125)

@@ -132,15 +132,15 @@ def test_kernels_where_they_cannot_run(capsys):
 
 
 def test_a_head_size_the_kernels_do_not_serve_falls_back_to_pytorch_and_says_why(tmp_path, capsys):
-    why = "kernels/ decodes heads of 32, 64, 128 values; this model's have 96"
-    assert resolve("auto", CPU, head_dim=96).describe() == f"kernels: off ({why})"
+    why = "kernels/ decodes heads of 32, 64, 96, 128, 256 values; this model's have 80"
+    assert resolve("auto", CPU, head_dim=80).describe() == f"kernels: off ({why})"
     with pytest.raises(UserError, match=f"--kernels on: {why}"):
-        resolve("on", CPU, head_dim=96)
+        resolve("on", CPU, head_dim=80)
     assert isinstance(resolve("auto", CPU, head_dim=32), KernelOps)  # tiny-llama3's
-    # A whole model: tiny-llama3 with 2 query heads of 96 values instead of 8 of 32, loaded
+    # A whole model: tiny-llama3 with 2 query heads of 80 values instead of 8 of 32, loaded
     # the way every entry point loads one, answers through PyTorch and says why.
     cfg = json.loads((resolve_model("tiny-llama3") / "config.json").read_text())
-    cfg |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 96}
+    cfg |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 80}
     d = tmp_path / "wide-heads"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg))

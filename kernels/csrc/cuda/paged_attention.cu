@@ -34,8 +34,9 @@
 // partitions, and a split with none (past the end of its sequence) returns without writing.
 //
 // Inside a block: lane groups, each running an online softmax.
-// A key's head_dim vector is 128 or 256 bytes in bf16. kLanesPerKey lanes read it with one
-// 16-byte load each, so a warp reads kKeysPerWarp keys at once, one per lane group ("group").
+// A key's head_dim vector is 128 or 256 bytes in bf16. kLanesPerKey lanes read it, each with one
+// 16-byte load when the sizes allow (else several narrower ones: heads of 96), so a warp reads
+// kKeysPerWarp keys at once, one per lane group ("group").
 // Every lane holds the same slice of head_dim of the query (every head of the block, already
 // multiplied by `scale`) and of the output accumulators. A score is the lane's partial dot
 // product summed over the group's lanes by a butterfly of shuffles, after which every lane of the
@@ -85,25 +86,54 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
+constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+constexpr int pow2_dividing(int n, int cap) { return n % 2 == 0 && cap > 1 ? 2 * pow2_dividing(n / 2, cap / 2) : 1; }
+
 // How kernel 1 cuts the work, for element type T, HEAD_DIM and HEADS query heads per block.
+// A lane holds kVec elements of head_dim (at most one 16-byte load's worth: 8 bf16, 4 floats, so
+// q and o fit in registers), read as kAccesses loads of kAccess elements. Lane g of a group reads
+// elements [(j * kLanesPerKey + g) * kAccess, ... + kAccess) for j < kAccesses: for each j the
+// group's loads are side by side in memory (coalesced). Heads of 32 to 256 values:
+//   head_dim   bf16: lanes x elements (loads)   float: lanes x elements (loads)
+//   32, 64          4, 8  x 8 (1 x 16 B)            8, 16 x 4 (1 x 16 B)
+//   96              16 x 6 (3 x 4 B)                 32 x 3 (3 x 4 B)
+//   128             16 x 8 (1 x 16 B)                32 x 4 (1 x 16 B)
+//   256             32 x 8 (1 x 16 B)                32 x 8 (2 x 16 B)
+// The ACCESSES loads of one key, as the lane's VEC floats in order.
+template <typename T, int ACCESS, int ACCESSES>
+__device__ __forceinline__ void unpack_all(const Packed<T, ACCESS> (&raw)[ACCESSES], float (&out)[ACCESS * ACCESSES]) {
+#pragma unroll
+    for (int j = 0; j < ACCESSES; ++j) {
+        float part[ACCESS];
+        unpack<T, ACCESS>(raw[j], part);
+#pragma unroll
+        for (int e = 0; e < ACCESS; ++e) out[j * ACCESS + e] = part[e];
+    }
+}
+
 template <typename T, int HEAD_DIM, int HEADS>
 struct Layout {
-    static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
-    static constexpr int kLanesPerKey = HEAD_DIM / kVec;           // lanes reading one key
-    static constexpr int kKeysPerWarp = 32 / kLanesPerKey;         // lane groups per warp
-    static constexpr int kGroups = kWarps * kKeysPerWarp;          // keys the block reads side by side
+    static constexpr int kMaxVec = 16 / static_cast<int>(sizeof(T));  // elements in one 16-byte load
+    static constexpr int kLanesPerKey = pow2_at_least(HEAD_DIM / kMaxVec) < 32 ? pow2_at_least(HEAD_DIM / kMaxVec) : 32;
+    static constexpr int kVec = HEAD_DIM / kLanesPerKey;          // elements of a key per lane
+    static constexpr int kAccess = pow2_dividing(kVec, kMaxVec);  // elements per load
+    static constexpr int kAccesses = kVec / kAccess;              // loads per lane per key
+    static constexpr int kKeysPerWarp = 32 / kLanesPerKey;        // lane groups per warp
+    static constexpr int kGroups = kWarps * kKeysPerWarp;         // keys the block reads side by side
     // Keys per group per step, all loaded before any is used: more bytes in flight per lane, and
     // fewer steps, each of which waits for the memory once. Bounded by registers: q and o take
     // 2 * HEADS * kVec floats per lane, a key's K and V 8 more words. With these values ptxas
     // (CUDA 13) uses 72-156 registers up to 4 heads (3 to 7 blocks of 128 threads per SM) and
-    // ~210 with 8 heads (2 blocks, as many as with a single key). __launch_bounds__(kThreads, 1)
+    // 206-228 with 8 heads (2 blocks, as many as with a single key). __launch_bounds__(kThreads, 1)
     // asks for no occupancy: without it, ptxas spilled a few bytes of the 4-head variants to
     // squeeze them into 96 or 128 registers, and a spill is a local-memory round trip per step.
     static constexpr int kUnroll = HEADS >= 8 ? 2 : (HEADS >= 4 ? 3 : 4);
     // Static shared memory of the warps' merge.
     static constexpr int kMergeBytes = kWarps * HEADS * (HEAD_DIM + 2) * static_cast<int>(sizeof(float));
-    static_assert(HEAD_DIM % kVec == 0 && kLanesPerKey <= 32 && 32 % kLanesPerKey == 0,
-                  "a key's vector is read by a power-of-two number of lanes of one warp");
+    static_assert(HEAD_DIM % kLanesPerKey == 0 && kVec <= 8 && kAccess * sizeof(T) >= 4,
+                  "a key's vector is read by a power-of-two number of lanes of one warp, 4 to 16 bytes at a time");
+    // Element i of this lane's slice: its place in head_dim, for the lane at `g` in its group.
+    __device__ static int dim(int g, int i) { return ((i / kAccess) * kLanesPerKey + g) * kAccess + i % kAccess; }
 };
 
 // Everything kernel 1 needs besides its template, by value.
@@ -157,19 +187,19 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
         return;
     }
 
-    // 1. This lane's place: lane group `group` reads one key at a time, this lane its elements
-    //    [d0, d0 + VEC) of head_dim.
+    // 1. This lane's place: lane group `group` reads one key at a time, this lane (at `g` in its
+    //    group) its elements L::dim(g, 0..VEC) of head_dim.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = warp * L::kKeysPerWarp + lane / L::kLanesPerKey;
-    const int d0 = (lane % L::kLanesPerKey) * VEC;
+    const int g = lane % L::kLanesPerKey;
 
     // The query slice of every head, times scale, so that a dot product is the score itself.
-    const T* q = static_cast<const T*>(p.q) + b * p.q_stride + static_cast<int64_t>(head0) * HEAD_DIM + d0;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride + static_cast<int64_t>(head0) * HEAD_DIM;
     float qv[HEADS][VEC];
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) qv[h][e] = h < n_here ? load(q + h * HEAD_DIM + e) * p.scale : 0.f;
+        for (int e = 0; e < VEC; ++e) qv[h][e] = h < n_here ? load(q + h * HEAD_DIM + L::dim(g, e)) * p.scale : 0.f;
     }
 
     // 2. The online softmax of this lane group over its keys, in every partition of the split.
@@ -185,7 +215,9 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
     const T* k_pool = static_cast<const T*>(p.k_pool);
     const T* v_pool = static_cast<const T*>(p.v_pool);
     const int64_t row_stride = static_cast<int64_t>(p.n_kv_heads) * HEAD_DIM;  // pool row: [n_kv_heads, head_dim]
-    const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM + d0;
+    const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM + L::dim(g, 0);
+    constexpr int ACCESS = L::kAccess, ACCESSES = L::kAccesses;
+    constexpr int kStride = L::kLanesPerKey * ACCESS;  // from one of a lane's loads to its next
 
     // Partitions split, split + n_splits, ...: the softmax state above carries over from one to
     // the next, so the split's result is one partial whatever the number of its partitions.
@@ -206,19 +238,22 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
         // every lane reaches every shuffle; a group with no key in a step masks its scores to -inf.
         for (int base = 0; base < n_keys; base += L::kGroups * L::kUnroll) {
             // a. Issue the loads of all kUnroll keys first: they are in flight together.
-            Packed<T, VEC> kraw[L::kUnroll], vraw[L::kUnroll];
+            Packed<T, ACCESS> kraw[L::kUnroll][ACCESSES], vraw[L::kUnroll][ACCESSES];
             bool valid[L::kUnroll];
 #pragma unroll
             for (int u = 0; u < L::kUnroll; ++u) {
                 const int k = base + u * L::kGroups + group;
                 valid[u] = k < n_keys;
-                if (valid[u]) {
-                    const int64_t offset = key_rows[k] * row_stride + head_offset;
-                    kraw[u] = load_packed<T, VEC, true>(k_pool + offset);
-                    vraw[u] = load_packed<T, VEC, true>(v_pool + offset);
-                } else {  // zeros, not garbage: p = 0 below, and 0 * NaN would still be NaN
-                    kraw[u] = zero_packed<T, VEC>();
-                    vraw[u] = zero_packed<T, VEC>();
+#pragma unroll
+                for (int j = 0; j < ACCESSES; ++j) {
+                    if (valid[u]) {
+                        const int64_t offset = key_rows[k] * row_stride + head_offset + j * kStride;
+                        kraw[u][j] = load_packed<T, ACCESS, true>(k_pool + offset);
+                        vraw[u][j] = load_packed<T, ACCESS, true>(v_pool + offset);
+                    } else {  // zeros, not garbage: p = 0 below, and 0 * NaN would still be NaN
+                        kraw[u][j] = zero_packed<T, ACCESS>();
+                        vraw[u][j] = zero_packed<T, ACCESS>();
+                    }
                 }
             }
 
@@ -227,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
 #pragma unroll
             for (int u = 0; u < L::kUnroll; ++u) {
                 float kf[VEC];
-                unpack<T, VEC>(kraw[u], kf);
+                unpack_all(kraw[u], kf);
 #pragma unroll
                 for (int h = 0; h < HEADS; ++h) {
                     if (h >= n_here) break;  // the same for the whole block
@@ -265,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
 #pragma unroll
             for (int u = 0; u < L::kUnroll; ++u) {
                 float vf[VEC];
-                unpack<T, VEC>(vraw[u], vf);
+                unpack_all(vraw[u], vf);
 #pragma unroll
                 for (int h = 0; h < HEADS; ++h) {
                     if (h >= n_here) break;
@@ -276,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
         }
     }  // the next partition of this split: the same running max, sum and output go on
 
-    // 4. Merge the lane groups of the warp: lanes holding the same slice [d0, d0 + VEC) sit
+    // 4. Merge the lane groups of the warp: lanes holding the same slice of head_dim sit
     //    kLanesPerKey apart, so xor over the group bits of the lane index pairs them up.
 #pragma unroll
     for (int offset = L::kLanesPerKey; offset < 32; offset *= 2) {
@@ -306,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) partition_kernel(const Params p) 
         for (int h = 0; h < HEADS; ++h) {
             if (h >= n_here) break;
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) merge_out[warp][h][d0 + e] = o[h][e];
+            for (int e = 0; e < VEC; ++e) merge_out[warp][h][L::dim(g, e)] = o[h][e];
             if (lane == 0) {
                 merge_max[warp][h] = m[h];
                 merge_sum[warp][h] = l[h];
@@ -444,9 +479,14 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
 
     return dispatch_dtype(dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
-        const cudaError_t err = head_dim == 32   ? launch_partitions<T, 32>(p, batch, heads_per_block, stream)
-                                : head_dim == 64 ? launch_partitions<T, 64>(p, batch, heads_per_block, stream)
-                                                 : launch_partitions<T, 128>(p, batch, heads_per_block, stream);
+        cudaError_t err = cudaErrorInvalidValue;
+        switch (head_dim) {  // kernels.h's kHeadDims
+            case 32: err = launch_partitions<T, 32>(p, batch, heads_per_block, stream); break;
+            case 64: err = launch_partitions<T, 64>(p, batch, heads_per_block, stream); break;
+            case 96: err = launch_partitions<T, 96>(p, batch, heads_per_block, stream); break;
+            case 128: err = launch_partitions<T, 128>(p, batch, heads_per_block, stream); break;
+            case 256: err = launch_partitions<T, 256>(p, batch, heads_per_block, stream); break;
+        }
         if (err != cudaSuccess || n_partitions == 1) return err;  // one partition: kernel 1 wrote the output
         merge_kernel<T><<<dim3(n_heads, batch), head_dim, 0, stream>>>(
             static_cast<T*>(out), p.part_out, p.part_max, p.part_sum, context_lens, n_heads, head_dim, partition_size,
