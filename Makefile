@@ -30,7 +30,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: FORCE setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
+.PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
 .DEFAULT_GOAL := help
 
 help:
@@ -45,9 +45,8 @@ help:
 # already met by X+cuNNN, so the requirements leave it in place. Changing the URL redoes the setup.
 TORCH_INDEX_URL ?=
 TORCH_PIN = $(shell grep -E '^torch==' requirements.txt)
-$(VENV)/.torch-index: FORCE
-	@mkdir -p $(VENV); [ "$$(cat $@ 2>/dev/null)" = "$(TORCH_INDEX_URL)" ] || echo "$(TORCH_INDEX_URL)" > $@
-FORCE:
+# The URL the venv was set up with, rewritten (when it changed) as the Makefile is read.
+$(shell mkdir -p $(VENV) && { [ -f $(VENV)/.torch-index ] && [ "$$(cat $(VENV)/.torch-index)" = "$(TORCH_INDEX_URL)" ] || echo "$(TORCH_INDEX_URL)" > $(VENV)/.torch-index; })
 
 $(VENV)/.stamp: requirements.txt pyproject.toml $(VENV)/.torch-index
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -70,14 +69,20 @@ $(VENV)/.stamp: requirements.txt pyproject.toml $(VENV)/.torch-index
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
-setup: $(VENV)/.stamp models kernels
+setup: $(VENV)/.stamp models $(KERNELS_MADE)
 
 models: $(VENV)/.stamp
 	@$(PY) -m common.prepare_models
 
 # --- kernels/: the C++ CPU half always, the CUDA half where torch is a CUDA build (a minute, once).
+# `make kernels` always asks kernels.build (which compares a fingerprint of every source and flag);
+# setup only when a source is newer than the last build: starting Python and torch for the check
+# costs 2 s, on every `make run`. (The emulator's sources are not the library's.)
+KERNELS_MADE := kernels/build/.made
+$(KERNELS_MADE): $(VENV)/.stamp kernels/build.py $(shell find kernels/csrc -path kernels/csrc/emulator -prune -o -type f -print)
+	@$(PY) -m kernels.build && touch $@
 kernels: $(VENV)/.stamp
-	@$(PY) -m kernels.build
+	@$(PY) -m kernels.build && mkdir -p $(dir $(KERNELS_MADE)) && touch $(KERNELS_MADE)
 
 # Every .cu file through nvcc for sm_80 and sm_90, without torch: runs where nvcc is, GPU or not.
 kernels-cuda-check:

@@ -50,3 +50,20 @@ def test_without_it_pip_takes_torch_from_requirements_alone(tmp_path):
     calls = make_venv(tmp_path)
     assert not any("--index-url" in c or "uninstall" in c for c in calls)
     assert "-m pip install -q -r requirements.txt" in calls
+
+
+def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_path):
+    made = tmp_path / ".made"
+    made.touch()  # newer than every source: the library was built after the last change
+
+    def dry_run(*args):
+        r = subprocess.run(
+            ["make", "-n", f"KERNELS_MADE={made}", *args, "setup"], cwd=REPO, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr
+        return "-m kernels.build" in r.stdout
+
+    assert not dry_run()
+    assert dry_run("-W", "kernels/csrc/kernels.h")  # as if just edited
+    assert dry_run("-W", "kernels/csrc/cuda/paged_attention.cu")
+    assert not dry_run("-W", "kernels/csrc/emulator/emu.cpp")  # the test tool is not the library
