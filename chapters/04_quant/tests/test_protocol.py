@@ -307,3 +307,61 @@ def test_the_largest_seed_serves_every_choice_reproducibly(http):
     assert first.status_code == 200, first.text
     again = post(http, "/v1/completions", body)
     assert [c["text"] for c in first.json()["choices"]] == [c["text"] for c in again.json()["choices"]]
+
+
+# --- a reply's logprobs: one pass over the tokens, built off the event loop --------------------------------
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the tokens it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_text_offsets_are_each_tokens_place_in_the_text_found_in_one_pass():
+    require("fastapi")
+    import server
+    from sampling import TokenLogprob
+
+    tokenizer = Tokenizer(resolve_model("smollm2-135m"))
+    ids = tokenizer.encode("Hello, world! Ça va? 你好, über alles. " * 30)
+    counting = CountingTokenizer(tokenizer)
+    offsets = server.completion_logprobs(counting, [TokenLogprob(i, -1.0, []) for i in ids])["text_offset"]
+    # Linear in the tokens: decoding every prefix would decode len(ids)**2 / 2 of them.
+    assert counting.decoded < 20 * len(ids), (counting.decoded, len(ids))
+    # Each token starts where the text of the tokens before it ends; a character split over
+    # several tokens counts where it completes (a prefix that ends inside one is not a place).
+    assert len(offsets) == len(ids) and offsets[0] == 0
+    for i in range(1, len(ids)):
+        prefix = tokenizer.decode(ids[:i])
+        if not prefix.endswith("\ufffd"):
+            assert offsets[i] == len(prefix), i
+
+
+def test_a_reply_is_built_off_the_event_loop(http, monkeypatch):
+    import asyncio
+
+    import server
+
+    where = []
+    build = server.reply_body
+
+    def spy(*args):
+        try:
+            asyncio.get_running_loop()
+            where.append("the event loop")
+        except RuntimeError:
+            where.append("a worker thread")
+        return build(*args)
+
+    monkeypatch.setattr(server, "reply_body", spy)
+    r = post(http, "/v1/completions", {"prompt": "One, two,", "max_tokens": 3, "logprobs": 1})
+    assert r.status_code == 200 and where == ["a worker thread"], r.text
