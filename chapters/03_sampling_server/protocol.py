@@ -191,7 +191,12 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Read only to refuse them by name: a client that sets them expects what this server cannot do.
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
 
 
 def sampling_params(body: _Common, defaults: SamplingParams, logprobs: int | None) -> SamplingParams:
@@ -251,6 +256,22 @@ def completion_request(body: CompletionRequest, tokenizer, defaults: SamplingPar
 def chat_request(body: ChatRequest, tokenizer, defaults: SamplingParams) -> Request:
     if body.tools:
         raise RequestError("tools are not supported by this server", "tools")
+    if body.tool_choice not in (None, "none"):
+        raise RequestError("tool_choice: not supported (this server takes no tools)", "tool_choice")
+    if body.functions or body.function_call not in (None, "none"):
+        param = "functions" if body.functions else "function_call"
+        raise RequestError(f"{param}: not supported (this server takes no tools)", param)
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        kind = body.response_format.get("type")
+        raise RequestError(
+            f"response_format: {kind!r} is not supported, this server generates free text only", "response_format"
+        )
+    for i, m in enumerate(body.messages):
+        if m.content is None:  # OpenAI allows it beside tool_calls, which this server does not take
+            where = f"messages.{i}.content"
+            raise RequestError(
+                f"{where}: null is not supported (it goes with tool calls, which this server does not take)", where
+            )
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs requires logprobs: true", "top_logprobs")

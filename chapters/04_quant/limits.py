@@ -1,7 +1,8 @@
 """The server's defences at the HTTP edge: what a client may send, and for how long.
 
 * `BodyLimit`: a request body is read in full before the app sees it, at most `max_bytes`
-  (413, from the Content-Length header alone when it says so) within `timeout` seconds (408).
+  (413, from the Content-Length header alone when it says so) within `timeout` seconds (408),
+  and in UTF-8 (400): JSON travels as UTF-8 (RFC 8259), though Python's json reads UTF-16 too.
 * `protocol_with_header_deadline`: uvicorn's h11 protocol, with a deadline for each request's
   headers; uvicorn has none, so a socket that opens and says nothing holds its slot forever.
 * `RepeatFilter`: a log line that repeats is written once, then once a minute with a count.
@@ -54,6 +55,11 @@ class BodyLimit:
             return await self._refuse(scope, receive, send, error)
         if body is None:  # the client left while sending
             return
+        if not is_utf8_text(body):
+            error = APIError(
+                400, "the request body is not UTF-8 text (JSON requests must be UTF-8)", code="invalid_encoding"
+            )
+            return await self._refuse(scope, receive, send, error)
         await self.app(scope, replay(body, receive), send)
 
     def _too_large(self, declared: int | None) -> APIError:
@@ -79,6 +85,18 @@ def _content_length(scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def is_utf8_text(body: bytes) -> bool:
+    """UTF-8 with no NUL byte: JSON writes a NUL as \u0000, while UTF-16 or UTF-32 text (which
+    json.loads would detect and read) has one in every ASCII character."""
+    if b"\x00" in body:
+        return False
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 async def read_body(receive, max_bytes: int, timeout: float) -> bytes | None:

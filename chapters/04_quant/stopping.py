@@ -17,6 +17,11 @@ would start earlier if a "d" follows. If the stream ends there, `flush` makes th
 
 from __future__ import annotations
 
+# The longest stop string a request may set. The held-back tail is up to one character shorter
+# than the longest stop, and each feed tests its suffixes against every stop: the work per token
+# grows with the square of this length (a 1M-character stop stalled every stream for seconds).
+MAX_STOP_CHARS = 256
+
 
 class StopStringMatcher:
     def __init__(self, stops: list[str], include_stop: bool = False):

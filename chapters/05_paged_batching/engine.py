@@ -43,7 +43,7 @@ from quant import QuantSpec
 from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample
 from scheduler import Scheduler
 from sequence import Sequence
-from stopping import StopStringMatcher
+from stopping import MAX_STOP_CHARS, StopStringMatcher
 
 
 @dataclass
@@ -195,6 +195,9 @@ class Engine:
             raise UserError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
         if any(not isinstance(s, str) or not s for s in req.stop) or len(req.stop) > 16:
             raise UserError("stop must be a string or a list of at most 16 non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in req.stop):
+            longest = max(len(s) for s in req.stop)
+            raise UserError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}")
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")

@@ -285,6 +285,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 1e-40}, None),
     ("/v1/chat/completions", {"messages": HI, "repetition_penalty": 1e-300, "stream": True}, None),
     ("/v1/chat/completions", {"messages": HI, "temperature": 1e300}, None),
+    # accepted and ignored before: a client that sets them expects what the server cannot do
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": HI, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
     ("/v1/completions", {"prompt": "a\udc80b"}, "prompt"),
     ("/v1/completions", {"prompt": [[False]]}, "prompt"),
 ]
@@ -307,6 +312,26 @@ def test_the_largest_seed_serves_every_choice_reproducibly(http):
     assert first.status_code == 200, first.text
     again = post(http, "/v1/completions", body)
     assert [c["text"] for c in first.json()["choices"]] == [c["text"] for c in again.json()["choices"]]
+
+
+def test_a_body_that_is_not_utf8_is_refused(http):
+    # Python's json would read UTF-16 and UTF-32 (it guesses from the NUL bytes): JSON is UTF-8.
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    for encoded in (body.encode("utf-16"), body.encode("utf-16-le"), body.encode("utf-32"), b'{"prompt": "caf\xe9"}'):
+        r = http.post("/v1/completions", content=encoded, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_encoding", r.text
+    r = http.post(
+        "/v1/completions",
+        content=json.dumps({"prompt": "café", "max_tokens": 2}, ensure_ascii=False).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    assert (
+        post(
+            http, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "response_format": {"type": "text"}}
+        ).status_code
+        == 200
+    )
 
 
 # --- a reply's logprobs: one pass over the tokens, built off the event loop --------------------------------
