@@ -102,6 +102,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token decodes to: the longest vocabulary entry
+        (a byte-level entry has a character per byte, and a byte decodes to at most a
+        character). A text longer than context x this cannot fit in the context, which a server
+        can tell before it spends anything on tokenizing it."""
+        return max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -60,6 +61,10 @@ ERROR_RESPONSES = {
 }
 
 
+# Tokenizations at once (each in a thread): enough to keep the cores busy on a burst of prompts.
+TOKENIZING_AT_ONCE = max(2, os.cpu_count() or 1)
+
+
 @dataclass
 class ServerState:
     """What the routes share: one per app, at app.state.server."""
@@ -68,6 +73,9 @@ class ServerState:
     worker: Worker
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # Templating and tokenizing run in threads, this many at a time: a burst of huge prompts
+    # queues here instead of holding one tokenization's memory each at once.
+    tokenizing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TOKENIZING_AT_ONCE))
 
 
 def state_of(http: HTTPRequest) -> ServerState:
@@ -132,8 +140,28 @@ def check_model(served: str, asked: str | None) -> None:
         )
 
 
+def prompt_chars(body) -> tuple[int, str]:
+    """The characters of the body's prompt text (the chat's messages, or a completion's text
+    prompt), and the field that holds them."""
+    if isinstance(body, ChatRequest):
+        return sum(len(m.text()) for m in body.messages), "messages"
+    prompt = body.prompt
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+    return sum(map(len, texts)), "prompt"
+
+
 def engine_request(engine: Engine, build, body) -> Request:
-    """The body as an engine Request: templated, tokenized and validated (blocking: run in a thread)."""
+    """The body as an engine Request: templated, tokenized and validated (blocking: run in a thread).
+    A prompt that cannot fit in the context by its length alone is refused before any of that."""
+    chars, field_name = prompt_chars(body)
+    most = engine.context * engine.tokenizer.max_token_chars
+    if chars > most:
+        raise APIError(
+            400,
+            f"{field_name}: {chars} characters cannot fit in this model's context of {engine.context} tokens "
+            f"(a token is at most {engine.tokenizer.max_token_chars} characters)",
+            param=field_name,
+        )
     try:
         req = build(body, engine.tokenizer, engine.default_params())
         engine.validate(req)
@@ -390,7 +418,8 @@ async def respond(http: HTTPRequest, body, build, chat: bool):
     state = state_of(http)
     check_model(state.model_name, body.model)
     # Templating and tokenizing a long prompt take a while: in a thread, /health keeps answering.
-    req = await run_in_threadpool(engine_request, state.engine, build, body)
+    async with state.tokenizing:
+        req = await run_in_threadpool(engine_request, state.engine, build, body)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = state.worker.submit(req)
     try:

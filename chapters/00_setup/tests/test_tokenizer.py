@@ -247,3 +247,10 @@ def test_ordinary_chats_still_equal_transformers(pair, messages):
     ours, hf = pair
     expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
     assert ours.encode_chat(messages) == expected
+
+
+def test_max_token_chars_bounds_every_token_and_is_reached(pair):
+    # A server refuses a text longer than context x this without tokenizing it: it must be a bound.
+    ours, _ = pair
+    lengths = [len(ours.decode([i])) for i in range(ours.vocab_size)]
+    assert max(lengths) <= ours.max_token_chars <= max(lengths) + 16  # tight: special tokens' names aside

@@ -334,6 +334,75 @@ def test_a_body_that_is_not_utf8_is_refused(http):
     )
 
 
+# --- bounded work before a refusal -------------------------------------------------------------------------
+
+
+class NoTokenizing:
+    """A tokenizer that must not be asked to tokenize anything."""
+
+    max_token_chars = 4
+
+    def encode(self, *args, **kwargs):
+        raise AssertionError("tokenized a prompt that its length alone rules out")
+
+    encode_chat = encode
+
+
+def test_a_prompt_too_long_for_the_context_by_its_length_is_refused_before_tokenizing():
+    require("fastapi")
+    from types import SimpleNamespace
+
+    import server
+    from errors import APIError
+
+    engine = SimpleNamespace(
+        context=16, tokenizer=NoTokenizing(), default_params=lambda: None, validate=lambda req: None
+    )  # at most 16 x 4 characters fit
+    for body, field in (
+        (CompletionRequest(prompt="a" * 65), "prompt"),
+        (
+            ChatRequest(messages=[{"role": "user", "content": "a" * 30}, {"role": "user", "content": "b" * 35}]),
+            "messages",
+        ),
+    ):
+        with pytest.raises(APIError) as e:
+            server.engine_request(engine, None, body)
+        assert e.value.status == 400 and e.value.param == field
+        assert str(e.value).startswith(f"{field}: 65 characters cannot fit in this model's context of 16 tokens")
+    built = []  # 64 characters may fit: on to templating and tokenizing
+    server.engine_request(engine, lambda *args: built.append(args), CompletionRequest(prompt="a" * 64))
+    assert len(built) == 1
+
+
+def test_tokenizations_run_a_few_at_a_time(http, monkeypatch):
+    import asyncio
+    import threading
+    import time
+
+    import server
+    from errors import APIError
+
+    running, most, lock = [0], [0], threading.Lock()
+
+    def slow_refusal(*args):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        raise APIError(400, "prompt: refused", param="prompt")
+
+    monkeypatch.setattr(server, "engine_request", slow_refusal)
+    monkeypatch.setattr(http.app.state.server, "tokenizing", asyncio.Semaphore(2))
+    threads = [threading.Thread(target=post, args=(http, "/v1/completions", {"prompt": "hi"})) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 2
+
+
 # --- a reply's logprobs: one pass over the tokens, built off the event loop --------------------------------
 
 
