@@ -57,7 +57,7 @@ class BodyLimit:
             return
         if not is_utf8_text(body):
             error = APIError(
-                400, "the request body is not UTF-8 text (JSON requests must be UTF-8)", code="invalid_encoding"
+                400, "the request body is not valid UTF-8 text (JSON requests must be UTF-8)", code="invalid_encoding"
             )
             return await self._refuse(scope, receive, send, error)
         await self.app(scope, replay(body, receive), send)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Awaitable, TypeVar
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -66,6 +68,8 @@ ERROR_RESPONSES = {
 }
 
 
+log = logging.getLogger("server")
+
 # Tokenizations at once (each in a thread): enough to keep the cores busy on a burst of prompts.
 TOKENIZING_AT_ONCE = max(2, os.cpu_count() or 1)
 
@@ -81,6 +85,8 @@ class ServerState:
     # Templating and tokenizing run in threads, this many at a time: a burst of huge prompts
     # queues here instead of holding one tokenization's memory each at once.
     tokenizing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TOKENIZING_AT_ONCE))
+    open_jobs: dict[int, Job] = field(default_factory=dict)  # requests being answered, by id() (event loop only)
+    stopping: bool = False  # a shutdown has begun: new requests get a 503
 
 
 def state_of(http: HTTPRequest) -> ServerState:
@@ -211,7 +217,7 @@ async def first_events(http: HTTPRequest, job: Job) -> list[Event] | None:
     so an engine failure here is still a plain 500 and not a 200 with an error inside."""
     try:
         return await unless_client_leaves(http, job.next_events())
-    except ClientGone:
+    except (ClientGone, APIError):  # an APIError is an answer already (a shutdown's 503)
         raise
     except ValueError as e:  # the engine refused it (validated before too: a change in between)
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
@@ -349,8 +355,9 @@ def stream_choice(tokenizer, ev: Event, chat: bool, logprobs: bool) -> dict:
     return {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
 
-async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: ChunkFraming):
-    """The SSE body: the role chunk (chat), one chunk per step, the usage chunk if asked, [DONE]."""
+async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: ChunkFraming, ended=lambda: None):
+    """The SSE body: the role chunk (chat), one chunk per step, the usage chunk if asked, [DONE].
+    `ended` is called when the stream ends, however it ends."""
     req = job.request
     logprobs = req.params.logprobs is not None
     n_tokens = 0
@@ -377,9 +384,10 @@ async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: 
         if framing.include_usage:
             yield framing.chunk([], usage_of(req, n_tokens))
     except Exception as e:  # the status line is gone already: report in-band, then end the stream
-        yield sse(internal_error(e).body())
+        yield sse((e if isinstance(e, APIError) else internal_error(e)).body())
     finally:
         job.cancel()  # the client disconnected (or we finished): free the worker
+        ended()
     yield sse("[DONE]")
 
 
@@ -431,19 +439,25 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
 async def respond(http: HTTPRequest, body, build, chat: bool):
     state = state_of(http)
     check_model(state.model_name, body.model)
+    if state.stopping:
+        raise shutting_down("the server is shutting down: no new requests")
     # Templating and tokenizing a long prompt take a while: in a thread, /health keeps answering.
     async with state.tokenizing:
         req = await run_in_threadpool(engine_request, state.engine, build, body)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = state.worker.submit(req)
+    state.open_jobs[id(job)] = job
+    streaming = False
     try:
         first = await first_events(http, job)
         if body.stream:  # from here on the stream owns the job, and cancels it when it ends
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             framing = ChunkFraming(rid, state.model_name, chat, include_usage)
-            return StreamingResponse(
-                event_stream(state.engine.tokenizer, job, first, framing), media_type="text/event-stream"
+            stream = event_stream(
+                state.engine.tokenizer, job, first, framing, lambda: state.open_jobs.pop(id(job), None)
             )
+            streaming = True
+            return StreamingResponse(stream, media_type="text/event-stream")
         choices = await unless_client_leaves(http, collect(job, first))
     except ClientGone:
         job.cancel()
@@ -451,8 +465,59 @@ async def respond(http: HTTPRequest, body, build, chat: bool):
     except BaseException:
         job.cancel()
         raise
+    finally:
+        if not streaming:
+            state.open_jobs.pop(id(job), None)
     # A reply with logprobs decodes every token of every choice: off the event loop, like templating.
     return await run_in_threadpool(reply_body, state, rid, req, choices, chat)
+
+
+# --- shutting down ---------------------------------------------------------------------------
+
+
+def shutting_down(message: str) -> APIError:
+    return APIError(503, message, "server_error", code="server_shutting_down", headers={"connection": "close"})
+
+
+def end_open_requests(state: ServerState) -> None:
+    """Ends every open request now, each with an error its client can read: a stream gets an
+    error event and [DONE], a waiting request a 503 error object (through its job's queue)."""
+    for job in list(state.open_jobs.values()):
+        job.events.put_nowait(shutting_down("the server is shutting down: this request was ended before it finished"))
+        job.cancel()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, telling the app when a shutdown (SIGINT, SIGTERM) begins. uvicorn then
+    waits --timeout-graceful-shutdown seconds for the open requests and cancels what is left where
+    it stands: a stream would break off with no error and no [DONE], a non-streaming request get a
+    plain-text 500 and a CancelledError traceback in the log. So shortly before that deadline,
+    every open request is ended here, as end_open_requests says, and the shutdown logs one line."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:  # the first signal: a second one means "now" to uvicorn
+            with contextlib.suppress(RuntimeError):  # no loop running: nothing open to end
+                asyncio.get_running_loop().call_soon_threadsafe(self._begin)
+        super().handle_exit(sig, frame)
+
+    def _begin(self) -> None:
+        self.state.stopping = True
+        grace = self.config.timeout_graceful_shutdown
+        open_now = len(self.state.open_jobs)
+        if grace is None:
+            log.warning("shutting down: waiting for %d open request(s) to finish", open_now)
+            return
+        # Ahead of uvicorn's deadline by a second (half the grace, if that is shorter): the error
+        # events must be written before the connections are cut.
+        ahead = min(1.0, grace / 2)
+        log.warning(
+            "shutting down: %d open request(s) get %.3g s to finish, then end with a 503 error", open_now, grace - ahead
+        )
+        asyncio.get_running_loop().call_later(grace - ahead, end_open_requests, self.state)
 
 
 # --- the app ---------------------------------------------------------------------------------
@@ -575,8 +640,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main() -> int:
-    import uvicorn
-
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
     engine, name = build_engine(
@@ -618,7 +681,7 @@ def main() -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.Server(config).run()
+    GracefulServer(config, app.state.server).run()
     return 0
 
 

@@ -278,3 +278,44 @@ def test_an_engine_failure_before_the_first_token_is_a_500_not_a_200_stream(tiny
             assert r.status_code == 500, r.text
             error = r.json()["error"]
             assert error["type"] == "server_error" and "no room for the KV cache" in error["message"]
+
+
+def test_a_shutdown_ends_open_requests_with_an_error_before_its_deadline(tmp_path):
+    # SIGTERM with a stream and a non-streaming request running, each long enough to outlast the
+    # 3 s grace: both end before uvicorn's deadline, each with an error its client can read.
+    import json
+    import signal
+    import threading
+
+    long = {"prompt": "Once upon a time", "max_tokens": 60000, "ignore_eos": True, "temperature": 0}
+    with serve(tmp_path, "tiny-llama3", "--timeout-graceful-shutdown", "3") as (url, proc, log):
+        lines, reply = [], {}
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=long | {"stream": True}, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        def wait():
+            r = httpx.post(f"{url}/v1/completions", json=long, timeout=60)
+            reply.update(status=r.status_code, body=r.json())
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=wait)]
+        threads[0].start()
+        deadline = time.time() + 60
+        while len(lines) < 3 and time.time() < deadline:  # the stream has begun
+            time.sleep(0.05)
+        threads[1].start()  # beside it, or queued behind it where the worker runs one at a time
+        time.sleep(1.0)  # a few milliseconds to template, tokenize and submit its short prompt
+        proc.send_signal(signal.SIGTERM)
+        sent = time.time()
+        for t in threads:
+            t.join(timeout=30)
+        # uvicorn ends by raising the signal it caught again, once it has shut down
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM) and time.time() - sent < 3 + 2
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "server_shutting_down" and "ended before it finished" in error["message"]
+        assert reply["status"] == 503 and reply["body"]["error"]["code"] == "server_shutting_down", reply
+        text = log.read_text()
+        assert text.count("shutting down: 2 open request(s) get 2 s to finish") == 1, text
+        assert "Traceback" not in text and "CancelledError" not in text, text
