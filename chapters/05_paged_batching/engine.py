@@ -170,10 +170,21 @@ class Engine:
         return SamplingParams.from_generation_config(self.generation_config)
 
     def max_tokens_for(self, req: Request) -> int:
-        """How many tokens `req` may generate: its max_tokens, or the default within the context."""
+        """How many tokens `req` may generate: its max_tokens, or the default within the context and
+        within what the KV pool holds for all its choices at once (see pool_blocks_for)."""
         if req.max_tokens is not None:
             return req.max_tokens
-        return min(self.max_tokens_default, self.context - len(req.prompt_ids))
+        n_prompt, bs = len(req.prompt_ids), self.blocks.block_size
+        shared = n_prompt // bs
+        fits = (shared + (self.blocks.num_blocks - shared) // max(req.n, 1)) * bs - n_prompt
+        return max(1, min(self.max_tokens_default, self.context - n_prompt, fits))
+
+    def pool_blocks_for(self, req: Request) -> int:
+        """KV blocks `req` holds when all its choices are at their longest: the prompt's full blocks
+        are shared (the choices fork from one prefill), the rest is each choice's own."""
+        n_prompt = len(req.prompt_ids)
+        shared = n_prompt // self.blocks.block_size
+        return shared + req.n * (self.blocks.blocks_for(n_prompt + self.max_tokens_for(req)) - shared)
 
     def describe_pool(self) -> str:
         return (
@@ -210,13 +221,21 @@ class Engine:
                 f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
                 f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
             )
-        # Each choice must fit the pool on its own: then preemption can always make room for it.
+        # The whole request must fit the pool at once: a choice that fits alone while all n do not
+        # would be preempted again and again, and the requests behind it starve.
         n_tokens = n_prompt + self.max_tokens_for(req)
+        slots = self.blocks.num_blocks * self.blocks.block_size
         if self.blocks.blocks_for(n_tokens) > self.blocks.num_blocks:
             raise UserError(
                 f"this request needs room for {n_tokens} tokens ({n_prompt} in the prompt, "
-                f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {self.blocks.num_blocks * self.blocks.block_size} "
+                f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {slots} "
                 f"tokens: lower max_tokens or the prompt's length"
+            )
+        if self.pool_blocks_for(req) > self.blocks.num_blocks:
+            raise UserError(
+                f"this request's {req.n} choices need {self.pool_blocks_for(req)} blocks of {self.blocks.block_size} "
+                f"tokens at once ({n_prompt} prompt tokens shared, up to {self.max_tokens_for(req)} each to "
+                f"generate), but this server's KV cache holds {self.blocks.num_blocks}: lower n or max_tokens"
             )
 
     # --- the server's interface -----------------------------------------------------------------

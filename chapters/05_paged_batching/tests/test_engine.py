@@ -266,13 +266,19 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine)
     with pytest.raises(ValueError, match=message):
         next(small.stream(req))  # refused before it is queued
     assert not small.requests and not small.has_work() and small.stats()["kv_blocks_used"] == 0
-    # a request that sets no max_tokens counts the default (1024), within the context
-    with pytest.raises(ValueError, match=r"1124 tokens \(100 in the prompt, 1024 to generate\)"):
-        small.validate(Request([5] * 100))
+    # A request that sets no max_tokens gets the default (1024) within the context and the pool:
+    # 28 tokens here, not a 400 telling it to lower a max_tokens it never set.
+    small.validate(Request([5] * 100))
+    assert small.max_tokens_for(Request([5] * 100)) == 28
     small.validate(Request([5] * 100, max_tokens=28))
-    # Each choice must fit on its own, not all n at once: choices run as blocks allow (the
-    # scheduler preempts one when the pool runs dry; test_batching.py)
-    small.validate(Request([5] * 100, max_tokens=28, n=16))
+    # All n choices must fit at once (6 shared prompt blocks + 2 of its own each): else one would
+    # be preempted over and over, and the requests behind it starve.
+    with pytest.raises(
+        ValueError, match=r"this request's 16 choices need 38 blocks of 16 tokens at once .* lower n or max_tokens"
+    ):
+        small.validate(Request([5] * 100, max_tokens=28, n=16))
+    small.validate(Request([5] * 100, max_tokens=12, n=2))  # 6 + 2 x 1 = 8 blocks
+    assert small.max_tokens_for(Request([5] * 100, n=2)) == 12  # the default, for two choices
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable (Linux)")
