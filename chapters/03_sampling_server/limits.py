@@ -3,17 +3,18 @@
 * `BodyLimit`: a request body is read in full before the app sees it, at most `max_bytes`
   (413, from the Content-Length header alone when it says so) within `timeout` seconds (408),
   and in UTF-8 (400): JSON travels as UTF-8 (RFC 8259), though Python's json reads UTF-16 too.
-* `protocol_with_header_deadline`: uvicorn's h11 protocol, with a deadline for each request's
-  headers; uvicorn has none, so a socket that opens and says nothing holds its slot forever.
+* `protocol_with_limits`: uvicorn's h11 protocol, with a deadline for each request's headers
+  (uvicorn has none, so a socket that opens and says nothing holds its slot forever), a cap on
+  connections per client address, and idle connections closed first when the server is full.
+* `RequestLimit`: requests in progress, at most `max_requests` (503 error object over it).
 * `RepeatFilter`: a log line that repeats is written once, then once a minute with a count.
 * `raise_open_file_limit`: the soft limit on open files up to the hard one.
-
-The connection count itself is uvicorn's `limit_concurrency` (over it: 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -134,16 +135,32 @@ def replay(body: bytes, receive):
     return receive_replayed
 
 
-def protocol_with_header_deadline(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose next request's headers are not in
-    within `seconds` of it opening (or of the last response). uvicorn's keep-alive timeout
-    restarts on every byte, so a client trickling a header a byte at a time outlives it."""
+def protocol_with_limits(header_seconds: float, max_connections: int, per_client: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with limits on connections, which uvicorn counts with requests in
+    its `limit_concurrency`: idle keep-alive sockets held open (and reopened as they close) then
+    lock every client out, /health included, with a plain-text 503.
 
-    class H11WithHeaderDeadline(H11Protocol):
+    * A connection whose next request's headers are not in within `header_seconds` of it opening
+      (or of the last response) is closed. uvicorn's keep-alive timeout restarts on every byte, so
+      a client trickling a header a byte at a time would outlive it.
+    * One client address holds at most `per_client` connections; another gets a 503 error object
+      and is closed.
+    * At `max_connections`, a new connection closes the longest-open idle one (no request in
+      progress) to make room; if none is idle, it gets the 503.
+    """
+    open_connections: dict[H11Protocol, str] = {}  # -> client address; oldest first (insertion order)
+
+    class H11WithLimits(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            host = self.client[0] if self.client else "?"
+            if sum(h == host for h in open_connections.values()) >= per_client:
+                return self._refuse(f"this client has {per_client} connections open, the most this server allows one")
+            if len(open_connections) >= max_connections and not self._close_an_idle_connection():
+                return self._refuse(f"this server has {max_connections} connections open, all busy: retry shortly")
+            open_connections[self] = host
             self._arm()
 
         def on_response_complete(self) -> None:
@@ -151,6 +168,7 @@ def protocol_with_header_deadline(seconds: float) -> type[H11Protocol]:
             self._arm()
 
         def connection_lost(self, exc) -> None:
+            open_connections.pop(self, None)
             if self._deadline is not None:
                 self._deadline.cancel()
             super().connection_lost(exc)
@@ -158,21 +176,69 @@ def protocol_with_header_deadline(seconds: float) -> type[H11Protocol]:
         def _arm(self) -> None:
             if self._deadline is not None:
                 self._deadline.cancel()
-            self._deadline = self.loop.call_later(seconds, self._expire)
+            self._deadline = self.loop.call_later(header_seconds, self._expire)
 
-        def _waiting_for_headers(self) -> bool:
-            # a new request's headers make a new cycle, whose response is not complete yet
+        def _idle(self) -> bool:
+            # between requests: a new request's headers make a new cycle, its response not complete yet
             return self.cycle is None or self.cycle.response_complete
 
-        def _expire(self) -> None:
-            if self._waiting_for_headers() and not self.transport.is_closing():
+        def _close(self) -> None:
+            open_connections.pop(self, None)
+            if not self.transport.is_closing():
                 try:
                     self.conn.send(h11.ConnectionClosed())
                 except h11.LocalProtocolError:
                     pass
                 self.transport.close()
 
-    return H11WithHeaderDeadline
+        def _expire(self) -> None:
+            if self._idle():
+                self._close()
+
+        def _close_an_idle_connection(self) -> bool:
+            for other in list(open_connections):
+                if other._idle():
+                    other._close()
+                    return True
+            return False
+
+        def _refuse(self, message: str) -> None:
+            # Before any request of this connection: a response of our own, then close.
+            body = json.dumps(APIError(503, message, "server_error", code="too_many_connections").body()).encode()
+            head = (
+                "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode() + body)
+            self.transport.close()
+
+    return H11WithLimits
+
+
+class RequestLimit:
+    """ASGI middleware: at most `max_requests` requests in progress (the engine's admission counts
+    requests, not the sockets they came on); one more gets a 503 error object. /health is always
+    answered: it is how an operator sees the server is busy."""
+
+    def __init__(self, app, max_requests: int):
+        self.app, self.max_requests, self.running = app, max_requests, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        if self.running >= self.max_requests:
+            error = APIError(
+                503,
+                f"this server is answering {self.max_requests} requests, its limit: retry shortly",
+                "server_error",
+                code="too_many_requests",
+            )
+            return await error.response()(scope, receive, send)
+        self.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.running -= 1
 
 
 class RepeatFilter(logging.Filter):

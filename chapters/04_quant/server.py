@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
-from limits import BodyLimit, filter_repeats, protocol_with_header_deadline, raise_open_file_limit
+from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
 from memory import GiB, default_budget
 from protocol import ChatRequest, CompletionRequest, chat_request, completion_request
@@ -528,6 +528,7 @@ def create_app(
     model_name: str,
     max_body_bytes: int = int(MAX_BODY_MB * 2**20),
     body_timeout: float = BODY_TIMEOUT_S,
+    max_requests: int = 128,
 ) -> FastAPI:
     app = FastAPI(title="llm-from-scratch chapter 03")
     app.state.server = ServerState(engine, Worker(engine), model_name)
@@ -537,6 +538,7 @@ def create_app(
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(Exception, on_internal_error)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
+    app.add_middleware(RequestLimit, max_requests=max_requests)  # outermost: counted before a body is read
     app.openapi = lambda: openapi_schema(app)
     return app
 
@@ -572,7 +574,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="request body size limit, over it a 413 (default: %(default)s)",
     )
     limits.add_argument(
-        "--limit-concurrency", type=int, default=128, help="open connections; more get a 503 (default: %(default)s)"
+        "--limit-concurrency",
+        type=int,
+        default=128,
+        help="requests in progress (/health aside); more get a 503 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections; when full, the longest idle one is closed for a new one (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=64,
+        help="open connections from one client address; more get a 503 (default: %(default)s)",
     )
     limits.add_argument(
         "--timeout-headers",
@@ -616,15 +633,16 @@ def main() -> int:
     engine.memory_budget = (
         int(args.memory_budget_gb * GiB) if args.memory_budget_gb is not None else default_budget(engine.model.device)
     )
-    app = create_app(engine, args.served_model_name or name, int(args.max_body_mb * 2**20), args.timeout_body)
+    app = create_app(
+        engine, args.served_model_name or name, int(args.max_body_mb * 2**20), args.timeout_body, args.limit_concurrency
+    )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level="warning",
-        http=protocol_with_header_deadline(args.timeout_headers),
-        limit_concurrency=args.limit_concurrency,
+        http=protocol_with_limits(args.timeout_headers, args.max_connections, args.max_connections_per_client),
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )

@@ -4,6 +4,7 @@ and answering errors before the status line. A random tiny model: only the plumb
 import asyncio
 import contextlib
 import io
+import json
 import logging
 import os
 import socket
@@ -36,6 +37,10 @@ LIMITS = [
     "--timeout-headers",
     "2",
     "--limit-concurrency",
+    "8",
+    "--max-connections",
+    "32",
+    "--max-connections-per-client",
     "8",
     "--max-tokens-default",
     "7",
@@ -137,7 +142,8 @@ def test_idle_connections_do_not_lock_out_other_clients(limited):
     url, log = limited
     port = int(url.rsplit(":", 1)[1])
     log_before = log.stat().st_size
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]  # > --limit-concurrency 8
+    # more than --limit-concurrency 8, from four addresses (each under its cap of 8 connections)
+    idle = [connect_from(f"127.0.0.{20 + i % 4}", port) for i in range(20)]
     try:
         t0 = time.time()
         r = httpx.get(url + "/health", timeout=10)
@@ -151,6 +157,91 @@ def test_idle_connections_do_not_lock_out_other_clients(limited):
         for s in idle:
             s.close()
     assert log.stat().st_size - log_before < 2000, log.read_text()[-2000:]
+
+
+def connect_from(address: str, port: int) -> socket.socket:
+    """A connection to the server from `address`, one of the loopback addresses (127.0.0.0/8 all
+    reach this host), so that one machine can play several clients."""
+    s = socket.socket()
+    s.settimeout(10)
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_a_flood_of_idle_connections_does_not_lock_out_other_clients(limited):
+    # Five other addresses hold 40 idle connections (--max-connections 16), reopening each as the
+    # server closes it; the clients on 127.0.0.1 must still be served, each the moment it asks.
+    import threading
+
+    url, log = limited
+    port = int(url.rsplit(":", 1)[1])
+    stop = threading.Event()
+
+    def hold(address: str) -> None:
+        held = []
+        while not stop.is_set():
+            held = [c for c in held if c.fileno() != -1]
+            with contextlib.suppress(OSError):
+                while len(held) < 8:
+                    held.append(connect_from(address, port))
+            time.sleep(0.02)
+            for c in list(held):  # a connection the server closed reads b"" (or fails) at once: reopen it
+                try:
+                    c.setblocking(False)
+                    closed = c.recv(1) == b""
+                    c.setblocking(True)
+                except BlockingIOError:
+                    closed = False
+                except OSError:
+                    closed = True
+                if closed:
+                    c.close()
+                    held.remove(c)
+        for c in held:
+            c.close()
+
+    attackers = [threading.Thread(target=hold, args=(f"127.0.0.{i}",)) for i in range(2, 7)]
+    for t in attackers:
+        t.start()
+    try:
+        time.sleep(1.0)  # the flood is on
+        served = []
+        for _ in range(10):
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2},
+                headers={"connection": "close"},
+                timeout=10,
+            )
+            served.append(r.status_code)
+        assert served == [200] * 10, served
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join()
+
+
+def test_a_client_over_its_connection_cap_gets_a_503_error_object(limited):
+    url, _log = limited
+    port = int(url.rsplit(":", 1)[1])
+    held = [connect_from("127.0.0.9", port) for _ in range(8)]  # --max-connections-per-client 8
+    try:
+        extra = connect_from("127.0.0.9", port)
+        reply = extra.recv(4096)  # a response before any request, then the server closes
+        extra.close()
+        other = connect_from("127.0.0.10", port)  # another address is not held to this one's cap
+        other.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert other.recv(4096).startswith(b"HTTP/1.1 200")
+        other.close()
+    finally:
+        for c in held:
+            c.close()
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head, reply
+    error = json.loads(body)["error"]
+    assert error["code"] == "too_many_connections" and "8 connections open" in error["message"], error
 
 
 def wait_until_healthy(url: str, within_s: float = 30) -> None:
