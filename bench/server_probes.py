@@ -1,0 +1,229 @@
+"""A hostile but honest day for a chapter's server, replayed against a live one on localhost (not a
+test): the probes of issue 21, each with the count or time that says whether the server held.
+
+    python bench/server_probes.py --chapter 6 [--model smollm2-135m] [--out bench/results/server_probes_ch06.json]
+
+1. big bodies: 100 clients at once, each a ~1 MB prompt (about 550k tokens, 67x SmolLM2's context):
+   their statuses, the server's RSS before and after, and /health's slowest answer meanwhile.
+2. a big reply: a non-streaming completion, n=4 x 1000 tokens with logprobs, built while /health is
+   polled: /health's slowest answer.
+3. a connection flood: five other loopback addresses hold 8 idle connections each and reopen them
+   as they close; of 10 normal requests from 127.0.0.1, how many are served.
+4. a 1M-character stop string: the status and how long the answer took.
+5. SIGTERM with a stream running: how the stream ends and how long the server takes to exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from common.bench import free_port
+from common.chapters import chapter_dir
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class HealthWatch:
+    """Polls /health every 50 ms from a thread; `slowest` is the longest answer, in ms."""
+
+    def __init__(self, url: str):
+        self.url, self.slowest, self._stop = url, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(self.url + "/health", timeout=60)
+            self.slowest = max(self.slowest, 1000 * (time.perf_counter() - t0))
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def big_bodies(url: str, pid: int) -> dict:
+    words = "the quick brown fox jumps over lazy dogs and cats " * 20000  # ~1,000,000 characters
+    before = rss_mb(pid)
+    statuses: list[int] = []
+    with HealthWatch(url) as health:
+
+        def send():
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=300)
+                statuses.append(r.status_code)
+
+        clients = [threading.Thread(target=send) for _ in range(100)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+    counts = {str(s): statuses.count(s) for s in sorted(set(statuses))}
+    return {
+        "statuses": counts,
+        "rss_mb_before": before,
+        "rss_mb_after": rss_mb(pid),
+        "health_slowest_ms": health.slowest,
+    }
+
+
+def big_reply(url: str) -> dict:
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "n": 4, "logprobs": 5, "ignore_eos": True}
+    with HealthWatch(url) as health:
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=1200)
+        seconds = time.perf_counter() - t0
+    return {"status": r.status_code, "seconds": seconds, "health_slowest_ms": health.slowest}
+
+
+def connect_from(address: str, port: int) -> socket.socket:
+    s = socket.socket()
+    s.settimeout(10)
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def flood(url: str) -> dict:
+    port, stop = int(url.rsplit(":", 1)[1]), threading.Event()
+
+    def hold(address: str):
+        held: list[socket.socket] = []
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                while len(held) < 8:
+                    held.append(connect_from(address, port))
+            time.sleep(0.02)
+            for c in list(held):
+                try:
+                    c.setblocking(False)
+                    closed = c.recv(1) == b""
+                    c.setblocking(True)
+                except BlockingIOError:
+                    closed = False
+                except OSError:
+                    closed = True
+                if closed:
+                    c.close()
+                    held.remove(c)
+        for c in held:
+            c.close()
+
+    attackers = [threading.Thread(target=hold, args=(f"127.0.0.{i}",)) for i in range(2, 7)]
+    for t in attackers:
+        t.start()
+    time.sleep(1.0)
+    statuses = []
+    for _ in range(10):
+        try:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            statuses.append(r.status_code)
+        except httpx.HTTPError as e:
+            statuses.append(type(e).__name__)
+    stop.set()
+    for t in attackers:
+        t.join()
+    return {"served": statuses.count(200), "of": len(statuses), "answers": statuses}
+
+
+def long_stop(url: str) -> dict:
+    t0 = time.perf_counter()
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop": ["x" * 1_000_000]}, timeout=300
+    )
+    return {
+        "status": r.status_code,
+        "seconds": time.perf_counter() - t0,
+        "message": r.json().get("error", {}).get("message"),
+    }
+
+
+def shutdown(url: str, proc: subprocess.Popen) -> dict:
+    lines: list[str] = []
+    body = {"prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+    def stream():
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.time() + 60
+    while len(lines) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.perf_counter()
+    t.join(timeout=60)
+    proc.wait(timeout=60)
+    return {"exit_seconds": time.perf_counter() - sent, "last_events": lines[-2:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chapter", type=int, default=6)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out", default=None, help="JSON (default: bench/results/server_probes_chNN.json)")
+    ap.add_argument("--timeout-graceful-shutdown", default="5")
+    ap.add_argument("--probes", default="big_bodies,big_reply,flood,long_stop,shutdown", help="comma-separated")
+    args = ap.parse_args()
+    out = Path(args.out or f"bench/results/server_probes_ch{args.chapter:02d}.json")
+    earlier = json.loads(out.read_text()) if out.exists() else {}
+    port = free_port()
+    cmd = [sys.executable, str(chapter_dir(args.chapter) / "server.py"), "--model", args.model, "--port", str(port)]
+    cmd += ["--timeout-graceful-shutdown", args.timeout_graceful_shutdown]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    # a run of some probes keeps the others' last figures
+    result = earlier | {"chapter": args.chapter, "model": args.model, "command": " ".join(cmd[1:])}
+    try:
+        while True:
+            if proc.poll() is not None:
+                sys.exit(f"the server exited with status {proc.returncode}: {' '.join(cmd)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        for name, probe in (
+            ("big_bodies", lambda: big_bodies(url, proc.pid)),
+            ("big_reply", lambda: big_reply(url)),
+            ("flood", lambda: flood(url)),
+            ("long_stop", lambda: long_stop(url)),
+            ("shutdown", lambda: shutdown(url, proc)),
+        ):
+            if name not in args.probes.split(","):
+                continue
+            result[name] = probe()
+            print(f"{name:>10}: {json.dumps(result[name])[:300]}", flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
