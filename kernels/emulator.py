@@ -86,10 +86,14 @@ def _compile(cxx: str, text: str, flags: list[str], objects: Path) -> Path:
     obj = objects / f"{key}.o"
     if obj.exists():
         return obj
-    source = objects / f"{key}.cpp"
-    source.write_text(text)
+    # This process's own source and object names: another process may be building the same unit.
+    source = objects / f"{key}.{os.getpid()}.cpp"
     tmp = obj.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run([cxx, *flags, "-c", str(source), "-o", str(tmp)], capture_output=True, text=True)
+    source.write_text(text)
+    try:
+        r = subprocess.run([cxx, *flags, "-c", str(source), "-o", str(tmp)], capture_output=True, text=True)
+    finally:
+        source.unlink(missing_ok=True)
     if r.returncode != 0:
         raise EmulatorError(f"the emulator's build failed:\n{r.stderr[-4000:]}")
     tmp.replace(obj)  # atomic: a parallel build sees the whole object or none
