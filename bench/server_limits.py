@@ -8,7 +8,7 @@ Usage, from the repository's root:
    0.5 s; how long until the worker is idle, and how long the next user's request then takes.
 2. the memory budget: n=16 with a ~5.8k-token chat prompt is refused up front; what it needed.
 3. /health while a 50 MB body is refused (413), with and without a Content-Length; and while the
-   largest prompt the default --max-body-mb 1 lets in is tokenized.
+   largest prompt --max-body-mb 1 lets in is tokenized.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     args = ap.parse_args()
     big = b'{"prompt": "' + b"hello " * (50 * 2**20 // 6) + b'"}'  # 50 MB
-    with server(args.model) as url:
+    with server(args.model, "--max-body-mb", "1") as url:  # probe 3 is about a 1 MB prompt
         abandoned(url)
         over_budget(url)
         health_while(url, "50 MB body with Content-Length", lambda: post(url, big))

@@ -67,7 +67,7 @@ class BodyLimit:
         size = f" ({declared} bytes)" if declared is not None else ""
         return APIError(
             413,
-            f"the request body{size} is over this server's limit of {self.max_bytes} bytes",
+            f"the request body{size} is over this server's limit of {self.max_bytes} bytes (--max-body-mb)",
             code="request_too_large",
             headers={"connection": "close"},
         )

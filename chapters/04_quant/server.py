@@ -48,7 +48,7 @@ from sampling import TokenLogprob
 from worker import Job, Worker
 
 T = TypeVar("T")
-MAX_BODY_MB = 1.0  # 8192 tokens of JSON-escaped text take well under this
+MAX_BODY_MB = 1.0  # create_app's default; server.py derives its own from the context (body_limit_for)
 BODY_TIMEOUT_S = 30.0
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never seen by anyone
 ERROR_RESPONSES = {
@@ -523,6 +523,14 @@ def openapi_schema(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def body_limit_for(context: int) -> int:
+    """The default body limit: 32 bytes per token of context, and 64 KiB for the rest of the JSON. A
+    token of text is about 4 characters, or up to 12 bytes where JSON escapes it (\\uXXXX), so a
+    prompt that fits the context fits this; a body many times larger is refused from its
+    Content-Length alone, before the server reads it (a fixed 1 MB let in 67x SmolLM2's context)."""
+    return 32 * context + 64 * 1024
+
+
 def create_app(
     engine: Engine,
     model_name: str,
@@ -570,8 +578,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     limits.add_argument(
         "--max-body-mb",
         type=float,
-        default=MAX_BODY_MB,
-        help="request body size limit, over it a 413 (default: %(default)s)",
+        default=None,
+        help="request body size limit, over it a 413 (default: 32 bytes per token of context + 64 KiB)",
     )
     limits.add_argument(
         "--limit-concurrency",
@@ -633,9 +641,8 @@ def main() -> int:
     engine.memory_budget = (
         int(args.memory_budget_gb * GiB) if args.memory_budget_gb is not None else default_budget(engine.model.device)
     )
-    app = create_app(
-        engine, args.served_model_name or name, int(args.max_body_mb * 2**20), args.timeout_body, args.limit_concurrency
-    )
+    max_body = int(args.max_body_mb * 2**20) if args.max_body_mb is not None else body_limit_for(engine.context)
+    app = create_app(engine, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
         app,

@@ -261,3 +261,15 @@ def test_a_request_over_the_memory_budget_is_refused_before_it_is_queued(base_ur
     message = r.json()["error"]["message"]
     assert "GiB per request" in message and "lower n (8), max_tokens (64) or the prompt's length (2000" in message
     assert httpx.get(base_url + "/health").json()["busy"] is False
+
+
+def test_the_default_body_limit_follows_the_context(base_url):
+    # SmolLM2's 8192 tokens: 32 bytes each and 64 KiB, 327,680 bytes; a 400 KB body is refused from its
+    # Content-Length (a fixed 1 MB let in 67x the context), and thousands of tokens of text still fit.
+    words = "the quick brown fox jumps over lazy dogs " * 10000  # 410,000 characters
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 413, r.text
+    assert "over this server's limit of 327680 bytes (--max-body-mb)" in r.json()["error"]["message"]
+    fits = "the quick brown fox jumps over lazy dogs " * 250  # 10,250 characters, 2,000 tokens
+    r = httpx.post(base_url + "/v1/completions", json={"prompt": fits, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200, r.text
