@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from common.bench import free_port
+from common.bench import free_port, idle_flood
 from common.chapters import chapter_dir
 
 
@@ -109,53 +108,17 @@ def big_reply(url: str) -> dict:
     return {"status": r.status_code, "seconds": seconds, "health_slowest_ms": health.slowest}
 
 
-def connect_from(address: str, port: int) -> socket.socket:
-    s = socket.socket()
-    s.settimeout(10)
-    s.bind((address, 0))
-    s.connect(("127.0.0.1", port))
-    return s
-
-
 def flood(url: str) -> dict:
-    port, stop = int(url.rsplit(":", 1)[1]), threading.Event()
-
-    def hold(address: str):
-        held: list[socket.socket] = []
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                while len(held) < 8:
-                    held.append(connect_from(address, port))
-            time.sleep(0.02)
-            for c in list(held):
-                try:
-                    c.setblocking(False)
-                    closed = c.recv(1) == b""
-                    c.setblocking(True)
-                except BlockingIOError:
-                    closed = False
-                except OSError:
-                    closed = True
-                if closed:
-                    c.close()
-                    held.remove(c)
-        for c in held:
-            c.close()
-
-    attackers = [threading.Thread(target=hold, args=(f"127.0.0.{i}",)) for i in range(2, 7)]
-    for t in attackers:
-        t.start()
-    time.sleep(1.0)
+    port = int(url.rsplit(":", 1)[1])
     statuses = []
-    for _ in range(10):
-        try:
-            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
-            statuses.append(r.status_code)
-        except httpx.HTTPError as e:
-            statuses.append(type(e).__name__)
-    stop.set()
-    for t in attackers:
-        t.join()
+    with idle_flood(port, [f"127.0.0.{i}" for i in range(2, 7)]):
+        time.sleep(1.0)
+        for _ in range(10):
+            try:
+                r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+                statuses.append(r.status_code)
+            except httpx.HTTPError as e:
+                statuses.append(type(e).__name__)
     return {"served": statuses.count(200), "of": len(statuses), "answers": statuses}
 
 

@@ -189,6 +189,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def connect_from(address: str, port: int) -> socket.socket:
+    """A connection to a server on 127.0.0.1 from `address`, one of the loopback addresses
+    (127.0.0.0/8 all reach this host), so that one machine can play several clients."""
+    s = socket.socket()
+    s.settimeout(10)
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+@contextlib.contextmanager
+def idle_flood(port: int, addresses: list[str], per_address: int = 8):
+    """While the block runs, each address holds `per_address` idle connections to the server on
+    `port` (sending nothing) and reopens each one the server closes: the connection flood of a
+    hostile client. A thread per address."""
+    import threading
+
+    stop = threading.Event()
+
+    def hold(address: str) -> None:
+        held: list[socket.socket] = []
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                while len(held) < per_address:
+                    held.append(connect_from(address, port))
+            time.sleep(0.02)
+            for c in list(held):  # a connection the server closed reads b"" (or fails) at once: reopen it
+                try:
+                    c.setblocking(False)
+                    closed = c.recv(1) == b""
+                    c.setblocking(True)
+                except BlockingIOError:
+                    closed = False
+                except OSError:
+                    closed = True
+                if closed:
+                    c.close()
+                    held.remove(c)
+        for c in held:
+            c.close()
+
+    threads = [threading.Thread(target=hold, args=(a,)) for a in addresses]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
 def _die_with_parent() -> None:
     """In the server's process, before exec: SIGTERM it when the bench dies, even by SIGKILL (Linux)."""
     with contextlib.suppress(Exception):

@@ -22,6 +22,7 @@ require(*SERVER_STACK)  # before the imports that need them: without them, this 
 import httpx
 from fastapi.testclient import TestClient
 
+from common.bench import connect_from, idle_flood
 from live_server import serve
 
 CHAPTER = Path(__file__).resolve().parents[1]
@@ -190,52 +191,12 @@ def test_idle_connections_do_not_lock_out_other_clients(limited):
     assert log.stat().st_size - log_before < 2000, log.read_text()[-2000:]
 
 
-def connect_from(address: str, port: int) -> socket.socket:
-    """A connection to the server from `address`, one of the loopback addresses (127.0.0.0/8 all
-    reach this host), so that one machine can play several clients."""
-    s = socket.socket()
-    s.settimeout(10)
-    s.bind((address, 0))
-    s.connect(("127.0.0.1", port))
-    return s
-
-
 def test_a_flood_of_idle_connections_does_not_lock_out_other_clients(limited):
-    # Five other addresses hold 40 idle connections (--max-connections 16), reopening each as the
+    # Five other addresses hold 40 idle connections (--max-connections 32), reopening each as the
     # server closes it; the clients on 127.0.0.1 must still be served, each the moment it asks.
-    import threading
-
     url, log = limited
     port = int(url.rsplit(":", 1)[1])
-    stop = threading.Event()
-
-    def hold(address: str) -> None:
-        held = []
-        while not stop.is_set():
-            held = [c for c in held if c.fileno() != -1]
-            with contextlib.suppress(OSError):
-                while len(held) < 8:
-                    held.append(connect_from(address, port))
-            time.sleep(0.02)
-            for c in list(held):  # a connection the server closed reads b"" (or fails) at once: reopen it
-                try:
-                    c.setblocking(False)
-                    closed = c.recv(1) == b""
-                    c.setblocking(True)
-                except BlockingIOError:
-                    closed = False
-                except OSError:
-                    closed = True
-                if closed:
-                    c.close()
-                    held.remove(c)
-        for c in held:
-            c.close()
-
-    attackers = [threading.Thread(target=hold, args=(f"127.0.0.{i}",)) for i in range(2, 7)]
-    for t in attackers:
-        t.start()
-    try:
+    with idle_flood(port, [f"127.0.0.{i}" for i in range(2, 7)]):
         time.sleep(1.0)  # the flood is on
         served = []
         for _ in range(10):
@@ -248,10 +209,6 @@ def test_a_flood_of_idle_connections_does_not_lock_out_other_clients(limited):
             served.append(r.status_code)
         assert served == [200] * 10, served
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-    finally:
-        stop.set()
-        for t in attackers:
-            t.join()
 
 
 def test_a_client_over_its_connection_cap_gets_a_503_error_object(limited):
