@@ -7,6 +7,7 @@ import torch
 from common.config import load_config
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
+from common.warm_python import run_python
 from inspect_model import CONTEXTS, kv_cache_table, parameter_counts, weight_bytes_by_dtype
 
 MODELS = ["smollm2-135m", "tiny-llama3"]
@@ -63,13 +64,11 @@ def test_inspect_cli_prints_report():
 
 
 def test_inspect_cli_bad_model_is_a_clear_error(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "chapters/00_setup/inspect_model.py", "--model", str(tmp_path)], capture_output=True, text=True
-    )
+    r = run_python(["chapters/00_setup/inspect_model.py", "--model", str(tmp_path)])
     assert r.returncode == 2 and "has no config.json" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_check_env_reports_versions():
-    r = subprocess.run([sys.executable, "chapters/00_setup/check_env.py"], capture_output=True, text=True)
+    r = run_python(["chapters/00_setup/check_env.py"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"torch          {torch.__version__}" in r.stdout and "cuda" in r.stdout

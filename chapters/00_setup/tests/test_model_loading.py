@@ -4,14 +4,13 @@
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from common.models import resolve_model
+from common.warm_python import run_python
 
 SCRIPTS = {
     "ch00": ["chapters/00_setup/inspect_model.py"],
@@ -33,9 +32,7 @@ def _edit_config(d, **fields):
 
 def _run(script, d):
     args = SCRIPTS[script]
-    return subprocess.run(
-        [sys.executable, args[0], "--model", str(d), *args[1:]], capture_output=True, text=True, timeout=120
-    )
+    return run_python([args[0], "--model", str(d), *args[1:]], timeout=120)
 
 
 def _nan_weights(d):
@@ -118,12 +115,7 @@ print(grown, float(logits.float().abs().sum()))
 
 
 def _load_in_subprocess(chapter, d, dtype="float32"):
-    r = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT.format(chapter=chapter), str(d), dtype],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_python(["-c", _MEMORY_SCRIPT.format(chapter=chapter), str(d), dtype], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     grown_mib, logits_sum = r.stdout.split()
     return int(grown_mib), float(logits_sum)

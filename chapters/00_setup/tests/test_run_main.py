@@ -1,12 +1,10 @@
 """common.cli.run_main: a user's mistake is one line and exit status 2; a bug keeps its traceback."""
 
-import subprocess
-import sys
-
 import pytest
 
 from common.cli import run_main
 from common.errors import UserError
+from common.warm_python import run_python
 
 
 def test_a_user_error_is_one_line_and_exit_2(capsys):
@@ -22,6 +20,6 @@ def test_a_user_error_is_one_line_and_exit_2(capsys):
 def test_an_internal_value_error_keeps_its_traceback():
     # A ValueError from a bug (a shape check, a library's own) is not a user's mistake.
     code = "from common.cli import run_main\ndef main():\n    raise ValueError('shape mismatch')\nrun_main(main)\n"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = run_python(["-c", code], timeout=60)
     assert r.returncode == 1 and "Traceback" in r.stderr and "ValueError: shape mismatch" in r.stderr, r.stderr
     assert "error: shape mismatch" not in r.stderr

@@ -1,13 +1,12 @@
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoTokenizer
 
 from common.models import resolve_model
 from common.tokenizer import Tokenizer, TokenizerError
+from common.warm_python import run_python
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -159,7 +158,7 @@ def test_template_of_ten_gigabytes_fails_at_once_without_allocating(tmp_path):
         "except TokenizerError as e:\n"
         "    print('TokenizerError:', e)\n"
     )
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    r = run_python(["-c", script], timeout=60)
     assert "TokenizerError: chat template: str * int would build a value of about 10,000,000,000" in r.stdout, r.stderr
 
 

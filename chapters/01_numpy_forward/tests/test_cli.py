@@ -4,11 +4,13 @@ from pathlib import Path
 
 import pytest
 
+from common.warm_python import run_python
+
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=CHAPTER, timeout=300)
+    return run_python(args, cwd=CHAPTER, timeout=300)
 
 
 def test_generate_answers_a_chat_prompt():

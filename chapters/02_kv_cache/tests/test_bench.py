@@ -1,15 +1,15 @@
 """bench.py runs and saves its figures (timings are printed and saved, never asserted)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from common.warm_python import run_python
 
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=CHAPTER, timeout=600)
+    return run_python(args, cwd=CHAPTER, timeout=600)
 
 
 def test_bench_runs_and_saves_figures(tmp_path):

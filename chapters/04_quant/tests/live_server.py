@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from common.warm_python import start_python
 
 CHAPTER = Path(__file__).resolve().parents[1]
 
@@ -27,24 +28,21 @@ def serve(log_dir: Path, model: str, *flags: str):
     its process, the path of its stderr). Stopped on exit."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(CHAPTER / "server.py"),
-                "--model",
-                model,
-                "--port",
-                str(port),
-                "--device",
-                "cpu",
-                "--dtype",
-                "float32",
-                *flags,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
+    proc = start_python(
+        [
+            str(CHAPTER / "server.py"),
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            *flags,
+        ],
+        stderr=log,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180

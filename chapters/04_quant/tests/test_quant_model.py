@@ -2,8 +2,6 @@
 and every entry point (generate, parity, the server) takes --quant or a quantized directory."""
 
 import functools
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
 from common.testing import SERVER_STACK, require
 from common.tokenizer import Tokenizer
+from common.warm_python import run_python
 from kv_cache import KVCache
 from model import forward, load_model
 from parity import DEFAULT_TEXT
@@ -23,7 +22,7 @@ PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def run(script, *args):
-    return subprocess.run([sys.executable, script, *args], cwd=CHAPTER, capture_output=True, text=True, timeout=600)
+    return run_python([script, *args], cwd=CHAPTER, timeout=600)
 
 
 @pytest.mark.parametrize("quant", [("--quant", "int8"), ("--quant", "int4", "--group-size", "32")])

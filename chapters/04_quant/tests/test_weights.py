@@ -3,8 +3,6 @@ mismatch between config.json and the stored tensors a clear error naming the ten
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common.checkpoint import CheckpointError
 from common.models import resolve_model
+from common.warm_python import run_python
 from kv_cache import KVCache
 from model import forward, load_model
 from quant import QuantSpec
@@ -28,13 +27,7 @@ def logits(model):
 
 def quantize(tmp_path: Path, *args, model="tiny-llama3") -> Path:
     out = tmp_path / "q"
-    r = subprocess.run(
-        [sys.executable, "quantize.py", "--model", model, *args, "--out", str(out)],
-        cwd=CHAPTER,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_python(["quantize.py", "--model", model, *args, "--out", str(out)], cwd=CHAPTER, timeout=300)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -159,12 +152,8 @@ def test_another_quant_method_is_refused(int4_dir):
 
 
 def test_quantizing_a_quantized_checkpoint_is_refused(int4_dir, tmp_path):
-    r = subprocess.run(
-        [sys.executable, "quantize.py", "--model", str(int4_dir), "--bits", "8", "--out", str(tmp_path / "x")],
-        cwd=CHAPTER,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_python(
+        ["quantize.py", "--model", str(int4_dir), "--bits", "8", "--out", str(tmp_path / "x")], cwd=CHAPTER, timeout=300
     )
     assert r.returncode == 2 and "already quantized" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(ValueError, match="already quantized"):
@@ -174,12 +163,6 @@ def test_quantizing_a_quantized_checkpoint_is_refused(int4_dir, tmp_path):
 def test_generate_reports_a_corrupt_quantized_checkpoint_plainly(int4_dir):
     shutil.copy(int4_dir / "config.json", int4_dir / "config.bak")
     edit_tensors(int4_dir, lambda t: t.pop("model.layers.3.self_attn.o_proj.mins"))
-    r = subprocess.run(
-        [sys.executable, "generate.py", "--model", str(int4_dir), "--prompt", "hi"],
-        cwd=CHAPTER,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_python(["generate.py", "--model", str(int4_dir), "--prompt", "hi"], cwd=CHAPTER, timeout=300)
     assert r.returncode == 2 and "missing tensor model.layers.3.self_attn.o_proj.mins" in r.stderr
     assert "Traceback" not in r.stderr

@@ -3,8 +3,6 @@
 import dataclasses
 import math
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import torch
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from common.warm_python import run_python
 from model import forward_sequence, load_model
 from perplexity import (
     Window,
@@ -226,9 +225,7 @@ def test_ours_matches_hf_on_smollm2(smollm2_ids):
 
 
 def run(*args):
-    return subprocess.run(
-        [sys.executable, "perplexity.py", *args], capture_output=True, text=True, cwd=CHAPTER, timeout=300
-    )
+    return run_python(["perplexity.py", *args], cwd=CHAPTER, timeout=300)
 
 
 def test_cli_prints_the_perplexity(tmp_path):

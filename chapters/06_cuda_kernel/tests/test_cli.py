@@ -1,25 +1,17 @@
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from common.warm_python import run_python
 from sampling import SamplingParams
 
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args, stdin=None):
-    return subprocess.run(
-        [sys.executable, str(CHAPTER / "cli.py"), *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        cwd=CHAPTER,
-        timeout=600,
-    )
+    return run_python([str(CHAPTER / "cli.py"), *args], input=stdin, cwd=CHAPTER, timeout=600)
 
 
 # Exact answers are checked in float32: --dtype auto means bf16 on a GPU, where greedy picks at
@@ -79,7 +71,7 @@ def test_the_terminal_chat_does_not_load_the_http_layer():
         "cli.main()\n"
         "print('LOADED', sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'server') if m in sys.modules))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=CHAPTER, capture_output=True, text=True, timeout=300)
+    r = run_python(["-c", code], cwd=CHAPTER, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "LOADED []" in r.stdout and "2 generated" in r.stderr
     # one conversation, one sequence: a pool of one full context, not a server's share of the memory

@@ -1,16 +1,16 @@
 """generate.py and parity.py from the command line: answers, batches, tables, clear errors."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from common.warm_python import run_python
 
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=CHAPTER, timeout=600)
+    return run_python(args, cwd=CHAPTER, timeout=600)
 
 
 # A bf16 answer is only as fixed as its closest greedy step. "What is the capital of France?" starts

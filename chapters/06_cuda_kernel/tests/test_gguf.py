@@ -1,7 +1,5 @@
 """The bundled Q4_1 GGUF, read directly, is int4 G=32 asymmetric quantization of its own weights."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from common.checkpoint import CheckpointError, load_checkpoint_torch
 from common.config import load_config
 from common.models import resolve_model
 from common.prepare_models import find_gguf
+from common.warm_python import run_python
 from gguf_file import read_gguf, unpermute_rows
 from quant import Int4Weight, Int8Weight, quantize_int4
 
@@ -139,9 +138,8 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
 
 
 def test_generate_runs_the_gguf_file_directly():
-    r = subprocess.run(
+    r = run_python(
         [
-            sys.executable,
             "generate.py",
             "--model",
             str(find_gguf()),
@@ -154,8 +152,6 @@ def test_generate_runs_the_gguf_file_directly():
             "12",
         ],
         cwd=CHAPTER,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert r.returncode == 0, r.stderr
@@ -164,13 +160,7 @@ def test_generate_runs_the_gguf_file_directly():
 
 def test_quantize_from_gguf_writes_a_loadable_directory(tmp_path):
     out = tmp_path / "q4_1"
-    r = subprocess.run(
-        [sys.executable, "quantize.py", "--from-gguf", str(find_gguf()), "--out", str(out)],
-        cwd=CHAPTER,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = run_python(["quantize.py", "--from-gguf", str(find_gguf()), "--out", str(out)], cwd=CHAPTER, timeout=600)
     assert r.returncode == 0, r.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in out.iterdir()

@@ -3,8 +3,6 @@
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from common.errors import UserError
 from common.models import resolve_model
 from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
+from common.warm_python import run_python
 from cuda_graphs import DecodeGraphs
 from engine import Engine, Request, build_engine
 from model import forward_sequence, load_model
@@ -157,9 +156,8 @@ def test_a_head_size_the_kernels_do_not_serve_falls_back_to_pytorch_and_says_why
 
 @pytest.mark.parametrize("flag", ["on", "off"])
 def test_generate_with_and_without_kernels(flag):
-    r = subprocess.run(
+    r = run_python(
         [
-            sys.executable,
             str(HERE / "generate.py"),
             "--chat",
             "--prompt",
@@ -171,8 +169,6 @@ def test_generate_with_and_without_kernels(flag):
             "--kernels",
             flag,
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr

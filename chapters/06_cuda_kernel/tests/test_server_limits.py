@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from common.bench import connect_from, idle_flood
+from common.warm_python import run_python
 from live_server import serve
 
 CHAPTER = Path(__file__).resolve().parents[1]
@@ -90,22 +90,9 @@ def test_the_kv_pool_is_at_most_max_num_seqs_full_contexts(limited):
 
 
 def test_a_kv_cache_budget_without_room_for_a_block_is_a_clear_error():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "server.py",
-            "--model",
-            MODEL,
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory-gb",
-            "0.00001",
-        ],
+    r = run_python(
+        ["server.py", "--model", MODEL, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-gb", "0.00001"],
         cwd=CHAPTER,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -306,7 +293,7 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
         "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard) or hard == resource.RLIM_INFINITY)\n"
     )
     pytest.importorskip("resource")
-    r = subprocess.run([sys.executable, "-c", code], cwd=CHAPTER, capture_output=True, text=True, timeout=120)
+    r = run_python(["-c", code], cwd=CHAPTER, timeout=120)
     assert r.stdout.strip() == "True", r.stderr
 
 
