@@ -5,13 +5,20 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers.models.llama import modeling_llama as hf
 
 from common.config import load_config
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
 from ops import TorchOps, resolve
 from rope import apply_rope, cos_sin_table, inv_frequencies
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """HF's Llama modeling module: seconds to import, so only when a test that compares with it runs."""
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def test_add_rms_norm(tiny, ops, dtype):
 
 
 @pytest.mark.parametrize("ops", both_ops(), ids=lambda o: type(o).__name__)
-def test_rope_in_place_matches_hf(tiny, ops):
+def test_rope_in_place_matches_hf(tiny, ops, hf):
     config, _ = tiny
     positions = torch.tensor([0, 3, 77, 9000])
     qkv = torch.randn(4, 7, config.head_dim)  # [tokens, heads, hd]: rotate the first 5 heads
@@ -71,7 +78,7 @@ def test_rope_tables_with_llama3_scaling_beyond_original_context(tiny):
     torch.testing.assert_close(sin[positions], hf_sin[0], atol=2e-3, rtol=0)
 
 
-def test_apply_rope_matches_hf(tiny):
+def test_apply_rope_matches_hf(tiny, hf):
     config, _ = tiny
     x = torch.randn(2, 6, 3, config.head_dim)  # [batch, seq, heads, hd]
     cos, sin = cos_sin_table(inv_frequencies(config), 6)
