@@ -42,6 +42,9 @@ STARTUP_PREFIXES = (
     "PYTHON", "LD_", "MALLOC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_",
     "NPY_", "NUMPY_", "TORCH", "PYTORCH_", "ATEN_", "CUDA", "NVIDIA_",
 )  # fmt: skip
+# torch.compile's settings: read when torch._dynamo / torch._inductor load, which `import torch`
+# does not do (and torch itself sets TORCHINDUCTOR_CACHE_DIR in a process that used them).
+COMPILER_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_")
 
 
 class WarmProcess:
@@ -166,7 +169,7 @@ def _same(env: dict[str, str], helper_env: dict[str, str]) -> bool:
 
 
 def _at_start(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not k.startswith(COMPILER_PREFIXES)}
 
 
 def _start(env: dict[str, str]) -> None:

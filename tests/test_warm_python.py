@@ -144,4 +144,5 @@ def test_every_test_of_a_session_shares_the_helper(script, tmp_path, monkeypatch
     assert "warm: True" in run_python([str(script), "0"], cwd=tmp_path).stdout
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_other.py::test_other (call)")
     monkeypatch.setenv("MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # torch sets it in a process that compiled
     assert "warm: True" in run_python([str(script), "0"], cwd=tmp_path).stdout
