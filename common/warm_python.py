@@ -12,8 +12,10 @@ started 2.5 s later into its life.
 
 The helper keeps the environment of its first run, and torch and OpenMP read theirs at import:
 a run whose start-up variables (STARTUP_PREFIXES: OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, ...)
-differ is a real subprocess (restarting the helper would orphan the servers it runs). So is a run with interpreter flags, or anything but `script.py ...`,
-`-m module ...` or `-c code ...`, and every run with WARM_PYTHON=0. The helper never runs torch code itself, so no thread pool exists when it forks.
+differ is a real subprocess (restarting the helper would orphan the servers it runs). So is a run
+with interpreter flags, or anything but `script.py ...`, `-m module ...` or `-c code ...`, and
+every run with WARM_PYTHON=0. The helper never runs torch code itself, so no thread pool exists
+when it forks.
 
     from common.warm_python import run_python, start_python
     r = run_python(["generate.py", "--prompt", "hi"], cwd=CHAPTER, timeout=300)  # a CompletedProcess
