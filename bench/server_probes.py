@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -74,28 +75,44 @@ class HealthWatch:
         self.slowest = float(out.strip() or "nan")
 
 
-def big_bodies(url: str, pid: int) -> dict:
-    words = "the quick brown fox jumps over lazy dogs and cats " * 20000  # ~1,000,000 characters
+# The hundred uploading clients, in a process of their own so that they can run at a lower
+# priority (--client-nice): on a 2-core machine they otherwise take the cores from the server
+# whose /health latency is being measured.
+_SEND = """
+import contextlib, json, sys, threading, httpx
+url, n = sys.argv[1], int(sys.argv[2])
+words = "the quick brown fox jumps over lazy dogs and cats " * 20000  # ~1,000,000 characters
+statuses = []
+def send():
+    with contextlib.suppress(httpx.HTTPError):
+        r = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=300)
+        statuses.append(r.status_code)
+clients = [threading.Thread(target=send) for _ in range(n)]
+for c in clients:
+    c.start()
+for c in clients:
+    c.join()
+print(json.dumps(statuses))
+"""
+
+
+def big_bodies(url: str, pid: int, client_nice: int) -> dict:
     before = rss_mb(pid)
-    statuses: list[int] = []
     with HealthWatch(url) as health:
-
-        def send():
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=300)
-                statuses.append(r.status_code)
-
-        clients = [threading.Thread(target=send) for _ in range(100)]
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
+        senders = subprocess.Popen(
+            [sys.executable, "-c", _SEND, url, "100"],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: os.nice(client_nice)) if client_nice else None,
+        )
+        statuses = json.loads(senders.communicate(timeout=900)[0])
     counts = {str(s): statuses.count(s) for s in sorted(set(statuses))}
     return {
         "statuses": counts,
         "rss_mb_before": before,
         "rss_mb_after": rss_mb(pid),
         "health_slowest_ms": health.slowest,
+        "client_nice": client_nice,
     }
 
 
@@ -161,6 +178,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default=None, help="JSON (default: bench/results/server_probes_chNN.json)")
     ap.add_argument("--timeout-graceful-shutdown", default="5")
+    ap.add_argument(
+        "--client-nice", type=int, default=0, help="big_bodies: run its 100 clients at this nice value (0-19)"
+    )
     ap.add_argument("--probes", default="big_bodies,big_reply,flood,long_stop,shutdown", help="comma-separated")
     args = ap.parse_args()
     out = Path(args.out or f"bench/results/server_probes_ch{args.chapter:02d}.json")
@@ -181,7 +201,7 @@ def main() -> int:
                     break
             time.sleep(0.3)
         for name, probe in (
-            ("big_bodies", lambda: big_bodies(url, proc.pid)),
+            ("big_bodies", lambda: big_bodies(url, proc.pid, args.client_nice)),
             ("big_reply", lambda: big_reply(url)),
             ("flood", lambda: flood(url)),
             ("long_stop", lambda: long_stop(url)),
