@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from common.bench import free_port, idle_flood
+from common.bench import free_port, idle_flood, wait_until_healthy
 from common.chapters import chapter_dir
 
 
@@ -193,13 +193,10 @@ def main() -> int:
     # a run of some probes keeps the others' last figures
     result = earlier | {"chapter": args.chapter, "model": args.model, "command": " ".join(cmd[1:])}
     try:
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"the server exited with status {proc.returncode}: {' '.join(cmd)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.3)
+        try:
+            wait_until_healthy(proc, url, f"the server ({' '.join(cmd)})")
+        except RuntimeError as e:
+            sys.exit(str(e))
         for name, probe in (
             ("big_bodies", lambda: big_bodies(url, proc.pid, args.client_nice)),
             ("big_reply", lambda: big_reply(url)),

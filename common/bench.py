@@ -249,6 +249,27 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = 600.0, log=None) -> None:
+    """Returns once `url`/health answers 200; a RuntimeError (with the end of `log`, the server's
+    stderr file, if given) when the process exits first or `timeout` seconds pass."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            tail = ""
+            if log is not None:
+                log.seek(0)
+                tail = ":\n" + log.read()[-3000:]
+            raise RuntimeError(f"{what} exited with status {proc.returncode}{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} did not answer /health in {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def servers(
     specs: dict[str, tuple[Path, list[str]]],
@@ -260,7 +281,6 @@ def servers(
     once, each on a free port (--port is added), waits for their /health, and yields {label: base
     url}. Every process is terminated on the way out, whatever happened. Each one's command and its
     start-up line ("serving ...") go into `record`. `threads` sets their OMP_NUM_THREADS."""
-    import httpx
 
     env = dict(os.environ) | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
     procs = {}
@@ -278,17 +298,7 @@ def servers(
             )
             procs[label] = (proc, f"http://127.0.0.1:{port}", log, cmd)
         for label, (proc, url, log, cmd) in procs.items():
-            deadline = time.time() + timeout
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"{label} server exited with status {proc.returncode}:\n{log.read()[-3000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.time() > deadline:
-                    raise RuntimeError(f"{label} server did not answer /health in {timeout:.0f} s")
-                time.sleep(0.2)
+            wait_until_healthy(proc, url, f"{label} server", timeout, log)
             log.seek(0)
             banner = next((line.strip() for line in log if line.startswith("serving")), "")
             if record is not None:
