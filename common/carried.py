@@ -9,10 +9,12 @@ chapter NN`, naming the chapter where it last differed (where it really runs).
 
 What a test "reaches" is read from the source, conservatively, so that a change can only make
 more tests run:
-- the test file, the chapter's conftest.py files, and every chapter-local module they import,
-  followed transitively (`import engine`, `from sampling import ...`);
+- the test's own definition and the fixtures and helpers it names (not its file's other tests),
+  the chapter's conftest.py files, and every chapter-local module they import, followed
+  transitively (`import engine`, `from sampling import ...`);
 - any chapter file named in a string (`"server.py"` started as a subprocess, `"engine"` loaded
-  through common.chapters, `"README.md"` read), so scripts and data count too;
+  through common.chapters, `"README.md"` read), so scripts and data count too; in a chapter
+  module only a whole string counts, since its longer strings are messages to a user;
 - the whole chapter folder when a test-side file (tests/, conftest.py) lists a folder (`glob(`,
   `iterdir(`, `listdir(`, `os.walk(`), since it may read any file there.
 A test that loads another chapter by a computed number (`load_chapter(n - 1, ...)`) never
@@ -69,11 +71,17 @@ def chapter_files(chapter: Path) -> dict[str, Path]:
     return names
 
 
-def string_words(text: str) -> set[str]:
-    # A whole string may be a module name ("engine", for common.chapters); inside a longer string
-    # only a file name counts ("python server.py"), not prose ("the model").
-    files = {w.rsplit("/", 1)[-1] for w in FILE_NAME.findall(text)}
-    return {FILE + text.strip()} | {FILE + f for f in files if "." in f}
+def string_words(text: str, inside_too: bool) -> set[str]:
+    # A whole string may be a module name ("engine", for common.chapters) or a file ("server.py",
+    # ".../server.py"). Inside a longer string (inside_too: test-side files) only a file name counts
+    # ("python server.py"), not prose ("the model"); a chapter module's longer strings are messages
+    # ("quantize the model with quantize.py"), so there only whole strings count.
+    whole = text.strip()
+    words = {FILE + whole, FILE + whole.rsplit("/", 1)[-1]}
+    if inside_too:
+        files = {w.rsplit("/", 1)[-1] for w in FILE_NAME.findall(text)}
+        words |= {FILE + f for f in files if "." in f}
+    return words
 
 
 def words_of(node: ast.AST, docstrings: set[int], names_too: bool) -> set[str]:
@@ -87,7 +95,7 @@ def words_of(node: ast.AST, docstrings: set[int], names_too: bool) -> set[str]:
         elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
             words.add(FILE + n.module.split(".")[0])
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
-            words |= string_words(n.value)
+            words |= string_words(n.value, inside_too=names_too)
         elif isinstance(n, ast.Call):
             called = getattr(n.func, "id", None) or getattr(n.func, "attr", None)
             if called in CHAPTER_LOADERS and n.args and not isinstance(n.args[0], ast.Constant):
@@ -174,7 +182,9 @@ def reached(test_file: Path, test_name: str, chapter: Path) -> frozenset[Path] |
     names = chapter_files(chapter)
     named = {w[len(FILE) :] for w in words if w.startswith(FILE)}
     files = set(names.values()) if words & FOLDER_LISTING else {names[w] for w in named if w in names}
-    todo, seen = [test_file, *conftests, *files], set()
+    # The test file is compared whole, but followed only through what this test uses (above): its
+    # other tests' imports and scripts are not this test's.
+    todo, seen = [*conftests, *files], {test_file}
     while todo:  # follow imports and named files through the chapter's modules
         path = todo.pop()
         if path not in seen:

@@ -145,3 +145,48 @@ def test_a_chapter_copied_out_alone_or_a_forced_run_runs_everything(chapters, tm
     shutil.copytree(chapters / "02_second", alone)
     assert set(outcomes(alone).values()) == {"passed"}
     assert set(outcomes(chapters / "02_second", RUN_CARRIED_TESTS="1").values()) == {"passed"}
+
+
+def passed_tests(chapter: Path) -> set[str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=chapter.parent,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return set(re.findall(r"^PASSED \S*?::(\w+)", r.stdout, re.M))
+
+
+def test_a_test_reaches_what_it_uses_not_what_its_file_neighbours_use(chapters):
+    # One file, two tests: a change to the script one of them runs reruns that one only.
+    mixed = (
+        "import subprocess, sys\nfrom pathlib import Path\n\nimport util\n\n\n"
+        "def test_runs_the_script():\n"
+        "    here = Path(__file__).parent.parent\n"
+        "    assert subprocess.run([sys.executable, 'script.py'], cwd=here).returncode == 0\n\n\n"
+        "def test_uses_util():\n    assert util.one() == 1\n"
+    )
+    for chapter in ("01_first", "02_second"):
+        (chapters / chapter / "tests" / "test_mixed.py").write_text(mixed)
+    script = chapters / "02_second" / "script.py"
+    script.write_text(script.read_text() + "\n")
+    ran = passed_tests(chapters / "02_second")
+    assert "test_runs_the_script" in ran and "test_uses_util" not in ran, ran
+
+
+def test_a_module_reaches_a_script_it_names_whole_not_one_its_messages_mention(chapters):
+    # hints.py only mentions script.py in a message; runner.py names it on its own, as a run does
+    files = {
+        "hints.py": "def hint():\n    return 'quantize the model with script.py first'\n",
+        "runner.py": "COMMAND = ['python', 'script.py']\n",
+        "tests/test_hints.py": "import hints\n\n\ndef test_hint():\n    assert hints.hint().endswith('first')\n",
+        "tests/test_runner.py": "import runner\n\n\ndef test_runner():\n    assert runner.COMMAND\n",
+    }
+    for chapter in ("01_first", "02_second"):
+        make_chapter(chapters / chapter, files)
+    script = chapters / "02_second" / "script.py"
+    script.write_text(script.read_text() + "\n")
+    second = outcomes(chapters / "02_second")
+    assert second["test_runner"] == "passed" and second["test_hints"].startswith("carried unchanged"), second

@@ -1,7 +1,7 @@
 """llama.cpp as a peer for the benches: N sequences decoded together, as llama-server does.
 
-Chapter 06's bench (part decode) opens a `BatchedLlamaCpp` with one slot: llama.cpp decoding one
-sequence, one llama_decode per token, beside our engine at batch 1. This file is chapter 05's.
+With one slot, `BatchedLlamaCpp` is llama.cpp decoding one sequence, one llama_decode per token:
+chapter 06's bench runs it that way beside our engine at batch 1.
 
 Chapter 04 ran llama.cpp one sequence at a time. Its server batches: started with `-np N` it has N
 slots, and each step it makes ONE llama_decode call that carries the next token of every live

@@ -108,3 +108,17 @@ def test_context_is_reused_across_calls(chats):
             peer.generate(prompts + prompts[:1], 4)
         with pytest.raises(ValueError, match="do not fit"):
             peer.generate(prompts, peer.n_ctx_seq)
+
+
+@needs_llama_cpp
+def test_one_slot_decodes_as_batch_one(chats):
+    # The batch-1 peer of chapter 06's bench: one slot, one llama_decode per token.
+    tok, prompts = chats
+    path = peers.gguf_path("Q4_1")
+    alone = peers.run_llama_cpp(path, prompts[0], n_decode=4, threads=1)["ids"]
+    with peers.BatchedLlamaCpp(
+        path, slots=1, ctx_per_seq=len(prompts[0]) + 4, max_batch_tokens=len(prompts[0]), threads=1
+    ) as peer:
+        r = peer.generate(prompts[:1], 4)
+    assert r["ids"] == [alone], tok.decode(r["ids"][0])
+    assert len(r["step_ms"]) == 3 and r["decode_tok_s"] > 0 and r["prefill_ms"] > 0

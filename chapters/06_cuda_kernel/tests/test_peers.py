@@ -112,7 +112,7 @@ def test_context_is_reused_across_calls(chats):
 
 @needs_llama_cpp
 def test_one_slot_decodes_as_batch_one(chats):
-    # Chapter 06's bench runs llama.cpp at batch 1 this way: one slot, one llama_decode per token.
+    # The batch-1 peer of chapter 06's bench: one slot, one llama_decode per token.
     tok, prompts = chats
     path = peers.gguf_path("Q4_1")
     alone = peers.run_llama_cpp(path, prompts[0], n_decode=4, threads=1)["ids"]
