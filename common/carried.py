@@ -14,7 +14,8 @@ more tests run:
   transitively (`import engine`, `from sampling import ...`);
 - any chapter file named in a string (`"server.py"` started as a subprocess, `"engine"` loaded
   through common.chapters, `"README.md"` read), so scripts and data count too; in a chapter
-  module only a whole string counts, since its longer strings are messages to a user;
+  module only a whole string counts, since its longer strings are messages to a user, and
+  nowhere a dict key or subscript (`row["engine"]` is a field);
 - the whole chapter folder when a test-side file (tests/, conftest.py) lists a folder (`glob(`,
   `iterdir(`, `listdir(`, `os.walk(`), since it may read any file there.
 A test that loads another chapter by a computed number (`load_chapter(n - 1, ...)`) never
@@ -89,12 +90,15 @@ def words_of(node: ast.AST, docstrings: set[int], names_too: bool) -> set[str]:
     and (names_too) every name, attribute and argument it uses, so that a test's fixtures and
     helpers can be followed to their definitions (a local variable called `batch` is not batch.py)."""
     words: set[str] = set()
+    # A dict's key or a subscript (`{"engine": ...}`, `row["engine"]`) is a field name, not a module.
+    keys = {id(k) for n in ast.walk(node) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
+    keys |= {id(n.slice) for n in ast.walk(node) if isinstance(n, ast.Subscript)}
     for n in ast.walk(node):
         if isinstance(n, ast.Import):
             words.update(FILE + alias.name.split(".")[0] for alias in n.names)
         elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
             words.add(FILE + n.module.split(".")[0])
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings | keys:
             words |= string_words(n.value, inside_too=names_too)
         elif isinstance(n, ast.Call):
             called = getattr(n.func, "id", None) or getattr(n.func, "attr", None)

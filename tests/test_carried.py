@@ -177,9 +177,10 @@ def test_a_test_reaches_what_it_uses_not_what_its_file_neighbours_use(chapters):
 
 
 def test_a_module_reaches_a_script_it_names_whole_not_one_its_messages_mention(chapters):
-    # hints.py only mentions script.py in a message; runner.py names it on its own, as a run does
+    # hints.py only mentions script.py in a message and has a field called "script"; runner.py
+    # names it on its own, as a run does
     files = {
-        "hints.py": "def hint():\n    return 'quantize the model with script.py first'\n",
+        "hints.py": "ROW = {'script': 0}\n\n\ndef hint():\n    return 'quantize the model with script.py first'\n",
         "runner.py": "COMMAND = ['python', 'script.py']\n",
         "tests/test_hints.py": "import hints\n\n\ndef test_hint():\n    assert hints.hint().endswith('first')\n",
         "tests/test_runner.py": "import runner\n\n\ndef test_runner():\n    assert runner.COMMAND\n",
