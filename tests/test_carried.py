@@ -45,8 +45,8 @@ def make_chapter(folder: Path, changes: dict[str, str] | None = None) -> Path:
     return folder
 
 
-def outcomes(chapter: Path, **env) -> dict[str, str]:
-    """test file stem -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
+def pytest_report(chapter: Path, **env) -> str:
+    """The -rA report of a passing pytest run of the chapter's tests."""
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
         capture_output=True,
@@ -56,8 +56,13 @@ def outcomes(chapter: Path, **env) -> dict[str, str]:
         env={**__import__("os").environ, **env},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    return r.stdout
+
+
+def outcomes(chapter: Path, **env) -> dict[str, str]:
+    """test file stem -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
     found = {}
-    for line in r.stdout.splitlines():
+    for line in pytest_report(chapter, **env).splitlines():
         if m := re.match(r"PASSED .*?(test_\w+)\.py", line):
             found[m[1]] = "passed"
         elif m := re.match(r"SKIPPED \[\d+\] .*?(test_\w+)\.py(?::\d+)?: (.*)", line):
@@ -148,15 +153,8 @@ def test_a_chapter_copied_out_alone_or_a_forced_run_runs_everything(chapters, tm
 
 
 def passed_tests(chapter: Path) -> set[str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=chapter.parent,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    return set(re.findall(r"^PASSED \S*?::(\w+)", r.stdout, re.M))
+    """The names of the test functions that ran and passed."""
+    return set(re.findall(r"^PASSED \S*?::(\w+)", pytest_report(chapter), re.M))
 
 
 def test_a_test_reaches_what_it_uses_not_what_its_file_neighbours_use(chapters):
