@@ -42,6 +42,11 @@ def generate(
     return [[out[f"{tag}{i}"][c] for c in range(n)] for i in range(len(prompts))]
 
 
+def one_at_a_time(engine, ch, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
+    """Each prompt alone in the engine, one after the other. -> per prompt, its token ids."""
+    return [generate(engine, ch, [p], max_tokens, tag=f"{tag}{i}-")[0][0] for i, p in enumerate(prompts)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chapter", type=int, default=6, help="5 or later: the batching engine")
@@ -64,13 +69,13 @@ def main() -> int:
     questions = [f"{PROMPTS[i % len(PROMPTS)]} ({i + 1})" for i in range(args.requests)]
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     together = [c[0] for c in generate(engine, ch, prompts, args.max_tokens, tag="batch")]
-    alone = [generate(engine, ch, [p], args.max_tokens, tag=f"alone{i}-")[0][0] for i, p in enumerate(prompts)]
+    alone = one_at_a_time(engine, ch, prompts, args.max_tokens, "alone")
     pairs = generate(engine, ch, prompts, args.max_tokens, n=2, tag="pair")
     del engine
     # 3: each request twice, one at a time, the second finding its whole prompt's blocks cached
     engine, _ = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=True)
-    first = [generate(engine, ch, [p], args.max_tokens, tag=f"first{i}-")[0][0] for i, p in enumerate(prompts)]
-    again = [generate(engine, ch, [p], args.max_tokens, tag=f"again{i}-")[0][0] for i, p in enumerate(prompts)]
+    first = one_at_a_time(engine, ch, prompts, args.max_tokens, "first")
+    again = one_at_a_time(engine, ch, prompts, args.max_tokens, "again")
 
     result = {
         "chapter": args.chapter,

@@ -93,12 +93,13 @@ def words_of(node: ast.AST, docstrings: set[int], names_too: bool) -> set[str]:
     # A dict's key or a subscript (`{"engine": ...}`, `row["engine"]`) is a field name, not a module.
     keys = {id(k) for n in ast.walk(node) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
     keys |= {id(n.slice) for n in ast.walk(node) if isinstance(n, ast.Subscript)}
+    not_names = docstrings | keys
     for n in ast.walk(node):
         if isinstance(n, ast.Import):
             words.update(FILE + alias.name.split(".")[0] for alias in n.names)
         elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
             words.add(FILE + n.module.split(".")[0])
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings | keys:
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in not_names:
             words |= string_words(n.value, inside_too=names_too)
         elif isinstance(n, ast.Call):
             called = getattr(n.func, "id", None) or getattr(n.func, "attr", None)
