@@ -249,7 +249,9 @@ def http():
     import model
     import server
 
-    eng = engine.Engine(model.load_model(TINY), Tokenizer(TINY), {})
+    # A pool of 64 blocks: the default, a quarter of free memory (tiny-llama3's context is 131072),
+    # takes seconds to zero, and these requests never hold more than a few blocks.
+    eng = engine.Engine(model.load_model(TINY), Tokenizer(TINY), {}, num_blocks=64)
     with TestClient(server.create_app(eng, "tiny"), raise_server_exceptions=False) as client:
         yield client
 
