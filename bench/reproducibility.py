@@ -3,7 +3,8 @@ through the engine (no HTTP), for a chapter from 05 on (not a test: a measuremen
 temperature 0 is reproducible, quoted in chapters 05 and 06's READMEs).
 
     python bench/reproducibility.py --chapter 6 [--dtype bfloat16|float32] [--quant int4|int8|none]
-                                    [--requests 16] [--max-tokens 48] [--out results.json]
+                                    [--requests 16] [--max-tokens 48] [--kv-cache-memory-gb 1]
+                                    [--out results.json]
 
 1. batch: the requests all at once (one running batch) against each one alone.
 2. n=2: each request asking for two greedy choices: are the two equal?
@@ -55,6 +56,8 @@ def main() -> int:
     ap.add_argument("--quant", default="int4", choices=["int4", "int8", "none"])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
+    # The engine's default pool is a quarter of free memory: gigabytes to zero for a few requests.
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="each engine's KV pool")
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()
     if args.chapter < 5:
@@ -62,9 +65,10 @@ def main() -> int:
 
     ch = load_chapter(args.chapter, "engine", "quant", "sampling")
     spec = {"int4": ch.quant.QuantSpec(4, 32), "int8": ch.quant.QuantSpec(8), "none": None}[args.quant]
+    pool = {"kv_cache_bytes": int(args.kv_cache_memory_gb * 2**30)}
     t0 = time.perf_counter()
     # 1 and 2 without the prefix cache, so that a cached prompt cannot change what they count
-    engine, name = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=False)
+    engine, name = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=False, **pool)
     # distinct prompts: a repeated one would be a prefix hit inside the batch
     questions = [f"{PROMPTS[i % len(PROMPTS)]} ({i + 1})" for i in range(args.requests)]
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
@@ -73,7 +77,7 @@ def main() -> int:
     pairs = generate(engine, ch, prompts, args.max_tokens, n=2, tag="pair")
     del engine
     # 3: each request twice, one at a time, the second finding its whole prompt's blocks cached
-    engine, _ = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=True)
+    engine, _ = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=True, **pool)
     first = one_at_a_time(engine, ch, prompts, args.max_tokens, "first")
     again = one_at_a_time(engine, ch, prompts, args.max_tokens, "again")
 
