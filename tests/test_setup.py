@@ -36,9 +36,9 @@ def test_torch_index_url_puts_the_cuda_build_in_before_the_pinned_requirements(t
     pin = next(line for line in (REPO / "requirements.txt").read_text().splitlines() if line.startswith("torch=="))
     url = "https://download.pytorch.org/whl/cu128"
     calls = make_venv(tmp_path, f"TORCH_INDEX_URL={url}")
-    cuda = calls.index(f"-m pip install -q {pin} --index-url {url}")
+    cuda = calls.index(f"-m pip install -q --no-compile {pin} --index-url {url}")
     assert "-m pip uninstall -q -y torch" in calls[:cuda]  # the CPU build goes first
-    assert calls.index("-m pip install -q -r requirements.txt") > cuda
+    assert calls.index("-m pip install -q --no-compile -r requirements.txt") > cuda
     assert make_venv(tmp_path, f"TORCH_INDEX_URL={url}") == []  # set up: nothing to do
     assert any(
         "--index-url https://example.org/whl" in c
@@ -49,7 +49,7 @@ def test_torch_index_url_puts_the_cuda_build_in_before_the_pinned_requirements(t
 def test_without_it_pip_takes_torch_from_requirements_alone(tmp_path):
     calls = make_venv(tmp_path)
     assert not any("--index-url" in c or "uninstall" in c for c in calls)
-    assert "-m pip install -q -r requirements.txt" in calls
+    assert "-m pip install -q --no-compile -r requirements.txt" in calls
 
 
 def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_path):
