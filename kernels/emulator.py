@@ -246,6 +246,8 @@ class Emulated:
         import torch
 
         n_out, n_in = packed.shape[0], packed.shape[1] * 2
+        if scale.dtype != torch.float16 or min.dtype != torch.float16:  # the kernel reads their bits as float16
+            raise TypeError(f"scale and min must be float16, got {scale.dtype} and {min.dtype}")
         y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
         err = self.lib.emu_int4_linear(
             _ptr(y),
@@ -266,6 +268,8 @@ class Emulated:
         import torch
 
         n_out, n_in = q.shape
+        if scale.dtype != torch.float32:  # the kernel reads its bits as float32
+            raise TypeError(f"scale must be float32, got {scale.dtype}")
         y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
         err = self.lib.emu_int8_linear(
             _ptr(y), _ptr(x), _ptr(q), _ptr(scale), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)]

@@ -91,7 +91,7 @@ def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
     2j in the low nibble."""
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).float()  # [n_out, n_in]
     n_out, n_in = codes.shape
-    w = min_[..., None] + scale[..., None] * codes.view(n_out, n_in // group_size, group_size)
+    w = min_.float()[..., None] + scale.float()[..., None] * codes.view(n_out, n_in // group_size, group_size)
     return (x.float() @ w.view(n_out, n_in).T).to(x.dtype)
 
 

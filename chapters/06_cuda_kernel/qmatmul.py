@@ -20,8 +20,9 @@ activations (float32 runs a slow generic loop), which is why quantized models de
 
 Chapter 06: with the kernels on (ops.KernelOps), "fast" means kernels/' own int4 and int8
 matrix-vector products (csrc/cpu/quant_linear.cpp, csrc/cuda/quant_linear.cu), which the model's
-ops build (`ops.quant_linear`). They read our codes as stored, two per byte, with float32 scales
-and mins: no repacking into a private tile layout, and no private torch op whose signature may change.
+ops build (`ops.quant_linear`). They read our codes as stored, two per byte, with the float16 scales
+and mins of the checkpoint (0.625 bytes a weight, as Q4_1): no repacking into a private tile
+layout, and no private torch op whose signature may change.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class KernelInt4Linear:
     def __init__(self, w: Int4Weight, lib, device: torch.device):
         self.matmul, self.group_size = lib.int4_linear, w.group_size
         self.packed = aligned(w.packed.to(device).contiguous())  # uint8 [out, in / 2]
-        self.scale, self.min = w.scale.float().to(device), w.min.float().to(device)  # [out, in / G]
+        self.scale, self.min = w.scale.to(device).contiguous(), w.min.to(device).contiguous()  # float16 [out, in / G]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min, self.group_size)

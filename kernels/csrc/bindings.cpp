@@ -196,6 +196,9 @@ void check_x(const at::Tensor& x, int64_t n_in) {
     TORCH_CHECK(x.size(1) == n_in, "x has ", x.size(1), " inputs, the weight ", n_in);
 }
 
+// A float16 tensor's elements as the raw bits the kernels take (cpu_kernels.h).
+const uint16_t* half_bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                        int64_t group_size) {
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -205,9 +208,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && n_in % group_size == 0, "group_size ", group_size,
                 " must be a multiple of 32 that divides n_in ", n_in);
     for (const at::Tensor* t : {&scale, &min}) {
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n_out &&
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == n_out &&
                         t->size(1) == n_in / group_size,
-                    "scale, min: contiguous float32 [n_out, n_in / group_size] expected, got ", t->sizes());
+                    "scale, min: contiguous float16 [n_out, n_in / group_size] expected, got ", t->scalar_type(), " ",
+                    t->sizes());
         check_same_device(x, *t, "scale/min");
     }
     check_same_device(x, packed, "packed");
@@ -215,14 +219,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
     if (x.is_cpu()) {
-        kernels::cpu::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                  min.data_ptr<float>(), x.size(0), n_in, n_out, group_size, dtype);
+        kernels::cpu::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(), half_bits(scale),
+                                  half_bits(min), x.size(0), n_in, n_out, group_size, dtype);
     } else {
 #ifdef WITH_CUDA
         const c10::cuda::CUDAGuard guard(x.device());
-        check_cuda(kernels::cuda::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(),
-                                              scale.data_ptr<float>(), min.data_ptr<float>(), x.size(0), n_in, n_out,
-                                              group_size, dtype, at::cuda::getCurrentCUDAStream()),
+        check_cuda(kernels::cuda::int4_linear(y.data_ptr(), x.data_ptr(), packed.data_ptr<uint8_t>(), half_bits(scale),
+                                              half_bits(min), x.size(0), n_in, n_out, group_size, dtype,
+                                              at::cuda::getCurrentCUDAStream()),
                    "int4_linear");
 #endif
     }

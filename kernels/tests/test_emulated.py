@@ -203,7 +203,8 @@ def test_quantized_linear_unaligned(emu):
     q = torch.randint(-127, 128, (20, 256), dtype=torch.int8)
     q_odd = torch.empty(20 * 256 + 1, dtype=torch.int8)[1:].view(20, 256)
     q_odd.copy_(q)
-    assert_close(emu.int8_linear(x, q_odd, scale[:, 0].contiguous()), reference.int8_linear(x, q, scale[:, 0]))
+    s = scale[:, 0].float().contiguous()
+    assert_close(emu.int8_linear(x, q_odd, s), reference.int8_linear(x, q, s))
 
 
 # --- the emulator finds kernel bugs: each planted bug fails the check above it -----------------------------

@@ -111,7 +111,7 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
     assert set(lin["qkv", 1]["us"]) == {"int4 kernel", "int4 torch", "int8 kernel", "int8 torch", "dense"}
     assert set(lin["head", 1]["us"]) == {"int8 kernel", "int8 torch", "dense"}  # the LM head: int8 only
     assert lin["qkv", 1]["bytes"]["dense"] == 64 * 64 * 2  # bf16
-    assert lin["qkv", 1]["bytes"]["int4 kernel"] == 64 * 32 + 2 * 64 * 2 * 4  # codes, float32 scale and min
+    assert lin["qkv", 1]["bytes"]["int4 kernel"] == 64 * 32 + 2 * 64 * 2 * 2  # codes, float16 scale and min
     assert all(v > 0 for x in kr["linear"] for v in x["gb_s"].values())
 
     de = result["decode"]

@@ -57,8 +57,10 @@ void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads,
 // row of x (rows is small in decode: one per sequence in the step).
 // int4, group-wise: W[o, i] = min[o, i / G] + scale[o, i / G] * code(o, i), code 0..15;
 //   packed uint8 [n_out, n_in / 2], element 2j in the low nibble of byte j, 2j+1 in the high one;
-//   scale, min float32 [n_out, n_in / G]; G a multiple of 32, n_in a multiple of G.
-void int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+//   scale, min float16 (raw bits) [n_out, n_in / G], as a Q4_1 block stores them: 0.125 bytes per
+//   weight where float32 took 0.25 (with the codes' 0.5: 0.625 bytes a weight, not 0.75);
+//   G a multiple of 32, n_in a multiple of G.
+void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                  int n_in, int n_out, int group_size, DType dtype);
 // int8, per output row: W[o, i] = scale[o] * q[o, i].  q int8 [n_out, n_in], scale float32 [n_out].
 void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,

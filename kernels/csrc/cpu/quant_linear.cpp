@@ -52,11 +52,12 @@ constexpr int kPrefetchBytes = 8192;
 
 struct LinearArgs {
     void* y;
-    const float* xs;    // x as float, [rows, n_in]; for the SIMD int4 kernels rearranged (see the top)
-    const float* xsum;  // int4: per-group sums of x, [rows, n_in / G]
-    const void* w;      // int4: uint8 [n_out, n_in / 2]; int8: int8 [n_out, n_in]
-    const float* scale;
-    const float* min;
+    const float* xs;              // x as float, [rows, n_in]; for the SIMD int4 kernels rearranged (see the top)
+    const float* xsum;            // int4: per-group sums of x, [rows, n_in / G]
+    const void* w;                // int4: uint8 [n_out, n_in / 2]; int8: int8 [n_out, n_in]
+    const float* scale;           // int8: float32 [n_out]
+    const uint16_t* group_scale;  // int4: float16 bits [n_out, n_in / G], widened one group at a time
+    const uint16_t* group_min;
     int rows, n_in, n_out, group_size;
     DType dtype;
 };
@@ -176,14 +177,14 @@ void int4_range_scalar(const LinearArgs& a, int o0, int o1) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     for (int o = o0; o < o1; ++o) {
         const uint8_t* w = static_cast<const uint8_t*>(a.w) + int64_t(o) * (n_in / 2);
-        const float* scale = a.scale + int64_t(o) * groups;
-        const float* min = a.min + int64_t(o) * groups;
+        const uint16_t* scale = a.group_scale + int64_t(o) * groups;
+        const uint16_t* min = a.group_min + int64_t(o) * groups;
         for (int r = 0; r < a.rows; ++r) {
             const float* x = a.xs + int64_t(r) * n_in;
             const float* xsum = a.xsum + int64_t(r) * groups;
             float acc[L] = {};
             for (int g = 0; g < groups; ++g) {
-                const float s = scale[g];
+                const float s = f16_to_float(scale[g]);
                 for (int i = g * G; i < (g + 1) * G; i += 2 * L) {
                     const uint8_t* bytes = w + i / 2;
                     const float* x_lo = x + i;
@@ -194,7 +195,7 @@ void int4_range_scalar(const LinearArgs& a, int o0, int o1) {
             }
             float sum = 0.f;
             for (int j = 0; j < L; ++j) sum += acc[j];
-            for (int g = 0; g < groups; ++g) sum += min[g] * xsum[g];
+            for (int g = 0; g < groups; ++g) sum += f16_to_float(min[g]) * xsum[g];
             store_from_float(a.y, int64_t(r) * a.n_out + o, sum, a.dtype);
         }
     }
@@ -207,19 +208,19 @@ template <int NO, int R>
 KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
-    const float *scale[NO], *min[NO];
+    const uint16_t *scale[NO], *min[NO];
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = a.scale + int64_t(o + n) * groups;
-        min[n] = a.min + int64_t(o + n) * groups;
+        scale[n] = a.group_scale + int64_t(o + n) * groups;
+        min[n] = a.group_min + int64_t(o + n) * groups;
     }
     const float* x = a.xs + int64_t(r0) * n_in;
     const float* xsum = a.xsum + int64_t(r0) * groups;
     // The tile's codes are one contiguous run (its rows are consecutive), read at NO * 8 bytes a
-    // step, and its scales and mins at NO floats a group: prefetch each at that pace.
+    // step, and its scales and mins at NO halves a group: prefetch each at that pace.
     const uint8_t* front = w[0] + kPrefetchBytes;
-    const float* scale_front = scale[0] + kPrefetchBytes * 2 / G;
-    const float* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* scale_front = scale[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = min[0] + kPrefetchBytes * 2 / G;
     const __m256i low_nibble = _mm256_set1_epi32(15);
     __m256 acc[NO][R];
     for (int n = 0; n < NO; ++n)
@@ -251,17 +252,20 @@ KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
             }
         }
         for (int n = 0; n < NO; ++n)
-            for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(part[n][r], _mm256_set1_ps(scale[n][g]), acc[n][r]);
+            for (int r = 0; r < R; ++r)
+                acc[n][r] = _mm256_fmadd_ps(part[n][r], _mm256_set1_ps(_cvtsh_ss(scale[n][g])), acc[n][r]);
     }
     // The min term, sum_g min[g] * xsum[g], folded into the same register before its sum.
     for (int n = 0; n < NO; ++n)
         for (int r = 0; r < R; ++r) {
             const float* xs_r = xsum + int64_t(r) * groups;
             int g = 0;
-            for (; g + 8 <= groups; g += 8)
-                acc[n][r] = _mm256_fmadd_ps(_mm256_loadu_ps(min[n] + g), _mm256_loadu_ps(xs_r + g), acc[n][r]);
+            for (; g + 8 <= groups; g += 8) {
+                const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(min[n] + g)));
+                acc[n][r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs_r + g), acc[n][r]);
+            }
             float sum = Avx2::reduce_add(acc[n][r]);
-            for (; g < groups; ++g) sum += min[n][g] * xs_r[g];
+            for (; g < groups; ++g) sum += _cvtsh_ss(min[n][g]) * xs_r[g];
             store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum, a.dtype);
         }
 }
@@ -296,16 +300,16 @@ template <int NO>
 KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
-    const float *scale[NO], *min[NO];
+    const uint16_t *scale[NO], *min[NO];
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = a.scale + int64_t(o + n) * groups;
-        min[n] = a.min + int64_t(o + n) * groups;
+        scale[n] = a.group_scale + int64_t(o + n) * groups;
+        min[n] = a.group_min + int64_t(o + n) * groups;
     }
     const float* x = a.xs;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
-    const float* scale_front = scale[0] + kPrefetchBytes * 2 / G;
-    const float* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* scale_front = scale[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = min[0] + kPrefetchBytes * 2 / G;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[NO];
     for (int n = 0; n < NO; ++n) acc[n] = _mm512_setzero_ps();
@@ -326,13 +330,13 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
                 part[n] = _mm512_fmadd_ps(byte, x_byte, part[n]);
             }
         }
-        for (int n = 0; n < NO; ++n) acc[n] = _mm512_fmadd_ps(part[n], _mm512_set1_ps(scale[n][g]), acc[n]);
+        for (int n = 0; n < NO; ++n) acc[n] = _mm512_fmadd_ps(part[n], _mm512_set1_ps(_cvtsh_ss(scale[n][g])), acc[n]);
     }
     for (int n = 0; n < NO; ++n) {
         for (int g = 0; g < groups; g += 16) {  // the min term; a masked load for the last < 16 groups
             const __mmask16 m = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-            acc[n] =
-                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, min[n] + g), _mm512_maskz_loadu_ps(m, a.xsum + g), acc[n]);
+            const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, min[n] + g));
+            acc[n] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(m, a.xsum + g), acc[n]);
         }
         store_from_float(a.y, o + n, Avx512::reduce_add(acc[n]), a.dtype);
     }
@@ -348,16 +352,16 @@ template <int NO, int R>
 KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
-    const float *scale[NO], *min[NO];
+    const uint16_t *scale[NO], *min[NO];
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = a.scale + int64_t(o + n) * groups;
-        min[n] = a.min + int64_t(o + n) * groups;
+        scale[n] = a.group_scale + int64_t(o + n) * groups;
+        min[n] = a.group_min + int64_t(o + n) * groups;
     }
     const float* x = a.xs + int64_t(r0) * n_in;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
-    const float* scale_front = scale[0] + kPrefetchBytes * 2 / G;
-    const float* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* scale_front = scale[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = min[0] + kPrefetchBytes * 2 / G;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[NO][R];
     for (int n = 0; n < NO; ++n)
@@ -368,7 +372,8 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) 
         prefetch(min_front + NO * g);
         __m512 table[NO];
         for (int n = 0; n < NO; ++n)
-            table[n] = _mm512_fmadd_ps(nibble_values, _mm512_set1_ps(scale[n][g]), _mm512_set1_ps(min[n][g]));
+            table[n] = _mm512_fmadd_ps(nibble_values, _mm512_set1_ps(_cvtsh_ss(scale[n][g])),
+                                       _mm512_set1_ps(_cvtsh_ss(min[n][g])));
         for (int i = g * G; i < (g + 1) * G; i += 32) {
             prefetch(front + NO * (i / 2));
             __m512 x_even[R], x_odd[R];
@@ -589,7 +594,7 @@ float* x_scratch(int64_t n) {
 
 }  // namespace
 
-void int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
+void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                  int n_in, int n_out, int group_size, DType dtype) {
     const Isa level = isa();
     const int lanes = level == Isa::avx512 ? 16 : level == Isa::avx2 ? 8 : kScalarLanes;
@@ -599,7 +604,7 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const float* sca
     // The factored form everywhere but in AVX512's kernel for several rows of x.
     const bool factored = level != Isa::avx512 || rows == 1;
     prepare_x(xs, xsum, x, rows, n_in, group_size, dtype, level, lanes, factored);
-    const LinearArgs args{y, xs, xsum, packed, scale, min, rows, n_in, n_out, group_size, dtype};
+    const LinearArgs args{y, xs, xsum, packed, nullptr, scale, min, rows, n_in, n_out, group_size, dtype};
     auto fn = int4_range_scalar;
 #ifdef KERNELS_X86
     if (level == Isa::avx512) fn = int4_range_avx512;
@@ -612,7 +617,7 @@ void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, in
                  DType dtype) {
     float* xs = x_scratch(int64_t(rows) * n_in);
     prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, isa(), 1, false);
-    const LinearArgs args{y, xs, nullptr, q, scale, nullptr, rows, n_in, n_out, 0, dtype};
+    const LinearArgs args{y, xs, nullptr, q, scale, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
     auto fn = int8_range_scalar;
 #ifdef KERNELS_X86
     if (isa() == Isa::avx512) fn = int8_range_avx512;

@@ -4,7 +4,7 @@
 // Why this kernel is about reading W. In decode, x has one row per sequence of the step (1..16),
 // so every weight is used `rows` times: a matrix-vector product. An H200 can do ~100
 // multiply-adds per byte it reads from memory; here there are 2 * rows per int4 byte. The kernel
-// is as fast as it streams W (codes, scales, mins), and everything below serves that.
+// is as fast as it streams W (codes, float16 scales and mins), and everything below serves that.
 //
 // The organisation.
 //   grid    one block per kOutPerBlock = 16 output features (rows of W); 256 threads = 8 warps.
@@ -203,7 +203,7 @@ __device__ void write_outputs(T* y, float (&acc)[kOutPerWarp][MAX_ROWS], const f
 template <typename T, int MAX_ROWS, bool ALIGNED>
 __global__ void __launch_bounds__(kThreads, 1)
     int4_kernel(T* __restrict__ y, const T* __restrict__ x, const uint8_t* __restrict__ packed,
-                const float* __restrict__ scale, const float* __restrict__ group_min, int rows, int n_in, int n_out,
+                const __half* __restrict__ scale, const __half* __restrict__ group_min, int rows, int n_in, int n_out,
                 int group_size, int group_shift, int tile) {
     constexpr int U = unroll_for<MAX_ROWS>();
     constexpr int kInputs = 2 * kChunk;                                    // 32 inputs per chunk
@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                     if (c < chunks && o < n_out) {
                         code[j][u] = load_chunk<ALIGNED>(packed + o * row_bytes + k0 / 2 + kChunk * c, kChunk);
                         const int64_t g = static_cast<int64_t>(o) * groups + group_of(k0 + kInputs * c);
-                        s[j][u] = scale[g];
-                        m[j][u] = group_min[g];
+                        s[j][u] = __half2float(scale[g]);
+                        m[j][u] = __half2float(group_min[g]);
                     }
                 }
             }
@@ -433,8 +433,8 @@ int blocks_for(int n_out) { return (n_out + kOutPerBlock - 1) / kOutPerBlock; }
 
 }  // namespace
 
-cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const float* scale, const float* min, int rows,
-                        int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream) {
+cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min,
+                        int rows, int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream) {
     // A chunk (32 inputs) must lie in one group: G a multiple of 32, as the contract says.
     if (rows < 0 || n_in < 0 || n_out < 0 || group_size <= 0 || group_size % 32 != 0 || n_in % group_size != 0) {
         return cudaErrorInvalidValue;
@@ -444,6 +444,8 @@ cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const flo
     // ALIGNED: 16-byte loads of W and x (their rows, n_in / 2 bytes and n_in elements, keep the
     // alignment of the first); else byte and element loads, slow but correct at any address.
     const bool aligned = is_aligned(packed, 16) && is_aligned(x, 16);
+    const auto* scales = reinterpret_cast<const __half*>(scale);  // float16 bits, as the contract says
+    const auto* mins = reinterpret_cast<const __half*>(min);
     return dispatch_dtype(dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
         for (int r0 = 0; r0 < rows; r0 += kMaxRowsPerLaunch) {
@@ -455,7 +457,7 @@ cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const flo
             const cudaError_t err = with_max_rows(chunk, [&](auto max_rows) {
                 constexpr int R = decltype(max_rows)::value;
                 auto kernel = aligned ? int4_kernel<T, R, true> : int4_kernel<T, R, false>;
-                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, packed, scale, min, chunk, n_in, n_out,
+                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, packed, scales, mins, chunk, n_in, n_out,
                               group_size, group_shift, tile);
             });
             if (err != cudaSuccess) return err;
