@@ -11,6 +11,7 @@
 // of the time, in every first build and in `make kernels-check`.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 #include <torch/version.h>
 
 #include <optional>
@@ -269,6 +270,37 @@ kernels::cpu::Isa isa_from(const std::string& name) {
 }
 
 }  // namespace
+
+// --- the same functions as operators of torch's dispatcher: torch.ops.llm_kernels.* -------------
+// torch.compile, torch.export and CUDA graph capture cannot look inside a pybind11 function: to
+// them it is an unknown Python call. Registered here with a schema, each kernel is one opaque
+// operator they can place in a graph, with the output shapes of its fake implementation
+// (kernels/fake.py). The schema says what an operator writes: Tensor(a!) is an argument updated
+// in place (the residual stream of add_rms_norm, the q/k heads of rope_).
+TORCH_LIBRARY(llm_kernels, m) {
+    m.def(
+        "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens, "
+        "float scale, int partition_size) -> Tensor");
+    m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+    m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+    m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
+}
+
+// One implementation per operator serves both devices (each function picks the CPU code or the
+// CUDA launcher from its tensors), registered under each device's dispatch key.
+static void impl_all(torch::Library& m) {
+    m.impl("paged_decode_attention", &paged_decode_attention);
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("rope_", &rope_);
+    m.impl("int4_linear", &int4_linear);
+    m.impl("int8_linear", &int8_linear);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { impl_all(m); }
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) { impl_all(m); }
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Paged decode attention, RMSNorm, RoPE and quantized linear layers: CPU (C++) and CUDA twins";
