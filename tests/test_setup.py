@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FAKE_PYTHON = """#!/bin/bash
 echo "$*" >> "$(dirname "$0")/../calls"
-case "$*" in *"import torch"*) exit 1 ;; esac  # the torch here is not a CUDA build
+case "$*" in *"torch.version.cuda"*) exit 1 ;; esac  # the torch here is not a CUDA build
 exit 0
 """
 
