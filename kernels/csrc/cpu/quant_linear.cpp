@@ -201,26 +201,68 @@ void int4_range_scalar(const LinearArgs& a, int o0, int o1) {
     }
 }
 
+// The calling thread's float copies of one tile's scales and mins (each OpenMP thread has its own).
+float* tile_scratch(int64_t n) {
+    thread_local std::vector<float> buffer;
+    if (int64_t(buffer.size()) < n) buffer.resize(size_t(n));
+    return buffer.data();
+}
+
 #ifdef KERNELS_X86
+
+// A tile's float16 scales, then its mins, widened once into float: [NO rows, groups] each, the
+// rows' runs being consecutive in memory. The loops below then read floats, as when the halves
+// were widened at load time; widening each half where it is used would put a conversion into
+// every group of every row, inside the loop that streams the codes.
+template <int NO>
+KERNELS_AVX2 inline float* widen_tile_avx2(const LinearArgs& a, int o) {
+    const int groups = a.n_in / a.group_size, n = NO * groups;
+    float* out = tile_scratch(2 * int64_t(n));
+    for (int part = 0; part < 2; ++part) {
+        const uint16_t* in = (part == 0 ? a.group_scale : a.group_min) + int64_t(o) * groups;
+        float* dst = out + part * n;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+        for (; i < n; ++i) dst[i] = _cvtsh_ss(in[i]);
+    }
+    return out;
+}
+
+template <int NO>
+KERNELS_AVX512 inline float* widen_tile_avx512(const LinearArgs& a, int o) {
+    const int groups = a.n_in / a.group_size, n = NO * groups;
+    float* out = tile_scratch(2 * int64_t(n));
+    for (int part = 0; part < 2; ++part) {
+        const uint16_t* in = (part == 0 ? a.group_scale : a.group_min) + int64_t(o) * groups;
+        float* dst = out + part * n;
+        int i = 0;
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+        for (; i < n; ++i) dst[i] = _cvtsh_ss(in[i]);
+    }
+    return out;
+}
 
 // AVX2, the factored form: 16 inputs (8 bytes) per step; lo = the byte masked to its low nibble.
 template <int NO, int R>
 KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
-    const uint16_t *scale[NO], *min[NO];
+    const float *scale[NO], *min[NO];
+    float* widened = widen_tile_avx2<NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = a.group_scale + int64_t(o + n) * groups;
-        min[n] = a.group_min + int64_t(o + n) * groups;
+        scale[n] = widened + n * groups;
+        min[n] = widened + (NO + n) * groups;
     }
     const float* x = a.xs + int64_t(r0) * n_in;
     const float* xsum = a.xsum + int64_t(r0) * groups;
     // The tile's codes are one contiguous run (its rows are consecutive), read at NO * 8 bytes a
     // step, and its scales and mins at NO halves a group: prefetch each at that pace.
     const uint8_t* front = w[0] + kPrefetchBytes;
-    const uint16_t* scale_front = scale[0] + kPrefetchBytes * 2 / G;
-    const uint16_t* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const __m256i low_nibble = _mm256_set1_epi32(15);
     __m256 acc[NO][R];
     for (int n = 0; n < NO; ++n)
@@ -252,20 +294,17 @@ KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
             }
         }
         for (int n = 0; n < NO; ++n)
-            for (int r = 0; r < R; ++r)
-                acc[n][r] = _mm256_fmadd_ps(part[n][r], _mm256_set1_ps(_cvtsh_ss(scale[n][g])), acc[n][r]);
+            for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(part[n][r], _mm256_set1_ps(scale[n][g]), acc[n][r]);
     }
     // The min term, sum_g min[g] * xsum[g], folded into the same register before its sum.
     for (int n = 0; n < NO; ++n)
         for (int r = 0; r < R; ++r) {
             const float* xs_r = xsum + int64_t(r) * groups;
             int g = 0;
-            for (; g + 8 <= groups; g += 8) {
-                const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(min[n] + g)));
-                acc[n][r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs_r + g), acc[n][r]);
-            }
+            for (; g + 8 <= groups; g += 8)
+                acc[n][r] = _mm256_fmadd_ps(_mm256_loadu_ps(min[n] + g), _mm256_loadu_ps(xs_r + g), acc[n][r]);
             float sum = Avx2::reduce_add(acc[n][r]);
-            for (; g < groups; ++g) sum += _cvtsh_ss(min[n][g]) * xs_r[g];
+            for (; g < groups; ++g) sum += min[n][g] * xs_r[g];
             store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum, a.dtype);
         }
 }
@@ -300,16 +339,17 @@ template <int NO>
 KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
-    const uint16_t *scale[NO], *min[NO];
+    const float *scale[NO], *min[NO];
+    float* widened = widen_tile_avx512<NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = a.group_scale + int64_t(o + n) * groups;
-        min[n] = a.group_min + int64_t(o + n) * groups;
+        scale[n] = widened + n * groups;
+        min[n] = widened + (NO + n) * groups;
     }
     const float* x = a.xs;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
-    const uint16_t* scale_front = scale[0] + kPrefetchBytes * 2 / G;
-    const uint16_t* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[NO];
     for (int n = 0; n < NO; ++n) acc[n] = _mm512_setzero_ps();
@@ -330,13 +370,13 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
                 part[n] = _mm512_fmadd_ps(byte, x_byte, part[n]);
             }
         }
-        for (int n = 0; n < NO; ++n) acc[n] = _mm512_fmadd_ps(part[n], _mm512_set1_ps(_cvtsh_ss(scale[n][g])), acc[n]);
+        for (int n = 0; n < NO; ++n) acc[n] = _mm512_fmadd_ps(part[n], _mm512_set1_ps(scale[n][g]), acc[n]);
     }
     for (int n = 0; n < NO; ++n) {
         for (int g = 0; g < groups; g += 16) {  // the min term; a masked load for the last < 16 groups
             const __mmask16 m = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-            const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, min[n] + g));
-            acc[n] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(m, a.xsum + g), acc[n]);
+            acc[n] =
+                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, min[n] + g), _mm512_maskz_loadu_ps(m, a.xsum + g), acc[n]);
         }
         store_from_float(a.y, o + n, Avx512::reduce_add(acc[n]), a.dtype);
     }
@@ -352,16 +392,17 @@ template <int NO, int R>
 KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
-    const uint16_t *scale[NO], *min[NO];
+    const float *scale[NO], *min[NO];
+    float* widened = widen_tile_avx512<NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = a.group_scale + int64_t(o + n) * groups;
-        min[n] = a.group_min + int64_t(o + n) * groups;
+        scale[n] = widened + n * groups;
+        min[n] = widened + (NO + n) * groups;
     }
     const float* x = a.xs + int64_t(r0) * n_in;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
-    const uint16_t* scale_front = scale[0] + kPrefetchBytes * 2 / G;
-    const uint16_t* min_front = min[0] + kPrefetchBytes * 2 / G;
+    const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[NO][R];
     for (int n = 0; n < NO; ++n)
@@ -372,8 +413,7 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) 
         prefetch(min_front + NO * g);
         __m512 table[NO];
         for (int n = 0; n < NO; ++n)
-            table[n] = _mm512_fmadd_ps(nibble_values, _mm512_set1_ps(_cvtsh_ss(scale[n][g])),
-                                       _mm512_set1_ps(_cvtsh_ss(min[n][g])));
+            table[n] = _mm512_fmadd_ps(nibble_values, _mm512_set1_ps(scale[n][g]), _mm512_set1_ps(min[n][g]));
         for (int i = g * G; i < (g + 1) * G; i += 32) {
             prefetch(front + NO * (i / 2));
             __m512 x_even[R], x_odd[R];
