@@ -171,6 +171,7 @@ class Emulated:
         )
         self.lib.emu_add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [i, i, f, i]
         self.lib.emu_rope.argtypes = [ctypes.c_void_p] * 3 + [i, i, i, i64, i]
+        self.lib.emu_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [i] * 3
         self.lib.emu_int4_linear.argtypes = [ctypes.c_void_p] * 5 + [i] * 5
         self.lib.emu_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [i] * 4
 
@@ -241,6 +242,15 @@ class Emulated:
             _ptr(qk), _ptr(cos), _ptr(sin), tokens, heads, head_dim, qk.stride(0), DTYPE_CODES[str(qk.dtype)]
         )
         self._check(err, "rope")
+
+    def silu_mul(self, gate_up):
+        import torch
+
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=gate_up.dtype)
+        err = self.lib.emu_silu_mul(_ptr(out), _ptr(gate_up), rows, inter, DTYPE_CODES[str(gate_up.dtype)])
+        self._check(err, "silu_mul")
+        return out
 
     def int4_linear(self, x, packed, scale, min, group_size):
         import torch

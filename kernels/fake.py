@@ -34,6 +34,10 @@ def register() -> None:
     def _(qk, cos, sin):
         return None
 
+    @torch.library.register_fake(lib + "silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
     @torch.library.register_fake(lib + "int4_linear")
     def _(x, packed, scale, min, group_size):
         return x.new_empty(x.shape[0], packed.shape[0])

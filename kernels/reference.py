@@ -86,6 +86,12 @@ def rope(qk, cos, sin) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(qk.dtype)
 
 
+def silu_mul(gate_up) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension, in float32, rounded once."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
 def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
     """x @ W.T with W[o, i] = min[o, i/G] + scale[o, i/G] * code(o, i); codes two per byte, element
     2j in the low nibble."""

@@ -15,8 +15,8 @@ Chapter 04: a linear weight is either a tensor or a quantized weight prepared fo
 (qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
 dequantizing only the rows of the tokens.
 
-Chapter 06: the residual add, the norms, RoPE, decode attention and the quantized matmuls run
-through `model.ops`, kernels/' CUDA or C++ kernels or chapter 05's PyTorch (ops.py). The residual
+Chapter 06: the residual add, the norms, RoPE, decode attention, SwiGLU's silu(gate) * up and the
+quantized matmuls run through `model.ops`, kernels/' CUDA or C++ kernels or chapter 05's PyTorch (ops.py). The residual
 stream x is updated in place, and each add is fused with the norm that follows it:
 
     h = norm(x)
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from common.config import LlamaConfig, load_config
 from batch import StepBatch, Work, build_step
@@ -151,10 +150,10 @@ def attention(h, layer: Layer, i: int, cos, sin, cache: PagedKVCache, step: Step
     return linear(out.reshape(n, nh * hd), layer.wo)
 
 
-def mlp(h: torch.Tensor, layer: Layer) -> torch.Tensor:
+def mlp(h: torch.Tensor, layer: Layer, ops: Ops) -> torch.Tensor:
     """SwiGLU: down( silu(gate(h)) * up(h) ).  [tokens, hidden] -> [tokens, hidden]"""
-    gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, layer.w_down)
+    gate_up = linear(h, layer.w_gate_up)  # [tokens, 2 * intermediate]: gate, then up
+    return linear(ops.silu_mul(gate_up), layer.w_down)
 
 
 def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | None = None) -> torch.Tensor:
@@ -175,7 +174,7 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     for i, layer in enumerate(layers):
         h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)
         next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
-        h = ops.add_rms_norm(x, mlp(h, layer), next_norm, eps)
+        h = ops.add_rms_norm(x, mlp(h, layer, ops), next_norm, eps)
         if capture is not None:
             capture[f"layer.{i}"] = x.float().cpu().numpy().copy()
     if not step.all_logits:

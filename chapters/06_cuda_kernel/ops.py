@@ -1,11 +1,12 @@
 """The hot operations of a decoder layer, from the kernel library or from PyTorch.
 
 Chapter 06 runs chapter 05's engine with its inner loops replaced by the kernels of kernels/
-(a CUDA kernel on a GPU, its C++ twin on a CPU). The forward pass (model.py) calls the four
+(a CUDA kernel on a GPU, its C++ twin on a CPU). The forward pass (model.py) calls the five
 operations below through one of two objects with the same methods:
 
     KernelOps   kernels/: fused residual-add + RMSNorm, RoPE in place, paged decode attention
-                (flash-decoding, reading K/V where they lie in the pool), int4/int8 matmuls (qmatmul.py)
+                (flash-decoding, reading K/V where they lie in the pool), SwiGLU's silu(gate) * up
+                in one pass, int4/int8 matmuls (qmatmul.py)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
 
 Both compute the same maths; what differs is how many passes over memory it takes. Per layer
@@ -48,6 +49,7 @@ class Ops(Protocol):
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor: ...
     def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
 
     def quant_linear(self, w: QuantWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -85,6 +87,12 @@ class TorchOps:
     @staticmethod
     def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         qk.copy_(apply_rope(qk, cos, sin))
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2 * inter] (gate, then up) -> silu(gate) * up, [tokens, inter]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
     @staticmethod
     def attention(q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
@@ -142,6 +150,10 @@ class KernelOps:
 
     def rope_(self, qk, cos, sin) -> None:
         self._ext.rope_(qk, cos, sin)
+
+    def silu_mul(self, gate_up) -> torch.Tensor:
+        """One pass instead of torch's silu, then product (and a call instead of three)."""
+        return self._ext.silu_mul(gate_up)
 
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
         """Decodes (one query per sequence) through the paged kernel; prompt chunks through

@@ -261,6 +261,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     return y;
 }
 
+// --- silu_mul ------------------------------------------------------------------------------------
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+    check_supported_device(gate_up);
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
+                "gate_up: contiguous [rows, 2 * inter] expected (gate, then up), got ", gate_up.sizes());
+    const DType dtype = dtype_of(gate_up, "gate_up");
+    const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor out = at::empty({rows, inter}, gate_up.options());
+    if (out.numel() == 0) return out;
+    if (gate_up.is_cpu()) {
+        kernels::cpu::silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, inter, dtype);
+    } else {
+#ifdef WITH_CUDA
+        const c10::cuda::CUDAGuard guard(gate_up.device());
+        check_cuda(kernels::cuda::silu_mul(out.data_ptr(), gate_up.data_ptr(), rows, inter, dtype,
+                                           at::cuda::getCurrentCUDAStream()),
+                   "silu_mul");
+#endif
+    }
+    return out;
+}
+
 // --- which CPU path runs ---------------------------------------------------------------------
 
 kernels::cpu::Isa isa_from(const std::string& name) {
@@ -283,6 +306,7 @@ TORCH_LIBRARY(llm_kernels, m) {
         "float scale, int partition_size) -> Tensor");
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
     m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+    m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
 }
@@ -293,6 +317,7 @@ static void impl_all(torch::Library& m) {
     m.impl("paged_decode_attention", &paged_decode_attention);
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("rope_", &rope_);
+    m.impl("silu_mul", &silu_mul);
     m.impl("int4_linear", &int4_linear);
     m.impl("int8_linear", &int8_linear);
 }
@@ -312,6 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("delta"), py::arg("weight"), py::arg("eps"));
     m.def("rope_", &rope_, "rotate q and k heads in place (rotate-half)", py::arg("qk"), py::arg("cos"),
           py::arg("sin"));
+    m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up] -> [rows, inter]", py::arg("gate_up"));
     m.def("int4_linear", &int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
           py::arg("scale"), py::arg("min"), py::arg("group_size"));
     m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));

@@ -167,6 +167,15 @@ def test_rope_on_a_strided_view(emu, tokens, heads, head_dim, dtype):
     assert torch.equal(qkv[:, heads:], before[:, heads:])  # the v heads beside them: untouched
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 8), (4, 100)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_silu_mul(emu, rows, inter, dtype):
+    from test_norm_rope import gate_up
+
+    x = gate_up(rows, inter, dtype, seed=rows)
+    assert_close(emu.silu_mul(x), reference.silu_mul(x))
+
+
 # --- quantized linear layers ------------------------------------------------------------------------
 # Rows 1..16 in one launch, 17 in two; n_in 2048 at 8 rows is two tiles of x under 48 KB of shared
 # memory, at 16 rows one tile over it (cudaFuncSetAttribute first); odd row counts of W.

@@ -1,4 +1,4 @@
-"""Fused residual-add + RMSNorm, and in-place RoPE, against their references."""
+"""Fused residual-add + RMSNorm, in-place RoPE, and SwiGLU's silu(gate) * up, against their references."""
 
 import pytest
 import torch
@@ -58,7 +58,33 @@ def test_rope_every_cpu_path(ops, isa):
         assert_close(x, expected, isa)
 
 
+def gate_up(rows, inter, dtype, seed=0):
+    # gates from -100 to 100 as well as around 0: silu's two tails (0 and the identity), and past
+    # the point where e^-g overflows a float
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(rows, 2 * inter, generator=g) * 4
+    gu[0, : min(inter, 8)] = torch.tensor([-100.0, -88.5, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0])[: min(inter, 8)]
+    return gu.to(dtype)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 8), (4, 100), (17, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_silu_mul(ops, device, rows, inter, dtype):
+    x = gate_up(rows, inter, dtype, seed=rows)
+    out = ops.silu_mul(x.to(device))
+    assert out.shape == (rows, inter) and torch.isfinite(out.float()).all()
+    assert_close(out, reference.silu_mul(x), f"{rows} x {inter}")
+
+
+def test_silu_mul_every_cpu_path(ops, isa):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = gate_up(5, 77, dtype)  # 77: whole vectors and a tail on every path
+        assert_close(ops.silu_mul(x), reference.silu_mul(x), f"{isa} {dtype}")
+
+
 def test_bad_arguments_are_clear_errors(ops):
+    with pytest.raises(RuntimeError, match=r"gate_up: contiguous \[rows, 2 \* inter\]"):
+        ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="weight: contiguous"):
         ops.add_rms_norm(torch.randn(2, 8), None, torch.randn(7), 1e-5)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):

@@ -25,6 +25,7 @@ def samples(device):
         "add_rms_norm": (*on(x, torch.randn(3, 64), torch.rand(64)), 1e-5),
         "add_rms_norm (no delta)": (on(x)[0], None, on(torch.rand(64))[0], 1e-5),
         "rope_": tuple(on(qk, angles.cos(), angles.sin())),
+        "silu_mul": tuple(on(torch.randn(3, 2 * 48))),
         "int4_linear": (*on(x, packed, scale, min_), 32),
         "int8_linear": tuple(on(x, q8, torch.rand(32))),
         "paged_decode_attention": (*on(*attn), 0.125, 16),
@@ -32,7 +33,16 @@ def samples(device):
 
 
 @pytest.mark.parametrize(
-    "case", ["add_rms_norm", "add_rms_norm (no delta)", "rope_", "int4_linear", "int8_linear", "paged_decode_attention"]
+    "case",
+    [
+        "add_rms_norm",
+        "add_rms_norm (no delta)",
+        "rope_",
+        "silu_mul",
+        "int4_linear",
+        "int8_linear",
+        "paged_decode_attention",
+    ],
 )
 def test_opcheck(ops, device, case):
     # schema (what the op writes is declared), fake tensors (shapes, dtypes, strides of the
@@ -43,7 +53,7 @@ def test_opcheck(ops, device, case):
 
 def test_the_pybind_functions_and_the_operators_are_the_same_kernels(ops):
     args = samples("cpu")
-    for name in ("int4_linear", "int8_linear", "paged_decode_attention"):
+    for name in ("silu_mul", "int4_linear", "int8_linear", "paged_decode_attention"):
         assert torch.equal(getattr(OPS, name)(*args[name]), getattr(ops, name)(*args[name])), name
     x, delta, weight, eps = args["add_rms_norm"]
     x2 = x.clone()

@@ -67,6 +67,22 @@ def test_rope_in_place_matches_hf(tiny, ops, hf):
     assert torch.equal(qkv[:, 5:], v)
 
 
+@pytest.mark.parametrize("ops", both_ops(), ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_hf_mlp(tiny, ops, dtype):
+    # HF's LlamaMLP: down(act(gate(h)) * up(h)); ours multiplies the stacked gate_up projection's
+    # two halves. bf16: against float32 maths on the same bf16 halves; torch rounds silu(gate)
+    # before the product, the kernel rounds once, so one bf16 step apart at most.
+    config, ref = tiny
+    mlp = ref.model.layers[0].mlp
+    h = torch.randn(6, config.hidden_size)
+    gate_up = torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1).detach().to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    theirs = (mlp.act_fn(gate) * up).to(dtype)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-6, "rtol": 2**-7}
+    torch.testing.assert_close(ops.silu_mul(gate_up), theirs, **tol)
+
+
 def test_rope_tables_with_llama3_scaling_beyond_original_context(tiny):
     config, ref = tiny
     inv_freq = inv_frequencies(config)

@@ -52,6 +52,12 @@ void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int
 void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim, int64_t token_stride,
           DType dtype);
 
+// --- SwiGLU's activation, fused: out = silu(gate) * up -----------------------------------------
+// gate_up: [rows, 2 * inter] contiguous, each row the gate projection's outputs then the up
+// projection's (the model stacks the two weights, so one matmul makes both); out: [rows, inter]
+// contiguous. silu(g) = g / (1 + e^-g); computed in float, rounded once.
+void silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype);
+
 // --- quantized linear layers for decode: y = x @ W.T, W dequantized in registers -------------
 // x [rows, n_in], y [rows, n_out], contiguous. Each weight row is read once and used for every
 // row of x (rows is small in decode: one per sequence in the step).

@@ -1,4 +1,5 @@
-// RMSNorm with the residual add fused in, and RoPE: two small element-wise kernels.
+// RMSNorm with the residual add fused in, RoPE, and SwiGLU's silu(gate) * up: three small
+// element-wise kernels.
 //
 // Both are memory-bound and tiny in decode (one row of a few hundred values per sequence), so the
 // point of fusing is fewer passes over memory and fewer calls, not arithmetic. Each is written
@@ -6,6 +7,7 @@
 // join in when a call has enough rows to pay for waking them (a prompt chunk, not a decode step).
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu_kernels.h"
@@ -151,6 +153,62 @@ KERNELS_AVX512 __attribute__((flatten)) void rope_avx512(const RopeArgs& a, DTyp
 }
 #endif
 
+// --- silu_mul ----------------------------------------------------------------------------------
+// torch spends three passes on it (silu, then the product, each reading and writing a row) and
+// two calls; here one pass reads gate and up once and writes the product once.
+
+struct SiluArgs {
+    void* out;
+    const void* gate_up;
+    int inter;
+};
+
+// e^-g with -g capped at 88: vec.h's exp has no overflow path, and e^88 (1.7e38) is still a
+// float, where silu(g) = g / (1 + e^-g) is 0 to float precision anyway.
+constexpr float kSiluCap = 88.f;
+
+template <class S, DType D>
+KERNELS_INLINE void silu_mul_row(const SiluArgs& a, int64_t row) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    const int n = a.inter, vec_end = n - n % W;
+    const int64_t gate = row * 2 * n, up = gate + n, out = row * n;
+    const V one = S::set1(1.f), cap = S::set1(kSiluCap);
+    int i = 0;
+    for (; i < vec_end; i += W) {
+        const V g = S::template load_as<D>(a.gate_up, gate + i);
+        const V e = S::exp(S::min(S::sub(S::zero(), g), cap));
+        const V silu = S::div(g, S::add(one, e));
+        S::template store_as<D>(a.out, out + i, S::mul(silu, S::template load_as<D>(a.gate_up, up + i)));
+    }
+    for (; i < n; ++i) {
+        const float g = load_as_float<D>(a.gate_up, gate + i);
+        const float silu = g / (1.f + std::exp(std::min(-g, kSiluCap)));
+        store_from_float<D>(a.out, out + i, silu * load_as_float<D>(a.gate_up, up + i));
+    }
+}
+
+template <class S>
+KERNELS_INLINE void silu_mul_rows(const SiluArgs& a, DType dtype, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+        switch (dtype) {
+            case DType::f32: silu_mul_row<S, DType::f32>(a, r); break;
+            case DType::bf16: silu_mul_row<S, DType::bf16>(a, r); break;
+            case DType::f16: silu_mul_row<S, DType::f16>(a, r); break;
+        }
+    }
+}
+
+void silu_mul_scalar(const SiluArgs& a, DType d, int64_t r0, int64_t r1) { silu_mul_rows<Scalar>(a, d, r0, r1); }
+#ifdef KERNELS_X86
+KERNELS_AVX2 __attribute__((flatten)) void silu_mul_avx2(const SiluArgs& a, DType d, int64_t r0, int64_t r1) {
+    silu_mul_rows<Avx2>(a, d, r0, r1);
+}
+KERNELS_AVX512 __attribute__((flatten)) void silu_mul_avx512(const SiluArgs& a, DType d, int64_t r0, int64_t r1) {
+    silu_mul_rows<Avx512>(a, d, r0, r1);
+}
+#endif
+
 // Runs fn(args, dtype, begin, end) over [0, n) items of `item_elements` each: on this thread
 // when the whole is small, else split in equal contiguous ranges over the OpenMP threads.
 template <class Fn, class Args>
@@ -189,6 +247,16 @@ void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads,
     else if (isa() == Isa::avx2) fn = rope_avx2;
 #endif
     run_rows(fn, args, dtype, tokens, int64_t(n_heads) * head_dim);
+}
+
+void silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype) {
+    const SiluArgs args{out, gate_up, inter};
+    auto fn = silu_mul_scalar;
+#ifdef KERNELS_X86
+    if (isa() == Isa::avx512) fn = silu_mul_avx512;
+    else if (isa() == Isa::avx2) fn = silu_mul_avx2;
+#endif
+    run_rows(fn, args, dtype, rows, 2 * int64_t(inter));
 }
 
 }  // namespace kernels::cpu

@@ -68,6 +68,8 @@ struct Scalar {
     static V fnma(V a, V b, V c) { return c - a * b; }  // c - a * b
     static float reduce_add(V a) { return a; }
     static V sub(V a, V b) { return a - b; }
+    static V div(V a, V b) { return a / b; }
+    static V min(V a, V b) { return a < b ? a : b; }
     static V exp(V x) { return std::exp(x); }
 };
 
@@ -129,6 +131,8 @@ struct Avx2 {
     KERNELS_AVX2 static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     KERNELS_AVX2 static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
     KERNELS_AVX2 static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    KERNELS_AVX2 static V div(V a, V b) { return _mm256_div_ps(a, b); }
+    KERNELS_AVX2 static V min(V a, V b) { return _mm256_min_ps(a, b); }
     KERNELS_AVX2 static V exp(V x) {
         using namespace exp_consts;
         x = _mm256_max_ps(x, _mm256_set1_ps(lowest));
@@ -199,6 +203,8 @@ struct Avx512 {
     KERNELS_AVX512 static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     KERNELS_AVX512 static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
     KERNELS_AVX512 static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    KERNELS_AVX512 static V div(V a, V b) { return _mm512_div_ps(a, b); }
+    KERNELS_AVX512 static V min(V a, V b) { return _mm512_min_ps(a, b); }
     KERNELS_AVX512 static V exp(V x) {
         using namespace exp_consts;
         x = _mm512_max_ps(x, _mm512_set1_ps(lowest));

@@ -23,6 +23,8 @@ cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weig
 cudaError_t rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim,
                  int64_t token_stride, DType dtype, cudaStream_t stream);
 
+cudaError_t silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype, cudaStream_t stream);
+
 cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min,
                         int rows, int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream);
 

@@ -1,7 +1,7 @@
-// RMSNorm with the residual add fused, and RoPE: the CUDA twins of add_rms_norm and rope in
-// cpu/cpu_kernels.h (the contracts and the maths are there).
+// RMSNorm with the residual add fused, RoPE, and SwiGLU's silu(gate) * up: the CUDA twins of
+// add_rms_norm, rope and silu_mul in cpu/cpu_kernels.h (the contracts and the maths are there).
 //
-// Both are small, memory-bound kernels: they read and write each element once or twice and do a
+// All are small, memory-bound kernels: they read and write each element once or twice and do a
 // few flops on it. What matters is that the loads are coalesced (neighbouring threads read
 // neighbouring elements) and, for the norm, wide (16 bytes per thread per instruction).
 #include <algorithm>
@@ -126,6 +126,23 @@ __global__ void rope_kernel(T* __restrict__ qk, const float* __restrict__ cos, c
 
 constexpr int kRopeThreads = 256;
 
+// --- silu_mul -----------------------------------------------------------------------------------
+// One thread per output element (row, i): gate at [row, i], up at [row, inter + i]; consecutive
+// threads read consecutive elements of both halves. e^-g overflowing to inf for g < -88 gives
+// g / inf = -0, silu's limit, as the C++ twin's cap does.
+template <typename T>
+__global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_up, int64_t total, int inter) {
+    const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (index >= total) return;
+    const int64_t row = index / inter;
+    const int i = static_cast<int>(index % inter);
+    const T* r = gate_up + row * 2 * inter;
+    const float g = load(r + i);
+    store(out + index, g / (1.f + __expf(-g)) * load(r + inter + i));
+}
+
+constexpr int kSiluThreads = 256;
+
 }  // namespace
 
 cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
@@ -156,6 +173,20 @@ cudaError_t rope(void* qk, const float* cos, const float* sin, int tokens, int n
         using T = typename decltype(tag)::type;
         rope_kernel<T><<<static_cast<unsigned>(blocks), kRopeThreads, 0, stream>>>(
             static_cast<T*>(qk), cos, sin, pairs_total, n_heads, half, token_stride);
+        return cudaGetLastError();
+    });
+}
+
+cudaError_t silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype, cudaStream_t stream) {
+    if (rows < 0 || inter <= 0) return cudaErrorInvalidValue;
+    const int64_t total = static_cast<int64_t>(rows) * inter;
+    if (total == 0) return cudaSuccess;
+    const int64_t blocks = (total + kSiluThreads - 1) / kSiluThreads;
+    if (blocks > INT_MAX) return cudaErrorInvalidValue;
+    return dispatch_dtype(dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        silu_mul_kernel<T><<<static_cast<unsigned>(blocks), kSiluThreads, 0, stream>>>(
+            static_cast<T*>(out), static_cast<const T*>(gate_up), total, inter);
         return cudaGetLastError();
     });
 }

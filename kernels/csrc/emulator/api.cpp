@@ -27,6 +27,10 @@ int emu_rope(void* qk, const float* cos, const float* sin, int tokens, int n_hea
     return cu::rope(qk, cos, sin, tokens, n_heads, head_dim, token_stride, static_cast<DType>(dtype), nullptr);
 }
 
+int emu_silu_mul(void* out, const void* gate_up, int rows, int inter, int dtype) {
+    return cu::silu_mul(out, gate_up, rows, inter, static_cast<DType>(dtype), nullptr);
+}
+
 int emu_int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                     int n_in, int n_out, int group_size, int dtype) {
     return cu::int4_linear(y, x, packed, scale, min, rows, n_in, n_out, group_size, static_cast<DType>(dtype), nullptr);
