@@ -23,7 +23,9 @@ CELL_TIMEOUT_S = 600
 # Smaller work for a notebook's cell tagged "parameters" (papermill's convention), run in a cell
 # put right after it: the same code on a smaller slice, so the suite does not pay for the figures.
 PARAMETERS = {
+    "02_kv_cache.ipynb": "n_steps = 8",
     "04_quant.ipynb": "PPL_TOKENS, CONTEXT, STRIDE = 256, 128, 64\nPROMPT_TOKENS, NEW = 32, 8",
+    "06_cuda_kernel.ipynb": "CONTEXTS, BATCHES = [128, 1024], [1, 16]",
 }
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
