@@ -1,0 +1,38 @@
+"""bench/workload.py runs the standard throughput workload on each engine with the same requests,
+every request yielding exactly its drawn output length, and names why an engine is skipped."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from common.warm_python import run_python
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_engine_serves_the_same_requests_to_their_length(tmp_path):
+    out = tmp_path / "w.json"
+    args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--requests", "5"]
+    args += ["--min-len", "3", "--max-len", "12", "--max-num-seqs", "3", "--hf-batch", "2", "--out", str(out)]
+    r = run_python(["bench/workload.py", *args], cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    # the draw: 5 (prompt length, output length) pairs in [3, 12], seed 0
+    rng = random.Random(0)
+    lengths = [(len([rng.randint(0, 9999) for _ in range(rng.randint(3, 12))]), rng.randint(3, 12)) for _ in range(5)]
+    assert result["workload"]["prompt_tokens"] == sum(p for p, _ in lengths)
+    assert result["workload"]["output_tokens"] == sum(n for _, n in lengths)
+    assert set(result["runs"]) == {"ch06", "ch05", "hf"}
+    for run in result["runs"].values():
+        assert run["output_tokens"] == sum(n for _, n in lengths) and run["tok_s"] > 0
+    assert "GGUFs are smollm2-135m's" in result["skipped"]["llama.cpp"]  # tiny-llama3 has no GGUF peer
+    assert result["ch06_tokens_equal_ch05"] == 5  # float32 greedy: the kernels change no token
+    assert "ch06 tokens = ch05 tokens for 5 of 5 requests" in r.stdout
+    assert out.with_suffix(".png").exists()
+
+
+def test_bad_lengths_are_a_usage_error():
+    r = run_python(["bench/workload.py", "--min-len", "50", "--max-len", "10"], cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "--min-len <= --max-len" in r.stderr
