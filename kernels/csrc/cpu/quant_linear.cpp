@@ -214,32 +214,16 @@ float* tile_scratch(int64_t n) {
 // rows' runs being consecutive in memory. The loops below then read floats, as when the halves
 // were widened at load time; widening each half where it is used would put a conversion into
 // every group of every row, inside the loop that streams the codes.
-template <int NO>
-KERNELS_AVX2 inline float* widen_tile_avx2(const LinearArgs& a, int o) {
+template <class S, int NO>
+KERNELS_INLINE float* widen_tile(const LinearArgs& a, int o) {
     const int groups = a.n_in / a.group_size, n = NO * groups;
     float* out = tile_scratch(2 * int64_t(n));
     for (int part = 0; part < 2; ++part) {
         const uint16_t* in = (part == 0 ? a.group_scale : a.group_min) + int64_t(o) * groups;
         float* dst = out + part * n;
         int i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
-        for (; i < n; ++i) dst[i] = _cvtsh_ss(in[i]);
-    }
-    return out;
-}
-
-template <int NO>
-KERNELS_AVX512 inline float* widen_tile_avx512(const LinearArgs& a, int o) {
-    const int groups = a.n_in / a.group_size, n = NO * groups;
-    float* out = tile_scratch(2 * int64_t(n));
-    for (int part = 0; part < 2; ++part) {
-        const uint16_t* in = (part == 0 ? a.group_scale : a.group_min) + int64_t(o) * groups;
-        float* dst = out + part * n;
-        int i = 0;
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
-        for (; i < n; ++i) dst[i] = _cvtsh_ss(in[i]);
+        for (; i + S::W <= n; i += S::W) S::store(dst + i, S::template load_as<DType::f16>(in, i));
+        for (; i < n; ++i) dst[i] = f16_to_float(in[i]);
     }
     return out;
 }
@@ -250,7 +234,7 @@ KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    float* widened = widen_tile_avx2<NO>(a, o);
+    float* widened = widen_tile<Avx2, NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
         scale[n] = widened + n * groups;
@@ -340,7 +324,7 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    float* widened = widen_tile_avx512<NO>(a, o);
+    float* widened = widen_tile<Avx512, NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
         scale[n] = widened + n * groups;
@@ -393,7 +377,7 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) 
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    float* widened = widen_tile_avx512<NO>(a, o);
+    float* widened = widen_tile<Avx512, NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
         scale[n] = widened + n * groups;
