@@ -172,15 +172,13 @@ def run_hf(args, requests) -> dict:
 
 def why_not(engine: str, args) -> str | None:
     if engine == "llama.cpp":
-        peers = load_chapter(6, "peers").peers
-        reason = peers.llama_cpp_available()
-        if reason is None and Path(args.model).name != "smollm2-135m":
-            reason = f"its GGUFs are smollm2-135m's, not {args.model}'s"
-        if reason is None and args.quant not in ("int4", None):
-            reason = f"no GGUF beside {args.quant} weights (Q4_1 is int4's, BF16 unquantized)"
-        if reason is None and args.device != "cpu":
-            reason = "it runs on the CPU here"
-        return reason
+        if Path(args.model).name != "smollm2-135m":
+            return f"its GGUFs are smollm2-135m's, not {args.model}'s"
+        if args.quant not in ("int4", None):
+            return f"no GGUF beside {args.quant} weights (Q4_1 is int4's, BF16 unquantized)"
+        if args.device != "cpu":
+            return "it runs on the CPU here"
+        return load_chapter(6, "peers").peers.llama_cpp_available()
     if engine == "hf" and args.quant is not None and Path(args.model).name != "smollm2-135m":
         return "HF runs the checkpoint unquantized; only the bundled model's weights are its int4 values exactly"
     return None
