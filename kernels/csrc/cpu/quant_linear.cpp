@@ -201,6 +201,14 @@ void int4_range_scalar(const LinearArgs& a, int o0, int o1) {
     }
 }
 
+// A tile's scales and mins as float, each [its rows of W][groups]; rows_from(n) starts at its row n.
+struct Widened {
+    const float* scale;
+    const float* min;
+    int groups;
+    Widened rows_from(int n) const { return {scale + n * groups, min + n * groups, groups}; }
+};
+
 // The calling thread's float copies of one tile's scales and mins (each OpenMP thread has its own).
 float* tile_scratch(int64_t n) {
     thread_local std::vector<float> buffer;
@@ -210,12 +218,12 @@ float* tile_scratch(int64_t n) {
 
 #ifdef KERNELS_X86
 
-// A tile's float16 scales, then its mins, widened once into float: [NO rows, groups] each, the
-// rows' runs being consecutive in memory. The loops below then read floats, as when the halves
-// were widened at load time; widening each half where it is used would put a conversion into
-// every group of every row, inside the loop that streams the codes.
+// The float16 scales and mins of output rows o .. o + NO - 1, widened once into float, before any
+// tile of them runs (a tile is these rows times up to 4 rows of x). The loops below then read
+// floats, as when the halves were widened at load time; widening each half where it is used would
+// put a conversion into every group of every row, inside the loop that streams the codes.
 template <class S, int NO>
-KERNELS_INLINE float* widen_tile(const LinearArgs& a, int o) {
+KERNELS_INLINE Widened widen_tile(const LinearArgs& a, int o) {
     const int groups = a.n_in / a.group_size, n = NO * groups;
     float* out = tile_scratch(2 * int64_t(n));
     for (int part = 0; part < 2; ++part) {
@@ -225,20 +233,19 @@ KERNELS_INLINE float* widen_tile(const LinearArgs& a, int o) {
         for (; i + S::W <= n; i += S::W) S::store(dst + i, S::template load_as<DType::f16>(in, i));
         for (; i < n; ++i) dst[i] = f16_to_float(in[i]);
     }
-    return out;
+    return {out, out + n, groups};
 }
 
 // AVX2, the factored form: 16 inputs (8 bytes) per step; lo = the byte masked to its low nibble.
 template <int NO, int R>
-KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
+KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0, Widened t) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    float* widened = widen_tile<Avx2, NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = widened + n * groups;
-        min[n] = widened + (NO + n) * groups;
+        scale[n] = t.scale + n * groups;
+        min[n] = t.min + n * groups;
     }
     const float* x = a.xs + int64_t(r0) * n_in;
     const float* xsum = a.xsum + int64_t(r0) * groups;
@@ -295,40 +302,39 @@ KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0) {
 
 // All rows of x for output rows o .. o + NO - 1; 16 registers allow NO * R up to 4.
 template <int NO>
-KERNELS_AVX2 inline void int4_rows_avx2(const LinearArgs& a, int o) {
+KERNELS_AVX2 inline void int4_rows_avx2(const LinearArgs& a, int o, Widened t) {
     if constexpr (NO == 4) {
         if (a.rows == 1) {
-            int4_tile_avx2<4, 1>(a, o, 0);
+            int4_tile_avx2<4, 1>(a, o, 0, t);
         } else {
-            int4_rows_avx2<2>(a, o);
-            int4_rows_avx2<2>(a, o + 2);
+            int4_rows_avx2<2>(a, o, t);
+            int4_rows_avx2<2>(a, o + 2, t.rows_from(2));
         }
     } else {
         int r0 = 0;
-        for (; r0 + 2 <= a.rows; r0 += 2) int4_tile_avx2<NO, 2>(a, o, r0);
-        if (r0 < a.rows) int4_tile_avx2<NO, 1>(a, o, r0);
+        for (; r0 + 2 <= a.rows; r0 += 2) int4_tile_avx2<NO, 2>(a, o, r0, t);
+        if (r0 < a.rows) int4_tile_avx2<NO, 1>(a, o, r0, t);
     }
 }
 
 KERNELS_AVX2 void int4_range_avx2(const LinearArgs& a, int o0, int o1) {
     int o = o0;
-    for (; o + 4 <= o1; o += 4) int4_rows_avx2<4>(a, o);
-    for (; o < o1; ++o) int4_rows_avx2<1>(a, o);
+    for (; o + 4 <= o1; o += 4) int4_rows_avx2<4>(a, o, widen_tile<Avx2, 4>(a, o));
+    for (; o < o1; ++o) int4_rows_avx2<1>(a, o, widen_tile<Avx2, 1>(a, o));
 }
 
 // AVX512, one row of x: the factored form, 32 inputs (16 bytes) per step, with one change:
 // vpermps reads only the low 4 bits of each lane's index, so a lookup in the constant
 // (0, 1, .., 15) turns a widened byte into its low nibble as a float in one instruction.
 template <int NO>
-KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
+KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o, Widened t) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    float* widened = widen_tile<Avx512, NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = widened + n * groups;
-        min[n] = widened + (NO + n) * groups;
+        scale[n] = t.scale + n * groups;
+        min[n] = t.min + n * groups;
     }
     const float* x = a.xs;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
@@ -373,15 +379,14 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o) {
 // measured slower from 2 rows on; dequantizing to an L1 buffer for a blocked matrix product
 // measured slower still at these sizes.)
 template <int NO, int R>
-KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) {
+KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0, Widened t) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    float* widened = widen_tile<Avx512, NO>(a, o);
     for (int n = 0; n < NO; ++n) {
         w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = widened + n * groups;
-        min[n] = widened + (NO + n) * groups;
+        scale[n] = t.scale + n * groups;
+        min[n] = t.min + n * groups;
     }
     const float* x = a.xs + int64_t(r0) * n_in;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
@@ -426,22 +431,22 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0) 
 // All rows of x for output rows o .. o + NO - 1, in tiles of up to 4 (NO * R accumulators,
 // 2R vectors of x and NO tables: up to 28 of the 32 registers).
 template <int NO>
-KERNELS_AVX512 inline void int4_rows_avx512(const LinearArgs& a, int o) {
-    if (a.rows == 1) return int4_factored_avx512<NO>(a, o);
+KERNELS_AVX512 inline void int4_rows_avx512(const LinearArgs& a, int o, Widened t) {
+    if (a.rows == 1) return int4_factored_avx512<NO>(a, o, t);
     int r0 = 0;
-    for (; r0 + 4 <= a.rows; r0 += 4) int4_tile_avx512<NO, 4>(a, o, r0);
+    for (; r0 + 4 <= a.rows; r0 += 4) int4_tile_avx512<NO, 4>(a, o, r0, t);
     switch (a.rows - r0) {
-        case 3: int4_tile_avx512<NO, 3>(a, o, r0); break;
-        case 2: int4_tile_avx512<NO, 2>(a, o, r0); break;
-        case 1: int4_tile_avx512<NO, 1>(a, o, r0); break;
+        case 3: int4_tile_avx512<NO, 3>(a, o, r0, t); break;
+        case 2: int4_tile_avx512<NO, 2>(a, o, r0, t); break;
+        case 1: int4_tile_avx512<NO, 1>(a, o, r0, t); break;
         default: break;
     }
 }
 
 KERNELS_AVX512 void int4_range_avx512(const LinearArgs& a, int o0, int o1) {
     int o = o0;
-    for (; o + 4 <= o1; o += 4) int4_rows_avx512<4>(a, o);
-    for (; o < o1; ++o) int4_rows_avx512<1>(a, o);
+    for (; o + 4 <= o1; o += 4) int4_rows_avx512<4>(a, o, widen_tile<Avx512, 4>(a, o));
+    for (; o < o1; ++o) int4_rows_avx512<1>(a, o, widen_tile<Avx512, 1>(a, o));
 }
 
 #endif  // KERNELS_X86
