@@ -174,6 +174,7 @@ class Emulated:
         self.lib.emu_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [i] * 3
         self.lib.emu_int4_linear.argtypes = [ctypes.c_void_p] * 5 + [i] * 5
         self.lib.emu_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [i] * 4
+        self.lib.emu_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [i] * 4
 
     def set_sm_count(self, n: int) -> None:
         """The SM count the emulated device reports (132 by default, an H100 SXM's): the attention
@@ -285,6 +286,17 @@ class Emulated:
             _ptr(y), _ptr(x), _ptr(q), _ptr(scale), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)]
         )
         self._check(err, "int8_linear")
+        return y
+
+    def bf16_linear(self, x, w):
+        import torch
+
+        if w.dtype != torch.bfloat16:  # the kernel reads its bits as bf16
+            raise TypeError(f"w must be bfloat16, got {w.dtype}")
+        n_out, n_in = w.shape
+        y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
+        err = self.lib.emu_bf16_linear(_ptr(y), _ptr(x), _ptr(w), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)])
+        self._check(err, "bf16_linear")
         return y
 
 

@@ -45,3 +45,7 @@ def register() -> None:
     @torch.library.register_fake(lib + "int8_linear")
     def _(x, q, scale):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake(lib + "bf16_linear")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])

@@ -103,3 +103,7 @@ def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
 
 def int8_linear(x, q, scale) -> torch.Tensor:
     return (x.float() @ (q.float() * scale[:, None]).T).to(x.dtype)
+
+
+def bf16_linear(x, w) -> torch.Tensor:
+    return (x.float() @ w.float().T).to(x.dtype)

@@ -22,7 +22,8 @@ Parts (--parts, comma-separated; all by default):
                 add_rms_norm against x += delta then F.rms_norm; rope_ against rope.apply_rope
                 int4_linear and int8_linear against torch's packed ops (qmatmul.Int4PackedLinear,
                   Int8PackedLinear) and a dense F.linear, on SmolLM2's matrices (qkv, o, gate_up,
-                  down; the LM head in int8) at 1, 4 and 16 rows; weight bytes read in GB/s
+                  down; the LM head in int8) at 1, 4 and 16 rows; weight bytes read in GB/s;
+                  with bf16 activations, bf16_linear against the same dense F.linear
   decode      one sequence, greedy, a --prompt-tokens chat prompt then --decode-tokens new tokens
               (ignore_eos), through Engine.stream: decode tok/s (the tokens after the first / their
               time), ms per step (median gap), TTFT. Chapter 06 with the kernels on and off (off is
@@ -202,7 +203,14 @@ def rope_case(ext, dims, rows: int, device, dtype, timer) -> dict:
 def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device, dtype, timer) -> list[dict]:
     """x @ W.T for one matrix, quantized as the engine quantizes it (int4 G=32 and int8; the LM head int8
     only), through the kernels, torch's packed ops and a dense matmul. Bytes: the weight tensors each reads."""
-    from qmatmul import Int4PackedLinear, Int8PackedLinear, KernelInt4Linear, KernelInt8Linear, fast_path_missing
+    from qmatmul import (
+        Int4PackedLinear,
+        Int8PackedLinear,
+        KernelBf16Linear,
+        KernelInt4Linear,
+        KernelInt8Linear,
+        fast_path_missing,
+    )
     from quant import quantize_int4, quantize_int8
 
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
@@ -225,6 +233,8 @@ def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device,
         sizes["int8 torch"] = nbytes(t8.q, t8.scale)
     dense = w.to(device, dtype)
     ops["dense"], sizes["dense"] = (lambda x: F.linear(x, dense)), nbytes(dense)
+    if dtype == torch.bfloat16:  # the bf16 matvec, on the same dense weight
+        ops["bf16 kernel"], sizes["bf16 kernel"] = KernelBf16Linear(dense, ext), nbytes(dense)
     out = []
     for n in rows:
         x = torch.randn(n, n_in, generator=torch.Generator().manual_seed(n)).to(device, dtype)
@@ -665,6 +675,7 @@ COLORS = {
     "int4 torch": "tab:cyan",
     "int8 kernel": "tab:purple",
     "int8 torch": "tab:pink",
+    "bf16 kernel": "tab:olive",
     "dense": "tab:gray",
 }
 

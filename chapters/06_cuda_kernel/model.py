@@ -15,8 +15,8 @@ Chapter 04: a linear weight is either a tensor or a quantized weight prepared fo
 (qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
 dequantizing only the rows of the tokens.
 
-Chapter 06: the residual add, the norms, RoPE, decode attention, SwiGLU's silu(gate) * up and the
-quantized matmuls run through `model.ops`, kernels/' CUDA or C++ kernels or chapter 05's PyTorch
+Chapter 06: the residual add, the norms, RoPE, decode attention, SwiGLU's silu(gate) * up, the
+quantized matmuls and bf16 matmuls of a few rows run through `model.ops`, kernels/' CUDA or C++ kernels or chapter 05's PyTorch
 (ops.py). The residual stream x is updated in place, and each add is fused with the norm that
 follows it:
 
@@ -61,7 +61,7 @@ class Model:
     embed: torch.Tensor | QuantWeight  # [vocab, hidden]
     layers: list[Layer]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied (or its prepared quantized form)
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as `embed` when tied (or its prepared form)
     inv_freq: torch.Tensor  # [head_dim / 2], float32: RoPE angles are computed per call from it
     quant: QuantSpec | None = None  # None: plain weights
     weight_bytes: int = 0  # bytes of all weights as loaded (codes, scales and floats)
@@ -102,7 +102,8 @@ def load_model(
         # pop: each piece is freed once stacked, so memory peaks near one copy of the model.
         parts = [w.pop(n) for n in names]
         if isinstance(parts[0], torch.Tensor):
-            return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device)
+            tensor = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device)
+            return ops.dense_linear(tensor) if tensor.dim() == 2 else tensor  # a matrix, or a norm's vector
         return prepare(cat_rows(parts) if len(parts) > 1 else parts[0], device, dtype, matmul, ops)
 
     layers = []
@@ -121,13 +122,13 @@ def load_model(
     embed = w.pop("model.embed_tokens.weight")
     if isinstance(embed, torch.Tensor):
         embed = embed.to(device)
-        lm_head = embed if config.tie_word_embeddings else t("lm_head.weight")
+        lm_head = ops.dense_linear(embed) if config.tie_word_embeddings else t("lm_head.weight")
     else:  # quantized and tied: the lookup reads our codes, the head multiplies by its prepared form
         lm_head = prepare(embed, device, dtype, matmul, ops)
         embed = embed.to(device)
     norm = t("model.norm.weight")
     prepared = [lm_head] + [getattr(layer, f) for layer in layers for f in ("wqkv", "wo", "w_gate_up", "w_down")]
-    dense_bytes = sum(p.dense.numel() * p.dense.element_size() for p in prepared if isinstance(p, PerStepLinear))
+    dense_bytes = sum(p.copy_bytes for p in prepared if isinstance(p, PerStepLinear))
     return Model(
         config, embed, layers, norm, lm_head, inv_frequencies(config).to(device), quant, total_bytes, dense_bytes, ops
     )

@@ -6,7 +6,7 @@ operations below through one of two objects with the same methods:
 
     KernelOps   kernels/: fused residual-add + RMSNorm, RoPE in place, paged decode attention
                 (flash-decoding, reading K/V where they lie in the pool), SwiGLU's silu(gate) * up
-                in one pass, int4/int8 matmuls (qmatmul.py)
+                in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU (qmatmul.py)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
 
 Both compute the same maths; what differs is how many passes over memory it takes. Per layer
@@ -32,7 +32,7 @@ import torch
 from batch import AttentionGroup, DecodeGroup
 from common.errors import UserError
 from paged_attention import paged_attention
-from qmatmul import KernelInt4Linear, KernelInt8Linear
+from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, KernelInt4Linear, KernelInt8Linear, PerStepLinear
 from quant import Int8Weight, QuantWeight
 from rope import apply_rope, cos_sin
 
@@ -54,6 +54,10 @@ class Ops(Protocol):
 
     def quant_linear(self, w: QuantWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """x -> x @ W.T through this implementation's own int matmul, or None: qmatmul's torch path."""
+
+    def dense_linear(self, w: torch.Tensor) -> torch.Tensor | Callable[[torch.Tensor], torch.Tensor]:
+        """A plain weight as the forward pass will multiply by it: the tensor (torch's GEMM), or a
+        callable that picks per step between this implementation's matvec and that GEMM."""
 
     def check_block_size(self, block_size: int) -> None:
         """Raises UserError, naming the limit, for a KV block size this implementation cannot read."""
@@ -101,6 +105,10 @@ class TorchOps:
     @staticmethod
     def quant_linear(w: QuantWeight) -> None:
         return None
+
+    @staticmethod
+    def dense_linear(w: torch.Tensor) -> torch.Tensor:
+        return w
 
     @staticmethod
     def check_block_size(block_size: int) -> None:
@@ -169,6 +177,15 @@ class KernelOps:
     def quant_linear(self, w: QuantWeight):
         kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
         return kind(w, self._ext, self.device)
+
+    def dense_linear(self, w: torch.Tensor):
+        """A bf16 weight on a CPU: the bf16 matvec for steps of up to KERNEL_MAX_ROWS_BF16 rows,
+        torch's GEMM above, on the same tensor. torch's bf16 GEMM is made for larger products and
+        reads a decode step's weights at a third or less of the memory bandwidth. On CUDA, cuBLAS
+        until the GPU check has measured the kernel against it (bench.py --parts kernels)."""
+        if w.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return w
+        return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
 
     def describe(self) -> str:
         where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type

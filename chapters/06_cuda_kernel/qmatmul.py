@@ -133,6 +133,18 @@ class KernelInt4Linear:
         return y.view(*x.shape[:-1], -1)
 
 
+class KernelBf16Linear:
+    """kernels/' bf16 matrix-vector product for a plain bf16 weight (ops.KernelOps.dense_linear); of
+    the library `lib` it keeps bf16_linear. It reads the weight tensor as it is: no copy."""
+
+    def __init__(self, w: torch.Tensor, lib):
+        self.matmul, self.weight = lib.bf16_linear, w.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)
+        return y.view(*x.shape[:-1], -1)
+
+
 class KernelInt8Linear:
     """kernels/' int8 matmul, as ops.KernelOps.quant_linear builds it; of the library `lib` it keeps int8_linear."""
 
@@ -158,15 +170,22 @@ PACKED_MAX_ROWS = {Int4Weight: 16, Int8Weight: 6}
 # cores): they win at 4 rows on every SmolLM2 layer (qkv 33 vs 47 us, head 1786 vs 5393) and lose at 16
 # (qkv 120 vs 76 us; head 6680 vs 6730): the crossover lies between, taken as 8.
 KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
+# kernels/' bf16 matvec against torch's bf16 GEMM on the same weight, per call, 2 AVX512 cores: 3-9x
+# faster at 1 row (LM head 1.4-1.8 ms against 6.5; qkv 16 us against 150), 1.1-3x at 4 rows, even
+# at 8 (LM head 5.0-5.8 ms against 8.0, the others within 10%), 1.3-2x slower at 16.
+KERNEL_MAX_ROWS_BF16 = 8
 
 
 class PerStepLinear:
     """Both forms of one weight, and per call the faster for its number of rows: the packed int
     kernel for decode steps of a few sequences, a dense copy in the activation dtype for batched
-    decode and prompt chunks. The price is memory: the dense copy is the unquantized weight."""
+    decode and prompt chunks. The price is memory: the dense copy is the unquantized weight.
+    (A plain bf16 weight has both forms in one tensor, which the matvec kernel reads as it is:
+    `copy_bytes` is then 0.)"""
 
-    def __init__(self, packed, dense: torch.Tensor, max_rows: int):
+    def __init__(self, packed, dense: torch.Tensor, max_rows: int, dense_is_copy: bool = True):
         self.packed, self.dense, self.max_rows = packed, dense, max_rows
+        self.copy_bytes = dense.numel() * dense.element_size() if dense_is_copy else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -261,6 +261,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     return y;
 }
 
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+                "w: contiguous bfloat16 [n_out, n_in] expected, got ", w.scalar_type(), " ", w.sizes());
+    const int64_t n_out = w.size(0), n_in = w.size(1);
+    check_x(x, n_in);
+    check_same_device(x, w, "w");
+    const DType dtype = dtype_of(x, "x");
+    at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+    if (y.numel() == 0) return y;
+    const auto* bits = static_cast<const uint16_t*>(w.data_ptr());  // bf16 as raw bits (cpu_kernels.h)
+    if (x.is_cpu()) {
+        kernels::cpu::bf16_linear(y.data_ptr(), x.data_ptr(), bits, x.size(0), n_in, n_out, dtype);
+    } else {
+#ifdef WITH_CUDA
+        const c10::cuda::CUDAGuard guard(x.device());
+        check_cuda(kernels::cuda::bf16_linear(y.data_ptr(), x.data_ptr(), bits, x.size(0), n_in, n_out, dtype,
+                                              at::cuda::getCurrentCUDAStream()),
+                   "bf16_linear");
+#endif
+    }
+    return y;
+}
+
 // --- silu_mul ------------------------------------------------------------------------------------
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -287,9 +310,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // --- which CPU path runs ---------------------------------------------------------------------
 
 kernels::cpu::Isa isa_from(const std::string& name) {
-    for (auto i : {kernels::cpu::Isa::scalar, kernels::cpu::Isa::avx2, kernels::cpu::Isa::avx512})
+    using kernels::cpu::Isa;
+    for (auto i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
         if (name == kernels::cpu::isa_name(i)) return i;
-    TORCH_CHECK(false, "unknown CPU instruction set ", name, ": scalar, avx2 or avx512");
+    TORCH_CHECK(false, "unknown CPU instruction set ", name, ": scalar, avx2, avx512 or avx512_bf16");
 }
 
 }  // namespace
@@ -309,6 +333,7 @@ TORCH_LIBRARY(llm_kernels, m) {
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
+    m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 // One implementation per operator serves both devices (each function picks the CPU code or the
@@ -320,6 +345,7 @@ static void impl_all(torch::Library& m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("int4_linear", &int4_linear);
     m.impl("int8_linear", &int8_linear);
+    m.impl("bf16_linear", &bf16_linear);
 }
 
 TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { impl_all(m); }
@@ -341,6 +367,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int4_linear", &int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
           py::arg("scale"), py::arg("min"), py::arg("group_size"));
     m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
+    m.def("bf16_linear", &bf16_linear, "x @ W.T for bfloat16 W, at few rows of x", py::arg("x"), py::arg("w"));
     m.def(
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");

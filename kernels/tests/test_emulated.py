@@ -202,6 +202,15 @@ def test_int8_linear(emu, n_out, n_in, rows, dtype):
     assert_close(emu.int8_linear(x, q, scale), reference.int8_linear(x, q, scale))
 
 
+@pytest.mark.parametrize("n_out,n_in,rows", LINEAR + [(21, 100, 2), (5, 13, 3)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bf16_linear(emu, n_out, n_in, rows, dtype):
+    g = torch.Generator().manual_seed(n_in + rows)
+    w = (torch.randn(n_out, n_in, generator=g) * 0.05).bfloat16()  # a model's scale: sums near 1
+    x = torch.randn(rows, n_in, generator=g).to(dtype)
+    assert_close(emu.bf16_linear(x, w), reference.bf16_linear(x, w))
+
+
 def test_quantized_linear_unaligned(emu):
     # x and W at odd addresses: the byte-by-byte loads.
     packed, scale, min_ = int4_weight(20, 256, 32)
@@ -214,6 +223,10 @@ def test_quantized_linear_unaligned(emu):
     q_odd.copy_(q)
     s = scale[:, 0].float().contiguous()
     assert_close(emu.int8_linear(x, q_odd, s), reference.int8_linear(x, q, s))
+    wb = (torch.randn(20, 256) * 0.05).bfloat16()
+    wb_odd = torch.empty(20 * 256 + 1, dtype=torch.bfloat16)[1:].view(20, 256)  # 2 bytes past 16-byte alignment
+    wb_odd.copy_(wb)
+    assert_close(emu.bf16_linear(x, wb_odd), reference.bf16_linear(x, wb))
 
 
 # --- the emulator finds kernel bugs: each planted bug fails the check above it -----------------------------

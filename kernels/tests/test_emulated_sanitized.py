@@ -43,6 +43,8 @@ SANITIZED = textwrap.dedent(
             x = torch.randn(rows, n_in + 3).bfloat16()
             s = scale[:, 0].float().contiguous()
             assert_close(emu.int8_linear(x, q, s), reference.int8_linear(x, q, s))
+            w = (torch.randn(24, n_in + 3) * 0.05).bfloat16()
+            assert_close(emu.bf16_linear(x, w), reference.bf16_linear(x, w))
     elif what == "a table naming a block past the pool":
         q, k, v, tables, lens = make_case(1, 4, 2, 64, 16, [40], torch.float32, "cpu")
         tables[0, 1] = k.shape[0]  # one block past the end of the pool

@@ -1,4 +1,4 @@
-"""int4 group-wise and int8 per-row linear layers against dequantize-then-multiply."""
+"""int4 group-wise and int8 per-row linear layers against dequantize-then-multiply; bf16 against float32."""
 
 import pytest
 import torch
@@ -51,6 +51,17 @@ def test_int8_linear(ops, device, n_out, n_in, rows, dtype):
     assert_close(y, reference.int8_linear(x, q, scale))
 
 
+@pytest.mark.parametrize("n_out,n_in", SHAPES + [(21, 100), (7, 33)])  # n_in no multiple of 8, 16 or 32 too
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bf16_linear(ops, device, n_out, n_in, rows, dtype):
+    g = torch.Generator().manual_seed(n_out + n_in + rows)
+    w = (torch.randn(n_out, n_in, generator=g) * 0.05).bfloat16()  # a model's scale: sums near 1
+    x = torch.randn(rows, n_in, generator=g).to(dtype)
+    y = ops.bf16_linear(*(t.to(device) for t in (x, w)))
+    assert_close(y, reference.bf16_linear(x, w), f"{rows} x {n_in} -> {n_out}")
+
+
 @pytest.mark.parametrize("rows", [1, 4, 16])
 def test_every_cpu_path(ops, isa, rows):
     packed, scale, min_ = int4_weight(70, 320, 32, seed=rows)
@@ -62,6 +73,9 @@ def test_every_cpu_path(ops, isa, rows):
         )
         s = scale[:, 0].float().contiguous()
         assert_close(ops.int8_linear(x, q, s), reference.int8_linear(x, q, s), isa)
+        for n_in in (320, 100):  # 100: the tails of every step width (8, 16, 32 inputs)
+            w, xw = (torch.randn(70, n_in) * 0.05).bfloat16(), torch.randn(rows, n_in).to(dtype)
+            assert_close(ops.bf16_linear(xw, w), reference.bf16_linear(xw, w), f"{isa} bf16 n_in={n_in}")
 
 
 def test_bad_arguments_are_clear_errors(ops):
@@ -72,3 +86,7 @@ def test_bad_arguments_are_clear_errors(ops):
         ops.int4_linear(torch.randn(1, 64), packed, scale, min_, 48)
     with pytest.raises(RuntimeError, match=r"scale, min: contiguous float16 \[n_out, n_in / group_size\]"):
         ops.int4_linear(torch.randn(1, 64), packed, scale.float(), min_, 32)
+    with pytest.raises(RuntimeError, match=r"w: contiguous bfloat16 \[n_out, n_in\] expected, got Float"):
+        ops.bf16_linear(torch.randn(1, 64), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        ops.bf16_linear(torch.randn(1, 32), torch.randn(8, 64).bfloat16())

@@ -28,6 +28,7 @@ def samples(device):
         "silu_mul": tuple(on(torch.randn(3, 2 * 48))),
         "int4_linear": (*on(x, packed, scale, min_), 32),
         "int8_linear": tuple(on(x, q8, torch.rand(32))),
+        "bf16_linear": tuple(on(x, (torch.randn(40, 64) * 0.05).bfloat16())),
         "paged_decode_attention": (*on(*attn), 0.125, 16),
     }
 
@@ -41,6 +42,7 @@ def samples(device):
         "silu_mul",
         "int4_linear",
         "int8_linear",
+        "bf16_linear",
         "paged_decode_attention",
     ],
 )
@@ -53,7 +55,7 @@ def test_opcheck(ops, device, case):
 
 def test_the_pybind_functions_and_the_operators_are_the_same_kernels(ops):
     args = samples("cpu")
-    for name in ("silu_mul", "int4_linear", "int8_linear", "paged_decode_attention"):
+    for name in ("silu_mul", "int4_linear", "int8_linear", "bf16_linear", "paged_decode_attention"):
         assert torch.equal(getattr(OPS, name)(*args[name]), getattr(ops, name)(*args[name])), name
     x, delta, weight, eps = args["add_rms_norm"]
     x2 = x.clone()

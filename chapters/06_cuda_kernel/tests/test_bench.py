@@ -96,7 +96,7 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
     assert result["machine"]["cores"] and result["threads"] == 1
 
     kr = result["kernels"]
-    assert kr["device"] == "cpu" and kr["cpu_isa"] in ("scalar", "avx2", "avx512")
+    assert kr["device"] == "cpu" and kr["cpu_isa"] in ("scalar", "avx2", "avx512", "avx512_bf16")
     att = kr["attention"]
     assert [(a["batch"], a["context"]) for a in att] == [(1, 32), (1, 64), (2, 32), (2, 64)]
     for a in att:

@@ -71,6 +71,25 @@ def test_kernels_on_and_off_give_the_same_logits(smollm2_dir, quant):
     assert greedy_tokens(e_on, ids[:20], 16) == greedy_tokens(e_off, ids[:20], 16)
 
 
+def test_bf16_weights_decode_through_the_bf16_kernel_as_accurately_as_torch(smollm2_dir):
+    # A bf16 model with the kernels on: every matrix (the tied head too) is the bf16 matvec for
+    # steps of up to KERNEL_MAX_ROWS_BF16 rows, on the weight tensor itself (no copy). A 6-token
+    # step runs it in every layer: its logits are as close to float32's as torch's bf16 GEMM's are.
+    from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, PerStepLinear
+
+    on = load_model(smollm2_dir, "cpu", torch.bfloat16, None, "fast", resolve("on", CPU))
+    off = load_model(smollm2_dir, "cpu", torch.bfloat16, None, "fast", resolve("off", CPU))
+    exact = load_model(smollm2_dir, "cpu", torch.float32, None, "fast", resolve("off", CPU))
+    for w in [on.lm_head, on.layers[0].wqkv, on.layers[-1].w_down]:
+        assert isinstance(w, PerStepLinear) and isinstance(w.packed, KernelBf16Linear) and w.packed.weight is w.dense
+    assert on.dense_copy_bytes == 0 and isinstance(off.lm_head, torch.Tensor)
+    ids = Tokenizer(smollm2_dir).encode("The quick brown fox jumps")[:KERNEL_MAX_ROWS_BF16]
+    want = forward_sequence(exact, ids)
+    err_on = (forward_sequence(on, ids).float() - want).abs().max().item()
+    err_off = (forward_sequence(off, ids).float() - want).abs().max().item()
+    assert err_on <= 1.5 * err_off, (err_on, err_off)
+
+
 def test_padded_static_decode_steps_equal_the_eager_engine():
     # What the CUDA graphs replay, run eagerly on a CPU: decode steps padded to their bucket, on
     # fixed buffers, with fixed-width block tables; everything but the capture itself.

@@ -10,7 +10,9 @@
 namespace kernels::cpu {
 
 // --- instruction set, chosen once at run time ------------------------------------------------
-enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+// Ordered: each level has every instruction of the ones below. avx512_bf16 is avx512 plus
+// vdpbf16ps, which only bf16_linear uses; every other kernel runs its avx512 path there.
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
 Isa best_isa();         // what this CPU supports, capped by ATEN_CPU_CAPABILITY if set (default|avx2|avx512)
 Isa isa();              // the one in use
 void set_isa(Isa isa);  // tests force each path in turn; a level the CPU lacks is an error (throws)
@@ -71,5 +73,10 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
 // int8, per output row: W[o, i] = scale[o] * q[o, i].  q int8 [n_out, n_in], scale float32 [n_out].
 void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                  DType dtype);
+// bf16, unquantized: W bfloat16 (raw bits) [n_out, n_in], any n_in. The weights of a bf16 model
+// are the same matrix-vector problem at 2 bytes a weight, and torch's GEMM, made for larger
+// products, streams them at about half the bandwidth at 1-8 rows of x. With AVX512-BF16 and bf16
+// x, each instruction takes 32 weights and 32 inputs as stored; elsewhere weights are widened.
+void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype);
 
 }  // namespace kernels::cpu

@@ -21,7 +21,7 @@ Isa cpu_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq"))
-        return Isa::avx512;
+        return __builtin_cpu_supports("avx512bf16") ? Isa::avx512_bf16 : Isa::avx512;
     // f16c (float16 conversions) came with AVX on every CPU that has AVX2; checked for form's sake.
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         return Isa::avx2;
@@ -29,13 +29,16 @@ Isa cpu_isa() {
     return Isa::scalar;
 }
 
+// "avx512" caps at AVX512 without the BF16 dot products: how an AVX512 CPU without them (Skylake-X,
+// Ice Lake) runs the kernels, reproduced on one that has them.
 Isa env_cap() {
     const char* env = std::getenv("ATEN_CPU_CAPABILITY");
-    if (env == nullptr) return Isa::avx512;
+    if (env == nullptr) return Isa::avx512_bf16;
     std::string s(env);
     if (s == "default") return Isa::scalar;
     if (s == "avx2") return Isa::avx2;
-    return Isa::avx512;  // avx512, torch's finer avx512_* levels, or a value we do not know: no cap
+    if (s == "avx512") return Isa::avx512;
+    return Isa::avx512_bf16;  // torch's finer avx512_* levels, or a value we do not know: no cap
 }
 
 // -1 until first asked: then best_isa(), or what a test set.
@@ -58,7 +61,7 @@ Isa isa() {
 }
 
 void set_isa(Isa level) {
-    if (int(level) < 0 || int(level) > int(Isa::avx512))
+    if (int(level) < 0 || int(level) > int(Isa::avx512_bf16))
         throw std::invalid_argument("unknown instruction set level " + std::to_string(int(level)));
     if (int(level) > int(cpu_isa()))
         throw std::invalid_argument(std::string("this CPU does not support ") + isa_name(level));
@@ -70,6 +73,7 @@ const char* isa_name(Isa level) {
         case Isa::scalar: return "scalar";
         case Isa::avx2: return "avx2";
         case Isa::avx512: return "avx512";
+        case Isa::avx512_bf16: return "avx512_bf16";
     }
     return "unknown";
 }

@@ -232,7 +232,7 @@ void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int
     const NormArgs args{out, x, delta, weight, hidden, eps};
     auto fn = add_rms_norm_scalar;
 #ifdef KERNELS_X86
-    if (isa() == Isa::avx512) fn = add_rms_norm_avx512;
+    if (isa() >= Isa::avx512) fn = add_rms_norm_avx512;
     else if (isa() == Isa::avx2) fn = add_rms_norm_avx2;
 #endif
     run_rows(fn, args, dtype, rows, hidden);
@@ -243,7 +243,7 @@ void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads,
     const RopeArgs args{qk, cos, sin, n_heads, head_dim, token_stride};
     auto fn = rope_scalar;
 #ifdef KERNELS_X86
-    if (isa() == Isa::avx512) fn = rope_avx512;
+    if (isa() >= Isa::avx512) fn = rope_avx512;
     else if (isa() == Isa::avx2) fn = rope_avx2;
 #endif
     run_rows(fn, args, dtype, tokens, int64_t(n_heads) * head_dim);
@@ -253,7 +253,7 @@ void silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype) 
     const SiluArgs args{out, gate_up, inter};
     auto fn = silu_mul_scalar;
 #ifdef KERNELS_X86
-    if (isa() == Isa::avx512) fn = silu_mul_avx512;
+    if (isa() >= Isa::avx512) fn = silu_mul_avx512;
     else if (isa() == Isa::avx2) fn = silu_mul_avx2;
 #endif
     run_rows(fn, args, dtype, rows, 2 * int64_t(inter));

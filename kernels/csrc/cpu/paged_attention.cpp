@@ -301,7 +301,7 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
     TaskFn task = task_scalar;
     MergeFn merge = merge_scalar;
 #ifdef KERNELS_X86
-    if (isa() == Isa::avx512) task = task_avx512, merge = merge_avx512;
+    if (isa() >= Isa::avx512) task = task_avx512, merge = merge_avx512;
     else if (isa() == Isa::avx2) task = task_avx2, merge = merge_avx2;
 #endif
 

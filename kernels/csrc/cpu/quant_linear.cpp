@@ -53,9 +53,10 @@ constexpr int kPrefetchBytes = 8192;
 struct LinearArgs {
     void* y;
     const float* xs;              // x as float, [rows, n_in]; for the SIMD int4 kernels rearranged (see the top)
+    const uint16_t* x_bf16;       // bf16: x as stored when it is bf16 too (dot_tile_bf16 reads it), else null
     const float* xsum;            // int4: per-group sums of x, [rows, n_in / G]
-    const void* w;                // int4: uint8 [n_out, n_in / 2]; int8: int8 [n_out, n_in]
-    const float* scale;           // int8: float32 [n_out]
+    const void* w;                // int4: uint8 [n_out, n_in / 2]; int8: int8 [n_out, n_in]; bf16: [n_out, n_in]
+    const float* scale;           // int8: float32 [n_out]; bf16: null
     const uint16_t* group_scale;  // int4: float16 bits [n_out, n_in / G], widened one group at a time
     const uint16_t* group_min;
     int rows, n_in, n_out, group_size;
@@ -126,7 +127,7 @@ template <DType D>
 void prepare_x_as(float* xs, const void* x, int64_t n, Isa level, int lanes) {
     if (lanes == 1) return convert_x<D>(xs, x, n);
 #ifdef KERNELS_X86
-    if (level == Isa::avx512) return deinterleave_x_avx512<D>(xs, x, n);
+    if (level >= Isa::avx512) return deinterleave_x_avx512<D>(xs, x, n);
     if (level == Isa::avx2) return deinterleave_x_avx2<D>(xs, x, n);
 #endif
     (void)level;
@@ -451,55 +452,99 @@ KERNELS_AVX512 void int4_range_avx512(const LinearArgs& a, int o0, int o1) {
 
 #endif  // KERNELS_X86
 
-// --- int8 ----------------------------------------------------------------------------------------
-// Codes sign-extended to 32 bits, converted to float, multiplied into x; the row's scale is
-// applied once, to the sum.
+// --- int8 and bf16: one weight per element, read as stored ------------------------------------
+// The same kernel for both: each weight is widened to float as it arrives and multiplied into x.
+// int8 codes are sign-extended and converted (the row's scale is applied once, to the sum); a
+// bf16 weight is the top half of its float, so a 16-bit shift widens it, exactly. A format says
+// how to widen a vector of its elements (Int8Rows, Bf16Rows); the tiles below are written once.
 
-void int8_range_scalar(const LinearArgs& a, int o0, int o1) {
+struct Int8Rows {
+    using T = int8_t;
+    static float widen(const T* w, int i) { return float(w[i]); }
+#ifdef KERNELS_X86
+    KERNELS_AVX2 static __m256 widen8(const T* w) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+    }
+    KERNELS_AVX512 static __m512 widen16(const T* w) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+    }
+#endif
+};
+
+struct Bf16Rows {
+    using T = uint16_t;
+    static float widen(const T* w, int i) { return bf16_to_float(w[i]); }
+#ifdef KERNELS_X86
+    KERNELS_AVX2 static __m256 widen8(const T* w) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
+    KERNELS_AVX512 static __m512 widen16(const T* w) {
+        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    }
+#endif
+};
+
+// y[r, o] = sum * scale[o] for int8, the sum itself for bf16 (no scale).
+KERNELS_INLINE void store_row_output(const LinearArgs& a, int r, int o, float sum) {
+    store_from_float(a.y, int64_t(r) * a.n_out + o, a.scale ? sum * a.scale[o] : sum, a.dtype);
+}
+
+template <class F>
+void rows_range_scalar(const LinearArgs& a, int o0, int o1) {
     const int n_in = a.n_in;
     for (int o = o0; o < o1; ++o) {
-        const int8_t* w = static_cast<const int8_t*>(a.w) + int64_t(o) * n_in;
+        const typename F::T* w = static_cast<const typename F::T*>(a.w) + int64_t(o) * n_in;
         for (int r = 0; r < a.rows; ++r) {
             const float* x = a.xs + int64_t(r) * n_in;
             float acc[kScalarLanes] = {};  // lanes, as in int4_range_scalar
             int i = 0;
             for (; i + kScalarLanes <= n_in; i += kScalarLanes)
-                for (int j = 0; j < kScalarLanes; ++j) acc[j] += float(w[i + j]) * x[i + j];
+                for (int j = 0; j < kScalarLanes; ++j) acc[j] += F::widen(w, i + j) * x[i + j];
             float sum = 0.f;
             for (int j = 0; j < kScalarLanes; ++j) sum += acc[j];
-            for (; i < n_in; ++i) sum += float(w[i]) * x[i];
-            store_from_float(a.y, int64_t(r) * a.n_out + o, sum * a.scale[o], a.dtype);
+            for (; i < n_in; ++i) sum += F::widen(w, i) * x[i];
+            store_row_output(a, r, o, sum);
         }
     }
 }
 
 #ifdef KERNELS_X86
 
+// The tile's rows are one contiguous run of NO * n_in elements, read at NO * STEP elements a
+// step: its prefetch front moves at that pace, one cache line per 64 bytes.
+template <class F, int NO, int STEP>
+KERNELS_INLINE void prefetch_step(const char* front, int i) {
+    constexpr int bytes = NO * STEP * int(sizeof(typename F::T));
+    for (int b = 0; b < bytes; b += 64) prefetch(front + int64_t(NO) * i * int(sizeof(typename F::T)) + b);
+}
+
 // One step of 8 inputs: acc[n][r] += w[n][i..] * x[r][i..].
-template <int NO, int R>
-KERNELS_AVX2 inline __attribute__((always_inline)) void int8_step_avx2(__m256 (&acc)[NO][R], const int8_t* const* w,
-                                                                       const float* x, int n_in, int i) {
+template <class F, int NO, int R>
+KERNELS_AVX2 inline __attribute__((always_inline)) void rows_step_avx2(__m256 (&acc)[NO][R],
+                                                                       const typename F::T* const* w, const float* x,
+                                                                       int n_in, int i) {
     __m256 xv[R];
     for (int r = 0; r < R; ++r) {
         xv[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i);
         KERNELS_IN_REGISTER(xv[r]);
     }
     for (int n = 0; n < NO; ++n) {
-        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[n] + i));
-        const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+        const __m256 wv = F::widen8(w[n] + i);
         for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(wv, xv[r], acc[n][r]);
     }
 }
 
 // With one row of x, two sets of accumulators (alternate steps) keep 2 * NO chains in flight.
-template <int NO, int R>
-KERNELS_AVX2 inline void int8_tile_avx2(const LinearArgs& a, int o, int r0) {
+template <class F, int NO, int R>
+KERNELS_AVX2 inline void rows_tile_avx2(const LinearArgs& a, int o, int r0) {
     constexpr int A = R == 1 ? 2 : 1;
     const int n_in = a.n_in;
-    const int8_t* w[NO];
-    for (int n = 0; n < NO; ++n) w[n] = static_cast<const int8_t*>(a.w) + int64_t(o + n) * n_in;
+    const typename F::T* w[NO];
+    for (int n = 0; n < NO; ++n) w[n] = static_cast<const typename F::T*>(a.w) + int64_t(o + n) * n_in;
     const float* x = a.xs + int64_t(r0) * n_in;
-    const int8_t* front = w[0] + kPrefetchBytes;  // the tile's rows are contiguous, read NO * 8 bytes a step
+    const char* front = reinterpret_cast<const char*>(w[0]) + kPrefetchBytes;
     __m256 acc[A][NO][R];
     for (int k = 0; k < A; ++k)
         for (int n = 0; n < NO; ++n)
@@ -507,35 +552,37 @@ KERNELS_AVX2 inline void int8_tile_avx2(const LinearArgs& a, int o, int r0) {
     int i = 0;
     for (; i + 8 * A <= n_in; i += 8 * A)
         for (int k = 0; k < A; ++k) {
-            prefetch(front + NO * (i + 8 * k));
-            int8_step_avx2<NO, R>(acc[k], w, x, n_in, i + 8 * k);
+            prefetch_step<F, NO, 8>(front, i + 8 * k);
+            rows_step_avx2<F, NO, R>(acc[k], w, x, n_in, i + 8 * k);
         }
-    for (; i + 8 <= n_in; i += 8) int8_step_avx2<NO, R>(acc[0], w, x, n_in, i);
+    for (; i + 8 <= n_in; i += 8) rows_step_avx2<F, NO, R>(acc[0], w, x, n_in, i);
     for (int n = 0; n < NO; ++n)
         for (int r = 0; r < R; ++r) {
             __m256 s = A == 2 ? _mm256_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
             float sum = Avx2::reduce_add(s);
-            for (int j = i; j < n_in; ++j) sum += float(w[n][j]) * x[int64_t(r) * n_in + j];
-            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum * a.scale[o + n], a.dtype);
+            for (int j = i; j < n_in; ++j) sum += F::widen(w[n], j) * x[int64_t(r) * n_in + j];
+            store_row_output(a, r0 + r, o + n, sum);
         }
 }
 
-template <int NO>
-KERNELS_AVX2 inline void int8_rows_avx2(const LinearArgs& a, int o) {
+template <class F, int NO>
+KERNELS_AVX2 inline void rows_avx2(const LinearArgs& a, int o) {
     int r0 = 0;
-    for (; r0 + 2 <= a.rows; r0 += 2) int8_tile_avx2<NO, 2>(a, o, r0);
-    if (r0 < a.rows) int8_tile_avx2<NO, 1>(a, o, r0);
+    for (; r0 + 2 <= a.rows; r0 += 2) rows_tile_avx2<F, NO, 2>(a, o, r0);
+    if (r0 < a.rows) rows_tile_avx2<F, NO, 1>(a, o, r0);
 }
 
-KERNELS_AVX2 void int8_range_avx2(const LinearArgs& a, int o0, int o1) {
+template <class F>
+KERNELS_AVX2 void rows_range_avx2(const LinearArgs& a, int o0, int o1) {
     int o = o0;
-    for (; o + 4 <= o1; o += 4) int8_rows_avx2<4>(a, o);
-    for (; o < o1; ++o) int8_rows_avx2<1>(a, o);
+    for (; o + 4 <= o1; o += 4) rows_avx2<F, 4>(a, o);
+    for (; o < o1; ++o) rows_avx2<F, 1>(a, o);
 }
 
 // One step of 16 inputs: acc[n][r] += w[n][i..] * x[r][i..].
-template <int NO, int R>
-KERNELS_AVX512 inline __attribute__((always_inline)) void int8_step_avx512(__m512 (&acc)[NO][R], const int8_t* const* w,
+template <class F, int NO, int R>
+KERNELS_AVX512 inline __attribute__((always_inline)) void rows_step_avx512(__m512 (&acc)[NO][R],
+                                                                           const typename F::T* const* w,
                                                                            const float* x, int n_in, int i) {
     __m512 xv[R];
     for (int r = 0; r < R; ++r) {
@@ -543,20 +590,19 @@ KERNELS_AVX512 inline __attribute__((always_inline)) void int8_step_avx512(__m51
         KERNELS_IN_REGISTER(xv[r]);
     }
     for (int n = 0; n < NO; ++n) {
-        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i));
-        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+        const __m512 wv = F::widen16(w[n] + i);
         for (int r = 0; r < R; ++r) acc[n][r] = _mm512_fmadd_ps(wv, xv[r], acc[n][r]);
     }
 }
 
-template <int NO, int R>
-KERNELS_AVX512 inline void int8_tile_avx512(const LinearArgs& a, int o, int r0) {
+template <class F, int NO, int R>
+KERNELS_AVX512 inline void rows_tile_avx512(const LinearArgs& a, int o, int r0) {
     constexpr int A = R == 1 ? 2 : 1;
     const int n_in = a.n_in;
-    const int8_t* w[NO];
-    for (int n = 0; n < NO; ++n) w[n] = static_cast<const int8_t*>(a.w) + int64_t(o + n) * n_in;
+    const typename F::T* w[NO];
+    for (int n = 0; n < NO; ++n) w[n] = static_cast<const typename F::T*>(a.w) + int64_t(o + n) * n_in;
     const float* x = a.xs + int64_t(r0) * n_in;
-    const int8_t* front = w[0] + kPrefetchBytes;  // NO * 16 bytes a step: one cache line for NO = 4
+    const char* front = reinterpret_cast<const char*>(w[0]) + kPrefetchBytes;
     __m512 acc[A][NO][R];
     for (int k = 0; k < A; ++k)
         for (int n = 0; n < NO; ++n)
@@ -564,35 +610,91 @@ KERNELS_AVX512 inline void int8_tile_avx512(const LinearArgs& a, int o, int r0) 
     int i = 0;
     for (; i + 16 * A <= n_in; i += 16 * A)
         for (int k = 0; k < A; ++k) {
-            prefetch(front + NO * (i + 16 * k));
-            int8_step_avx512<NO, R>(acc[k], w, x, n_in, i + 16 * k);
+            prefetch_step<F, NO, 16>(front, i + 16 * k);
+            rows_step_avx512<F, NO, R>(acc[k], w, x, n_in, i + 16 * k);
         }
-    for (; i + 16 <= n_in; i += 16) int8_step_avx512<NO, R>(acc[0], w, x, n_in, i);
+    for (; i + 16 <= n_in; i += 16) rows_step_avx512<F, NO, R>(acc[0], w, x, n_in, i);
     for (int n = 0; n < NO; ++n)
         for (int r = 0; r < R; ++r) {
             __m512 s = A == 2 ? _mm512_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
             float sum = Avx512::reduce_add(s);
-            for (int j = i; j < n_in; ++j) sum += float(w[n][j]) * x[int64_t(r) * n_in + j];
-            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum * a.scale[o + n], a.dtype);
+            for (int j = i; j < n_in; ++j) sum += F::widen(w[n], j) * x[int64_t(r) * n_in + j];
+            store_row_output(a, r0 + r, o + n, sum);
         }
 }
 
-template <int NO>
-KERNELS_AVX512 inline void int8_rows_avx512(const LinearArgs& a, int o) {
+template <class F, int NO>
+KERNELS_AVX512 inline void rows_avx512(const LinearArgs& a, int o) {
     int r0 = 0;
-    for (; r0 + 4 <= a.rows; r0 += 4) int8_tile_avx512<NO, 4>(a, o, r0);
+    for (; r0 + 4 <= a.rows; r0 += 4) rows_tile_avx512<F, NO, 4>(a, o, r0);
     switch (a.rows - r0) {
-        case 3: int8_tile_avx512<NO, 3>(a, o, r0); break;
-        case 2: int8_tile_avx512<NO, 2>(a, o, r0); break;
-        case 1: int8_tile_avx512<NO, 1>(a, o, r0); break;
+        case 3: rows_tile_avx512<F, NO, 3>(a, o, r0); break;
+        case 2: rows_tile_avx512<F, NO, 2>(a, o, r0); break;
+        case 1: rows_tile_avx512<F, NO, 1>(a, o, r0); break;
         default: break;
     }
 }
 
-KERNELS_AVX512 void int8_range_avx512(const LinearArgs& a, int o0, int o1) {
+template <class F>
+KERNELS_AVX512 void rows_range_avx512(const LinearArgs& a, int o0, int o1) {
     int o = o0;
-    for (; o + 4 <= o1; o += 4) int8_rows_avx512<4>(a, o);
-    for (; o < o1; ++o) int8_rows_avx512<1>(a, o);
+    for (; o + 4 <= o1; o += 4) rows_avx512<F, 4>(a, o);
+    for (; o < o1; ++o) rows_avx512<F, 1>(a, o);
+}
+
+// AVX512-BF16, bf16 weights and bf16 x: vdpbf16ps multiplies 32 pairs of halves as they are
+// stored and adds each pair's two products into one of 16 float lanes. No widening, and half the
+// multiply-add instructions of the path above; the products are exact (8-bit mantissas), the sums
+// float32 as there, in another order. x is read as stored (a.x_bf16), not converted.
+template <int NO, int R>
+KERNELS_AVX512_BF16 inline void dot_tile_bf16(const LinearArgs& a, int o, int r0) {
+    constexpr int A = R == 1 ? 2 : 1;
+    const int n_in = a.n_in;
+    const uint16_t* w[NO];
+    for (int n = 0; n < NO; ++n) w[n] = static_cast<const uint16_t*>(a.w) + int64_t(o + n) * n_in;
+    const uint16_t* x = a.x_bf16 + int64_t(r0) * n_in;
+    const char* front = reinterpret_cast<const char*>(w[0]) + kPrefetchBytes;
+    __m512 acc[A][NO][R];
+    for (int k = 0; k < A; ++k)
+        for (int n = 0; n < NO; ++n)
+            for (int r = 0; r < R; ++r) acc[k][n][r] = _mm512_setzero_ps();
+    // A step of 32 inputs; the last one masked (the lanes past n_in load as zeros).
+    for (int i = 0, k = 0; i < n_in; i += 32, k = (k + 1) % A) {
+        const __mmask32 m = n_in - i >= 32 ? ~__mmask32(0) : __mmask32((1u << (n_in - i)) - 1);
+        prefetch_step<Bf16Rows, NO, 32>(front, i);
+        __m512bh xv[R];
+        for (int r = 0; r < R; ++r) {
+            xv[r] = __m512bh(_mm512_maskz_loadu_epi16(m, x + int64_t(r) * n_in + i));
+            KERNELS_IN_REGISTER(xv[r]);
+        }
+        for (int n = 0; n < NO; ++n) {
+            const __m512bh wv = __m512bh(_mm512_maskz_loadu_epi16(m, w[n] + i));
+            for (int r = 0; r < R; ++r) acc[k][n][r] = _mm512_dpbf16_ps(acc[k][n][r], wv, xv[r]);
+        }
+    }
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) {
+            __m512 s = A == 2 ? _mm512_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
+            store_row_output(a, r0 + r, o + n, Avx512::reduce_add(s));
+        }
+}
+
+template <int NO>
+KERNELS_AVX512_BF16 inline void dot_rows_bf16(const LinearArgs& a, int o) {
+    int r0 = 0;
+    for (; r0 + 4 <= a.rows; r0 += 4) dot_tile_bf16<NO, 4>(a, o, r0);
+    switch (a.rows - r0) {
+        case 3: dot_tile_bf16<NO, 3>(a, o, r0); break;
+        case 2: dot_tile_bf16<NO, 2>(a, o, r0); break;
+        case 1: dot_tile_bf16<NO, 1>(a, o, r0); break;
+        default: break;
+    }
+}
+
+KERNELS_AVX512_BF16 void dot_range_bf16(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) dot_rows_bf16<4>(a, o);
+    for (; o < o1; ++o) dot_rows_bf16<1>(a, o);
 }
 
 #endif  // KERNELS_X86
@@ -626,17 +728,17 @@ float* x_scratch(int64_t n) {
 void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                  int n_in, int n_out, int group_size, DType dtype) {
     const Isa level = isa();
-    const int lanes = level == Isa::avx512 ? 16 : level == Isa::avx2 ? 8 : kScalarLanes;
+    const int lanes = level >= Isa::avx512 ? 16 : level == Isa::avx2 ? 8 : kScalarLanes;
     const int64_t n = int64_t(rows) * n_in;
     float* xs = x_scratch(n + int64_t(rows) * (n_in / group_size));
     float* xsum = xs + n;
     // The factored form everywhere but in AVX512's kernel for several rows of x.
-    const bool factored = level != Isa::avx512 || rows == 1;
+    const bool factored = level < Isa::avx512 || rows == 1;
     prepare_x(xs, xsum, x, rows, n_in, group_size, dtype, level, lanes, factored);
-    const LinearArgs args{y, xs, xsum, packed, nullptr, scale, min, rows, n_in, n_out, group_size, dtype};
+    const LinearArgs args{y, xs, nullptr, xsum, packed, nullptr, scale, min, rows, n_in, n_out, group_size, dtype};
     auto fn = int4_range_scalar;
 #ifdef KERNELS_X86
-    if (level == Isa::avx512) fn = int4_range_avx512;
+    if (level >= Isa::avx512) fn = int4_range_avx512;
     else if (level == Isa::avx2) fn = int4_range_avx2;
 #endif
     run_linear(fn, args);
@@ -644,13 +746,34 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
 
 void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                  DType dtype) {
+    const Isa level = isa();
     float* xs = x_scratch(int64_t(rows) * n_in);
-    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, isa(), 1, false);
-    const LinearArgs args{y, xs, nullptr, q, scale, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
-    auto fn = int8_range_scalar;
+    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, level, 1, false);
+    const LinearArgs args{y, xs, nullptr, nullptr, q, scale, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
+    auto fn = rows_range_scalar<Int8Rows>;
 #ifdef KERNELS_X86
-    if (isa() == Isa::avx512) fn = int8_range_avx512;
-    else if (isa() == Isa::avx2) fn = int8_range_avx2;
+    if (level >= Isa::avx512) fn = rows_range_avx512<Int8Rows>;
+    else if (level == Isa::avx2) fn = rows_range_avx2<Int8Rows>;
+#endif
+    run_linear(fn, args);
+}
+
+void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype) {
+    const Isa level = isa();
+#ifdef KERNELS_X86
+    if (level == Isa::avx512_bf16 && dtype == DType::bf16) {
+        const auto* x_bf16 = static_cast<const uint16_t*>(x);
+        const LinearArgs args{y, nullptr, x_bf16, nullptr, w, nullptr, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
+        return run_linear(dot_range_bf16, args);
+    }
+#endif
+    float* xs = x_scratch(int64_t(rows) * n_in);
+    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, level, 1, false);
+    const LinearArgs args{y, xs, nullptr, nullptr, w, nullptr, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
+    auto fn = rows_range_scalar<Bf16Rows>;
+#ifdef KERNELS_X86
+    if (level >= Isa::avx512) fn = rows_range_avx512<Bf16Rows>;
+    else if (level == Isa::avx2) fn = rows_range_avx2<Bf16Rows>;
 #endif
     run_linear(fn, args);
 }

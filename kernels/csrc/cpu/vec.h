@@ -27,6 +27,8 @@
 #define KERNELS_INLINE inline __attribute__((always_inline))
 #define KERNELS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KERNELS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// AVX512 with the BF16 extension (vdpbf16ps: Cooper Lake, Sapphire Rapids, Zen 4 on).
+#define KERNELS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 // Vector code is compiled with three warnings off, between KERNELS_VECTOR_CODE_BEGIN and _END:
 // this header's, and each kernel file's after its includes, so that no other code loses them.

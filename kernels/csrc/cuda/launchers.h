@@ -31,4 +31,7 @@ cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const uin
 cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                         DType dtype, cudaStream_t stream);
 
+cudaError_t bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype,
+                        cudaStream_t stream);
+
 }  // namespace kernels::cuda

@@ -1,5 +1,5 @@
 // Quantized linear layers for decode, y = x @ W.T with W dequantized in registers: the CUDA twins
-// of int4_linear and int8_linear in cpu/cpu_kernels.h (the formats are described there).
+// of int4_linear, int8_linear and bf16_linear in cpu/cpu_kernels.h (the formats are described there).
 //
 // Why this kernel is about reading W. In decode, x has one row per sequence of the step (1..16),
 // so every weight is used `rows` times: a matrix-vector product. An H200 can do ~100
@@ -124,6 +124,13 @@ struct Int4Slot {
     __device__ static int of(int i) {
         const int f = 2 * ((i >> 3) & 3) + (i & 1);
         return (i & ~(kStretch - 1)) + f * 128 + ((i >> 5) & 31) * 4 + ((i >> 1) & 3);
+    }
+};
+struct Bf16Slot {
+    static constexpr int kStretch = 256;
+    // input i: lane (i / 8) % 32, float4 f = (i / 4) % 2 = words 2f and 2f + 1 of the chunk, element i % 4.
+    __device__ static int of(int i) {
+        return (i & ~(kStretch - 1)) + ((i >> 2) & 1) * 128 + ((i >> 3) & 31) * 4 + (i & 3);
     }
 };
 struct Int8Slot {
@@ -393,6 +400,93 @@ __global__ void __launch_bounds__(kThreads, 1)
     write_outputs<T, MAX_ROWS>(y, acc, row_scale, rows, out0, n_out);
 }
 
+// --- bf16 -----------------------------------------------------------------------------------
+// The same skeleton once more, for unquantized bf16 weights: a chunk is 8 weights of 8
+// consecutive inputs (16 bytes). A bf16 is the top half of its float, so a word of two of them
+// widens with a shift (the low one) and a mask (the high one): no conversion instruction, no
+// scale. n_in is anything (ALIGNED requires n_in % 8 == 0): a partial last chunk reads zeros.
+template <typename T, int MAX_ROWS, bool ALIGNED>
+__global__ void __launch_bounds__(kThreads, 1)
+    bf16_kernel(T* __restrict__ y, const T* __restrict__ x, const uint16_t* __restrict__ w, int rows, int n_in,
+                int n_out, int tile) {
+    constexpr int U = unroll_for<MAX_ROWS>();
+    constexpr int kInputs = kChunk / 2;  // 8 inputs per chunk
+    constexpr int X_VEC = ALIGNED ? 16 / static_cast<int>(sizeof(T)) : 1;
+    extern __shared__ float4 smem[];
+    float* xs = reinterpret_cast<float*>(smem);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int out0 = (blockIdx.x * kWarps + warp) * kOutPerWarp;
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
+
+    float acc[kOutPerWarp][MAX_ROWS];
+#pragma unroll
+    for (int j = 0; j < kOutPerWarp; ++j) {
+#pragma unroll
+        for (int r = 0; r < MAX_ROWS; ++r) acc[j][r] = 0.f;
+    }
+
+    for (int k0 = 0; k0 < n_in; k0 += tile) {
+        const int kt = min(tile, n_in - k0);
+        __syncthreads();
+        stage_x<T, Bf16Slot, kInputs, false, X_VEC>(xs, nullptr, x, rows, n_in, k0, kt, tile);
+        __syncthreads();
+
+        const int chunks = (kt + kInputs - 1) / kInputs;
+        for (int c0 = 0; c0 < chunks; c0 += 32 * U) {
+            uint4 code[kOutPerWarp][U];
+#pragma unroll
+            for (int j = 0; j < kOutPerWarp; ++j) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int c = c0 + u * 32 + lane, o = out0 + j;
+                    code[j][u] = make_uint4(0u, 0u, 0u, 0u);  // bf16 zeros
+                    if (c < chunks && o < n_out) {
+                        const int64_t first = static_cast<int64_t>(o) * n_in + k0 + kInputs * c;  // in elements
+                        code[j][u] = load_chunk<ALIGNED>(bytes + 2 * first, 2 * (kt - kInputs * c));
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = c0 + u * 32 + lane;
+                if (c >= chunks) break;
+                const float* xc = xs + (c / 32) * Bf16Slot::kStretch + lane * 4;
+#pragma unroll
+                for (int f = 0; f < 2; ++f) {  // float4 f of x: inputs 4f .. 4f + 3, words 2f and 2f + 1
+                    float wv[kOutPerWarp][4];
+#pragma unroll
+                    for (int j = 0; j < kOutPerWarp; ++j) {
+                        const uint32_t lo = word_of(code[j][u], 2 * f), hi = word_of(code[j][u], 2 * f + 1);
+                        wv[j][0] = __uint_as_float(lo << 16);
+                        wv[j][1] = __uint_as_float(lo & 0xffff0000u);
+                        wv[j][2] = __uint_as_float(hi << 16);
+                        wv[j][3] = __uint_as_float(hi & 0xffff0000u);
+                    }
+#pragma unroll
+                    for (int r = 0; r < MAX_ROWS; ++r) {
+                        if (r >= rows) break;
+                        const float4 xv = *reinterpret_cast<const float4*>(xc + r * tile + f * 128);
+#pragma unroll
+                        for (int j = 0; j < kOutPerWarp; ++j) {
+                            float a = acc[j][r];
+                            a = fmaf(xv.x, wv[j][0], a);
+                            a = fmaf(xv.y, wv[j][1], a);
+                            a = fmaf(xv.z, wv[j][2], a);
+                            a = fmaf(xv.w, wv[j][3], a);
+                            acc[j][r] = a;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    float ones[kOutPerWarp];
+#pragma unroll
+    for (int j = 0; j < kOutPerWarp; ++j) ones[j] = 1.f;
+    write_outputs<T, MAX_ROWS>(y, acc, ones, rows, out0, n_out);
+}
+
 // --- launch -----------------------------------------------------------------------------------
 
 // Calls f(std::integral_constant<int, MAX_ROWS>{}) with the smallest instantiated bound >= rows.
@@ -484,6 +578,31 @@ cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* sc
                 constexpr int R = decltype(max_rows)::value;
                 auto kernel = aligned ? int8_kernel<T, R, true> : int8_kernel<T, R, false>;
                 return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, q, scale, chunk, n_in, n_out, tile);
+            });
+            if (err != cudaSuccess) return err;
+        }
+        return cudaSuccess;
+    });
+}
+
+cudaError_t bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype,
+                        cudaStream_t stream) {
+    if (rows < 0 || n_in < 0 || n_out < 0) return cudaErrorInvalidValue;
+    if (rows == 0 || n_out == 0) return cudaSuccess;
+    // ALIGNED: 16-byte loads of W and x; with n_in % 8 == 0 every row keeps the first's alignment.
+    const bool aligned = is_aligned(w, 16) && is_aligned(x, 16) && n_in % 8 == 0;
+    return dispatch_dtype(dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        for (int r0 = 0; r0 < rows; r0 += kMaxRowsPerLaunch) {
+            const int chunk = std::min(kMaxRowsPerLaunch, rows - r0);
+            const int tile = tile_for(chunk, n_in, 32);
+            const size_t smem = static_cast<size_t>(chunk) * tile * sizeof(float);
+            T* yc = static_cast<T*>(y) + static_cast<int64_t>(r0) * n_out;
+            const T* xc = static_cast<const T*>(x) + static_cast<int64_t>(r0) * n_in;
+            const cudaError_t err = with_max_rows(chunk, [&](auto max_rows) {
+                constexpr int R = decltype(max_rows)::value;
+                auto kernel = aligned ? bf16_kernel<T, R, true> : bf16_kernel<T, R, false>;
+                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, w, chunk, n_in, n_out, tile);
             });
             if (err != cudaSuccess) return err;
         }

@@ -41,4 +41,8 @@ int emu_int8_linear(void* y, const void* x, const int8_t* q, const float* scale,
     return cu::int8_linear(y, x, q, scale, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
 }
 
+int emu_bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, int dtype) {
+    return cu::bf16_linear(y, x, w, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
+}
+
 }  // extern "C"
