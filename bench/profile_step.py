@@ -1,0 +1,160 @@
+"""Where a decode step's time goes: chapter 06's engine decoding one sequence, split into the
+kernels of kernels/, torch's operators, and the rest (Python: the forward pass's glue, the
+scheduler, the sampler, the step's bookkeeping).
+
+    python bench/profile_step.py                   # int4 weights, kernels on
+    python bench/profile_step.py --quant none      # bf16 weights
+    python bench/profile_step.py --kernels off     # chapter 05's PyTorch path
+
+Three runs of --steps decode steps each, after a --prompt-tokens prompt and a warm-up:
+  1. plain: the wall time per step, nothing instrumented;
+  2. the library's functions wrapped in a timer (each call's time, by function; the wrapper
+     adds well under a microsecond per call);
+  3. under torch.profiler: torch's operators by name, calls and self time per step. The
+     profiler costs a few microseconds per operator, so these times are high; the counts are exact.
+The rest is run 1's step minus the kernels (run 2) and torch's operators (run 3): a lower bound
+on the time in Python. Results: a table on stdout, JSON at --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from common.bench import machine
+from common.chapters import load_chapter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TimedLibrary:
+    """The kernel library with each function call timed: seconds and calls by name."""
+
+    def __init__(self, lib):
+        self._lib, self.seconds, self.calls, self.on = lib, defaultdict(float), defaultdict(int), False
+
+    def __getattr__(self, name):
+        value = getattr(self._lib, name)
+        if not callable(value) or name.startswith("_"):
+            return value
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return value(*args, **kwargs)
+            t0 = time.perf_counter()
+            out = value(*args, **kwargs)
+            self.seconds[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            return out
+
+        return timed
+
+
+def build(args, timed: TimedLibrary | None):
+    import kernels
+
+    if timed is not None:  # ops.resolve takes the library from kernels.load(): hand it the timed one
+        kernels.load = lambda: timed
+    ch = load_chapter(6, "engine", "loading", "sampling")
+    quant = None if args.quant == "none" else args.quant
+    spec = ch.loading.quant_spec(SimpleNamespace(quant=quant, group_size=32, symmetric=False, lm_head="int8"))
+    engine, _ = ch.engine.build_engine(
+        args.model, "cpu", args.dtype, spec, kernels=args.kernels, num_blocks=64, prefix_caching=False
+    )
+    greedy = ch.sampling.SamplingParams(temperature=0)
+    prompt = list(range(1000, 1000 + args.prompt_tokens))
+    total = args.warmup + 3 * args.steps + 8
+    engine.add(ch.engine.Request(prompt, greedy, max_tokens=total, ignore_eos=True), "r")
+    for _ in range(args.warmup):  # the prompt, then a few decode steps
+        engine.step()
+    return engine
+
+
+def steps(engine, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kernels", choices=["on", "off"], default="on")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from common.models import resolve_model
+
+    args.model = str(resolve_model(args.model))
+    torch.set_num_threads(args.threads)
+    timed = None
+    if args.kernels == "on":
+        import kernels
+
+        timed = TimedLibrary(kernels.load())
+    engine = build(args, timed)
+
+    step_s = steps(engine, args.steps)  # 1: plain
+    kernel_s: dict[str, float] = {}
+    kernel_calls: dict[str, float] = {}
+    if timed is not None:  # 2: the library's calls timed
+        timed.on = True
+        steps(engine, args.steps)
+        timed.on = False
+        kernel_s = {k: v / args.steps for k, v in timed.seconds.items()}
+        kernel_calls = {k: v / args.steps for k, v in timed.calls.items()}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # 3
+        steps(engine, args.steps)
+    aten = {}
+    for e in prof.key_averages():
+        if e.key.startswith("llm_kernels::"):
+            continue
+        aten[e.key] = {"calls": e.count / args.steps, "self_s": e.self_cpu_time_total / 1e6 / args.steps}
+    aten_s = sum(v["self_s"] for v in aten.values())
+    aten_calls = sum(v["calls"] for v in aten.values())
+    top = dict(sorted(aten.items(), key=lambda kv: -kv[1]["self_s"])[:12])
+    rest = step_s - sum(kernel_s.values()) - aten_s
+
+    what = (
+        f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, kernels {args.kernels}, {args.threads} threads"
+    )
+    print(f"decode step, one sequence after a {args.prompt_tokens}-token prompt ({what}): {step_s * 1e3:.2f} ms")
+    print(f"{'part':40} {'ms/step':>8} {'calls/step':>11}")
+    for name, s in sorted(kernel_s.items(), key=lambda kv: -kv[1]):
+        print(f"{'kernels.' + name:40} {s * 1e3:8.2f} {kernel_calls[name]:11.0f}")
+    print(f"{'torch operators (profiled), all':40} {aten_s * 1e3:8.2f} {aten_calls:11.0f}")
+    for name, v in top.items():
+        print(f"{'  ' + name:40} {v['self_s'] * 1e3:8.2f} {v['calls']:11.0f}")
+    print(f"{'the rest: Python, at least':40} {rest * 1e3:8.2f}")
+    result = {
+        "machine": machine(),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "step_ms": step_s * 1e3,
+        "kernels_ms": {k: v * 1e3 for k, v in kernel_s.items()},
+        "kernel_calls": kernel_calls,
+        "torch_ops_ms": aten_s * 1e3,
+        "torch_op_calls": aten_calls,
+        "torch_top": {k: {"calls": v["calls"], "self_ms": v["self_s"] * 1e3} for k, v in top.items()},
+        "rest_ms": rest * 1e3,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
