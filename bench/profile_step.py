@@ -24,12 +24,10 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from common.bench import machine
-from common.chapters import load_chapter
+from common.bench import decoding_engine, machine, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,26 +60,8 @@ def build(args, timed: TimedLibrary | None):
 
     if timed is not None:  # ops.resolve takes the library from kernels.load(): hand it the timed one
         kernels.load = lambda: timed
-    ch = load_chapter(6, "engine", "loading", "sampling")
-    quant = None if args.quant == "none" else args.quant
-    spec = ch.loading.quant_spec(SimpleNamespace(quant=quant, group_size=32, symmetric=False, lm_head="int8"))
-    engine, _ = ch.engine.build_engine(
-        args.model, "cpu", args.dtype, spec, kernels=args.kernels, num_blocks=64, prefix_caching=False
-    )
-    greedy = ch.sampling.SamplingParams(temperature=0)
-    prompt = list(range(1000, 1000 + args.prompt_tokens))
-    total = args.warmup + 3 * args.steps + 8
-    engine.add(ch.engine.Request(prompt, greedy, max_tokens=total, ignore_eos=True), "r")
-    for _ in range(args.warmup):  # the prompt, then a few decode steps
-        engine.step()
-    return engine
-
-
-def steps(engine, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        engine.step()
-    return (time.perf_counter() - t0) / n
+    steps = 3 * args.steps
+    return decoding_engine(6, args.model, args.quant, args.dtype, args.kernels, args.prompt_tokens, steps, args.warmup)
 
 
 def main() -> int:
@@ -107,17 +87,17 @@ def main() -> int:
         timed = TimedLibrary(kernels.load())
     engine = build(args, timed)
 
-    step_s = steps(engine, args.steps)  # 1: plain
+    step_s = time_steps(engine, args.steps)  # 1: plain
     kernel_s: dict[str, float] = {}
     kernel_calls: dict[str, float] = {}
     if timed is not None:  # 2: the library's calls timed
         timed.on = True
-        steps(engine, args.steps)
+        time_steps(engine, args.steps)
         timed.on = False
         kernel_s = {k: v / args.steps for k, v in timed.seconds.items()}
         kernel_calls = {k: v / args.steps for k, v in timed.calls.items()}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # 3
-        steps(engine, args.steps)
+        time_steps(engine, args.steps)
     aten = {}
     for e in prof.key_averages():
         if e.key.startswith("llm_kernels::"):

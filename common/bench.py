@@ -140,6 +140,37 @@ def machine() -> dict:
 # --- statistics, formatting, arguments ------------------------------------------------------------
 
 
+def decoding_engine(
+    chapter: int, model: str, quant: str, dtype: str, kernels: str, prompt_tokens: int, steps: int, warmup: int
+):
+    """A chapter's engine (05 on) on the CPU, decoding one greedy sequence: a prompt of
+    `prompt_tokens` ids, then `warmup` steps taken (the prompt and a few decodes); room for
+    `steps` more decode steps (ignore_eos). -> the engine, whose step() decodes the next token."""
+    from types import SimpleNamespace
+
+    from common.chapters import load_chapter
+
+    ch = load_chapter(chapter, "engine", "loading", "sampling")
+    spec = ch.loading.quant_spec(
+        SimpleNamespace(quant=None if quant == "none" else quant, group_size=32, symmetric=False, lm_head="int8")
+    )
+    engine, _ = ch.engine.build_engine(model, "cpu", dtype, spec, kernels=kernels, num_blocks=64, prefix_caching=False)
+    prompt = list(range(1000, 1000 + prompt_tokens))
+    greedy = ch.sampling.SamplingParams(temperature=0)
+    engine.add(ch.engine.Request(prompt, greedy, max_tokens=warmup + steps + 8, ignore_eos=True), "r")
+    for _ in range(warmup):
+        engine.step()
+    return engine
+
+
+def time_steps(engine, n: int) -> float:
+    """Seconds per engine step, over n steps."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return (time.perf_counter() - t0) / n
+
+
 def median(xs) -> float | None:
     """The median of the values that are there (not None, not NaN: a part that did not run); None if none is."""
     xs = [x for x in xs if x is not None and x == x]
