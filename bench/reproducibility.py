@@ -4,7 +4,7 @@ temperature 0 is reproducible, quoted in chapters 05 and 06's READMEs).
 
     python bench/reproducibility.py --chapter 6 [--dtype bfloat16|float32] [--quant int4|int8|none]
                                     [--requests 16] [--max-tokens 48] [--kv-cache-memory-gb 1]
-                                    [--out results.json]
+                                    [--batch-invariant] [--out results.json]
 
 1. batch: the requests all at once (one running batch) against each one alone.
 2. n=2: each request asking for two greedy choices: are the two equal?
@@ -58,22 +58,30 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     # The engine's default pool is a quarter of free memory: gigabytes to zero for a few requests.
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="each engine's KV pool")
+    ap.add_argument("--batch-invariant", action="store_true", help="chapter 06 on: the engine's --batch-invariant")
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()
     if args.chapter < 5:
         ap.error("--chapter: the batching engine starts in chapter 05")
+    if args.batch_invariant and args.chapter < 6:
+        ap.error("--batch-invariant: chapter 06 on (the kernels' batch-invariant form)")
 
-    ch = load_chapter(args.chapter, "engine", "quant", "sampling")
+    ch = load_chapter(args.chapter, "engine", "quant", "sampling", *(["ops"] if args.chapter >= 6 else []))
     spec = {"int4": ch.quant.QuantSpec(4, 32), "int8": ch.quant.QuantSpec(8), "none": None}[args.quant]
     pool = {"kv_cache_bytes": int(args.kv_cache_memory_gb * 2**30)}
+    if args.chapter >= 6:
+        pool["kernels"] = ch.ops.Kernels("auto", args.batch_invariant)
     t0 = time.perf_counter()
     # 1 and 2 without the prefix cache, so that a cached prompt cannot change what they count
     engine, name = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=False, **pool)
     # distinct prompts: a repeated one would be a prefix hit inside the batch
     questions = [f"{PROMPTS[i % len(PROMPTS)]} ({i + 1})" for i in range(args.requests)]
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    t1 = time.perf_counter()
     together = [c[0] for c in generate(engine, ch, prompts, args.max_tokens, tag="batch")]
+    t2 = time.perf_counter()
     alone = one_at_a_time(engine, ch, prompts, args.max_tokens, "alone")
+    t3 = time.perf_counter()
     pairs = generate(engine, ch, prompts, args.max_tokens, n=2, tag="pair")
     del engine
     # 3: each request twice, one at a time, the second finding its whole prompt's blocks cached
@@ -81,6 +89,7 @@ def main() -> int:
     first = one_at_a_time(engine, ch, prompts, args.max_tokens, "first")
     again = one_at_a_time(engine, ch, prompts, args.max_tokens, "again")
 
+    n_tokens = args.requests * args.max_tokens
     result = {
         "chapter": args.chapter,
         "model": name,
@@ -91,6 +100,10 @@ def main() -> int:
         "batch_equals_alone": sum(a == b for a, b in zip(together, alone)),
         "n2_choices_equal": sum(c[0] == c[1] for c in pairs),
         "cached_prefix_equals_first_run": sum(a == b for a, b in zip(again, first)),
+        "batch_invariant": args.batch_invariant,
+        # what the mode costs: output tokens / second with all requests at once, and one at a time
+        "tok_s_all_at_once": round(n_tokens / (t2 - t1), 1),
+        "tok_s_one_at_a_time": round(n_tokens / (t3 - t2), 1),
         "seconds": round(time.perf_counter() - t0, 1),
         "machine": machine(),
     }
@@ -102,6 +115,7 @@ def main() -> int:
     print(f"  all at once == each alone:          {result['batch_equals_alone']:3d} of {n}")
     print(f"  n=2: the two choices equal:         {result['n2_choices_equal']:3d} of {n}")
     print(f"  prefix cached == its first run:     {result['cached_prefix_equals_first_run']:3d} of {n}")
+    print(f"  tok/s, all at once / one at a time: {result['tok_s_all_at_once']} / {result['tok_s_one_at_a_time']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"saved {args.out}")

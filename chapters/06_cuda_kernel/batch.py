@@ -17,7 +17,7 @@ longest and its block table to the group's widest, and a mask says what is real.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -130,4 +130,20 @@ def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bo
         whole_step and not padded,
         lens.to(device),
         decodes=n_queries == 1,
+    )
+
+
+def one_query_each(g: AttentionGroup) -> AttentionGroup:
+    """A group of prompt chunks as a group of decodes: each real query a row of its own, with its
+    sequence's block table and the keys up to its own position, which is how the paged decode
+    kernel would attend it in a decode step (ops.KernelOps, batch-invariant)."""
+    n_valid = g.valid.sum(dim=1)  # [B] queries of each sequence
+    first = g.context_lens - n_valid + 1  # [B] keys the first query of each chunk reads
+    lens = first[:, None] + torch.arange(g.valid.shape[1], device=first.device)[None, :]  # [B, Q]
+    return replace(
+        g,
+        token_index=g.token_index[g.valid][:, None],  # [T, 1]
+        block_tables=g.block_tables.repeat_interleave(n_valid, dim=0),  # [T, blocks]
+        context_lens=lens[g.valid].to(torch.int32),  # [T]
+        decodes=True,
     )

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from batch import AttentionGroup, DecodeGroup
+from batch import AttentionGroup, DecodeGroup, one_query_each
 from common.errors import UserError
 from paged_attention import paged_attention
 from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, KernelInt4Linear, KernelInt8Linear, PerStepLinear
@@ -127,8 +127,14 @@ class KernelOps:
     PARTITION_KEYS = 256
     MAX_BLOCK_SIZE = 4096
 
-    def __init__(self, ext, device: torch.device = torch.device("cpu")):
-        self._ext, self.device = ext, torch.device(device)
+    def __init__(self, ext, device: torch.device = torch.device("cpu"), batch_invariant: bool = False):
+        """batch_invariant: every row of every step computed as it would be alone (--batch-invariant):
+        the linear kernels in one form for any number of rows (a switch of the library, process-wide
+        like torch.use_deterministic_algorithms), at any number of rows (no dense GEMM for big steps),
+        and prompt chunks' attention through the decode kernel, one query at a time."""
+        self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
+        if self.device.type == "cpu":
+            ext.set_batch_invariant(batch_invariant)
 
     @classmethod
     def partition_size(cls, block_size: int) -> int:
@@ -165,7 +171,12 @@ class KernelOps:
 
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
         """Decodes (one query per sequence) through the paged kernel; prompt chunks through
-        chapter 05's gather + SDPA, which is compute-bound there and already good at it."""
+        chapter 05's gather + SDPA, which is compute-bound there and already good at it.
+        Batch-invariant, prompt chunks too go through the decode kernel, each query as if it were
+        decoded alone: SDPA's sums over a chunk's keys depend on the chunk, which depends on what
+        else the step holds and on what the prefix cache had."""
+        if self.batch_invariant:
+            groups = [g if g.decodes else one_query_each(g) for g in groups]
         return paged_attention(q, k_pool, v_pool, groups, decode=self.decode)
 
     def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup | DecodeGroup) -> torch.Tensor:
@@ -183,21 +194,35 @@ class KernelOps:
         torch's GEMM above, on the same tensor. torch's bf16 GEMM is made for larger products and
         reads a decode step's weights at a third or less of the memory bandwidth. On CUDA, cuBLAS
         until the GPU check has measured the kernel against it (bench.py --parts kernels)."""
+        if self.batch_invariant:  # the kernel at every row count
+            if w.dtype != torch.bfloat16:
+                raise UserError(
+                    f"--batch-invariant: {str(w.dtype).removeprefix('torch.')} weights would go through torch's GEMM, "
+                    "whose rounding of a row may depend on the rows beside it; use bfloat16 weights (--dtype "
+                    "bfloat16) or --quant int4/int8"
+                )
+            return KernelBf16Linear(w, self._ext)
         if w.dtype != torch.bfloat16 or self.device.type != "cpu":
             return w
         return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
 
     def describe(self) -> str:
         where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type
-        return f"kernels: on ({where})"
+        return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
 
 
-def resolve(choice: str, device: torch.device, head_dim: int | None = None) -> Ops:
+def resolve(choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False) -> Ops:
     """choice: "on" (the kernels, an error where they cannot run), "off" (PyTorch), or "auto"
     (the kernels where they run on this device, else PyTorch, which then says why). head_dim: the
-    model's, when known: the decode kernel is built for a few sizes (kernels.head_dims())."""
+    model's, when known: the decode kernel is built for a few sizes (kernels.head_dims()).
+    batch_invariant: the kernels in their batch-invariant form (KernelOps), an error where they cannot."""
     if choice not in ("auto", "on", "off"):
         raise UserError(f"kernels must be 'auto', 'on' or 'off', got {choice!r}")
+    if batch_invariant and (choice == "off" or device.type != "cpu"):
+        raise UserError(
+            "--batch-invariant runs the CPU kernels (kernels/ with --kernels auto or on, on a CPU): chapter 05's "
+            "PyTorch picks its matmul by row count, and the CUDA kernels tile by it"
+        )
     if choice == "off":
         return TorchOps()
     if device.type not in ("cpu", "cuda"):
@@ -216,9 +241,9 @@ def resolve(choice: str, device: torch.device, head_dim: int | None = None) -> O
         except kernels.KernelBuildError as e:
             why = str(e)
         if why is None:
-            return KernelOps(ext, device)
-    if choice == "on":
-        raise UserError(f"--kernels on: {why}")
+            return KernelOps(ext, device, batch_invariant)
+    if choice == "on" or batch_invariant:
+        raise UserError(f"--kernels {choice}{' --batch-invariant' if batch_invariant else ''}: {why}")
     return TorchOps(why)
 
 
@@ -231,11 +256,12 @@ class Kernels:
     points hand to loading.load and engine.build_engine without reading it."""
 
     choice: str = "auto"  # --kernels
+    batch_invariant: bool = False  # --batch-invariant
 
     def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
         """The operations for `device` (and a model's head size); where "auto" falls back to
         PyTorch, a note says why."""
-        ops = resolve(self.choice, device, head_dim)
+        ops = resolve(self.choice, device, head_dim, self.batch_invariant)
         if self.choice == "auto" and isinstance(ops, TorchOps):
             print(f"note: kernels off ({ops.why_off}): chapter 05's PyTorch path runs", file=sys.stderr)
         return ops
@@ -250,7 +276,13 @@ def add_arguments(ap) -> None:
         help="kernels/ for norms, RoPE, decode attention and int matmuls: auto (default: where they run on "
         "this device, built on first use), on (an error where they cannot), off (chapter 05's PyTorch)",
     )
+    k.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens at temperature 0 independent of what else runs (the batch, prefix-cache "
+        "hits, n): every row through the same kernel in the same order; slower (see the README); CPU, kernels on",
+    )
 
 
 def from_args(args) -> Kernels:
-    return Kernels(args.kernels)
+    return Kernels(args.kernels, args.batch_invariant)

@@ -202,6 +202,8 @@ def prepare(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str,
     model's operations (ops.py), whose own int matmul, where they have one, is the fast path."""
     if path not in ("fast", "reference", "auto"):
         raise ValueError(f"matmul path must be 'fast', 'reference' or 'auto', got {path!r}")
+    if path == "auto" and getattr(ops, "batch_invariant", False):
+        path = "fast"  # the kernel at every row count: no dense copy (ops.KernelOps)
     if path == "auto":
         fast = prepare(w, device, dtype, "fast", ops)
         kernel = isinstance(fast, (KernelInt4Linear, KernelInt8Linear))

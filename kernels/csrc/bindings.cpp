@@ -374,6 +374,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::isa())); });
     m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
     m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
+    m.def(
+        "set_batch_invariant", [](bool on) { kernels::cpu::set_batch_invariant(on); }, py::arg("on"),
+        "CPU linear kernels: the same instructions for a row of x whatever the number of rows (process-wide)");
+    m.def("batch_invariant", [] { return kernels::cpu::batch_invariant(); });
 #ifdef WITH_CUDA
     m.attr("with_cuda") = true;
 #else

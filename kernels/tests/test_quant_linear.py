@@ -90,3 +90,46 @@ def test_bad_arguments_are_clear_errors(ops):
         ops.bf16_linear(torch.randn(1, 64), torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
         ops.bf16_linear(torch.randn(1, 32), torch.randn(8, 64).bfloat16())
+
+
+@pytest.fixture
+def invariant(ops):
+    ops.set_batch_invariant(True)
+    yield
+    ops.set_batch_invariant(False)
+
+
+def each_kernel(rows, dtype, seed=0):
+    """(name, x, call) for the int4, int8 and bf16 kernels on one [rows, 320] x."""
+    g = torch.Generator().manual_seed(seed)
+    packed, scale, min_ = int4_weight(36, 320, 32, seed=seed)
+    q = torch.randint(-127, 128, (36, 320), generator=g, dtype=torch.int8)
+    s = torch.rand(36, generator=g) * 0.01
+    w = (torch.randn(36, 320, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, 320, generator=g).to(dtype)
+    return x, {
+        "int4": lambda ops, x: ops.int4_linear(x, packed, scale, min_, 32),
+        "int8": lambda ops, x: ops.int8_linear(x, q, s),
+        "bf16": lambda ops, x: ops.bf16_linear(x, w),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_batch_invariant_rows_equal_the_row_alone_on_every_cpu_path(ops, isa, invariant, dtype):
+    # Bitwise: each row of a call of 2..17 rows is what a call of that row alone returns.
+    for rows in (2, 3, 5, 8, 17):
+        x, kernels = each_kernel(rows, dtype, seed=rows)
+        for name, call in kernels.items():
+            together = call(ops, x)
+            for r in range(rows):
+                assert torch.equal(together[r], call(ops, x[r : r + 1])[0]), f"{isa} {name} row {r} of {rows}"
+
+
+def test_without_batch_invariance_a_row_depends_on_its_neighbours(ops, isa):
+    # What the switch is for: the fast forms differ by row count (int8 and bf16 on AVX2/AVX512
+    # accumulate one row in two chains, several in one; int4 on AVX512 factors one row).
+    if isa == "scalar":
+        pytest.skip("the portable path has one form for every row count")
+    x, kernels = each_kernel(5, torch.float32, seed=1)
+    differ = [name for name, call in kernels.items() if not torch.equal(call(ops, x)[0], call(ops, x[:1])[0])]
+    assert "int8" in differ and "bf16" in differ, differ

@@ -18,6 +18,15 @@ Isa isa();              // the one in use
 void set_isa(Isa isa);  // tests force each path in turn; a level the CPU lacks is an error (throws)
 const char* isa_name(Isa isa);
 
+// --- batch invariance, off unless set -----------------------------------------------------------
+// On: every row of x of a linear kernel is computed by the same instructions in the same order
+// whatever the number of rows in the call, so a sequence's outputs do not depend on what else is
+// in its step (chapter 06's --batch-invariant). Off, the kernels pick per row count the fastest
+// form, which rounds differently (int4 on AVX512: the factored form for one row, the table form
+// for several; int8 and bf16: two interleaved accumulators for one row, one for several).
+void set_batch_invariant(bool on);
+bool batch_invariant();
+
 // --- paged decode attention (flash-decoding) -------------------------------------------------
 // One query token per sequence, attending to its context_lens[b] keys, read block by block
 // through its block table. The keys are cut into partitions of `partition_size` slots; each

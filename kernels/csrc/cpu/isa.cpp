@@ -68,6 +68,13 @@ void set_isa(Isa level) {
     current.store(int(level), std::memory_order_relaxed);
 }
 
+namespace {
+std::atomic<bool> invariant{false};
+}  // namespace
+
+void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
+bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
+
 const char* isa_name(Isa level) {
     switch (level) {
         case Isa::scalar: return "scalar";

@@ -61,6 +61,7 @@ struct LinearArgs {
     const uint16_t* group_min;
     int rows, n_in, n_out, group_size;
     DType dtype;
+    bool invariant = batch_invariant();  // the same form for every row count (cpu_kernels.h)
 };
 
 KERNELS_INLINE void prefetch(const void* p) {
@@ -430,10 +431,11 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0, 
 }
 
 // All rows of x for output rows o .. o + NO - 1, in tiles of up to 4 (NO * R accumulators,
-// 2R vectors of x and NO tables: up to 28 of the 32 registers).
+// 2R vectors of x and NO tables: up to 28 of the 32 registers). A row's sums are the same in a
+// tile of any R; batch-invariant, one row is a tile too, not the factored form.
 template <int NO>
 KERNELS_AVX512 inline void int4_rows_avx512(const LinearArgs& a, int o, Widened t) {
-    if (a.rows == 1) return int4_factored_avx512<NO>(a, o, t);
+    if (a.rows == 1 && !a.invariant) return int4_factored_avx512<NO>(a, o, t);
     int r0 = 0;
     for (; r0 + 4 <= a.rows; r0 += 4) int4_tile_avx512<NO, 4>(a, o, r0, t);
     switch (a.rows - r0) {
@@ -565,9 +567,11 @@ KERNELS_AVX2 inline void rows_tile_avx2(const LinearArgs& a, int o, int r0) {
         }
 }
 
+// Batch-invariant, every row of x is a tile of one row: the form (two accumulators) a lone row gets.
 template <class F, int NO>
 KERNELS_AVX2 inline void rows_avx2(const LinearArgs& a, int o) {
     int r0 = 0;
+    for (; r0 < a.rows && a.invariant; ++r0) rows_tile_avx2<F, NO, 1>(a, o, r0);
     for (; r0 + 2 <= a.rows; r0 += 2) rows_tile_avx2<F, NO, 2>(a, o, r0);
     if (r0 < a.rows) rows_tile_avx2<F, NO, 1>(a, o, r0);
 }
@@ -626,6 +630,7 @@ KERNELS_AVX512 inline void rows_tile_avx512(const LinearArgs& a, int o, int r0) 
 template <class F, int NO>
 KERNELS_AVX512 inline void rows_avx512(const LinearArgs& a, int o) {
     int r0 = 0;
+    for (; r0 < a.rows && a.invariant; ++r0) rows_tile_avx512<F, NO, 1>(a, o, r0);  // as rows_avx2
     for (; r0 + 4 <= a.rows; r0 += 4) rows_tile_avx512<F, NO, 4>(a, o, r0);
     switch (a.rows - r0) {
         case 3: rows_tile_avx512<F, NO, 3>(a, o, r0); break;
@@ -682,6 +687,7 @@ KERNELS_AVX512_BF16 inline void dot_tile_bf16(const LinearArgs& a, int o, int r0
 template <int NO>
 KERNELS_AVX512_BF16 inline void dot_rows_bf16(const LinearArgs& a, int o) {
     int r0 = 0;
+    for (; r0 < a.rows && a.invariant; ++r0) dot_tile_bf16<NO, 1>(a, o, r0);  // as rows_avx2
     for (; r0 + 4 <= a.rows; r0 += 4) dot_tile_bf16<NO, 4>(a, o, r0);
     switch (a.rows - r0) {
         case 3: dot_tile_bf16<NO, 3>(a, o, r0); break;
@@ -733,7 +739,7 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
     float* xs = x_scratch(n + int64_t(rows) * (n_in / group_size));
     float* xsum = xs + n;
     // The factored form everywhere but in AVX512's kernel for several rows of x.
-    const bool factored = level < Isa::avx512 || rows == 1;
+    const bool factored = level < Isa::avx512 || (rows == 1 && !batch_invariant());
     prepare_x(xs, xsum, x, rows, n_in, group_size, dtype, level, lanes, factored);
     const LinearArgs args{y, xs, nullptr, xsum, packed, nullptr, scale, min, rows, n_in, n_out, group_size, dtype};
     auto fn = int4_range_scalar;
