@@ -108,8 +108,17 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
         assert all(x["us"]["kernel"] > 0 and x["us"]["torch"] > 0 for x in kr[op])
     lin = {(x["layer"], x["rows"]): x for x in kr["linear"]}
     assert set(lin) == {("qkv", 1), ("qkv", 2), ("head", 1), ("head", 2)}
-    assert set(lin["qkv", 1]["us"]) == {"int4 kernel", "int4 torch", "int8 kernel", "int8 torch", "dense"}
-    assert set(lin["head", 1]["us"]) == {"int8 kernel", "int8 torch", "dense"}  # the LM head: int8 only
+    # bf16 activations (the default): the bf16 matvec on the dense weight beside the dense GEMM
+    assert set(lin["qkv", 1]["us"]) == {
+        "int4 kernel",
+        "int4 torch",
+        "int8 kernel",
+        "int8 torch",
+        "dense",
+        "bf16 kernel",
+    }
+    assert set(lin["head", 1]["us"]) == {"int8 kernel", "int8 torch", "dense", "bf16 kernel"}  # the LM head: int8 only
+    assert lin["qkv", 1]["bytes"]["bf16 kernel"] == lin["qkv", 1]["bytes"]["dense"]
     assert lin["qkv", 1]["bytes"]["dense"] == 64 * 64 * 2  # bf16
     assert lin["qkv", 1]["bytes"]["int4 kernel"] == 64 * 32 + 2 * 64 * 2 * 2  # codes, float16 scale and min
     assert all(v > 0 for x in kr["linear"] for v in x["gb_s"].values())
