@@ -319,98 +319,45 @@ __global__ void __launch_bounds__(kThreads, 1)
     write_outputs<T, MAX_ROWS>(y, acc, ones, rows, out0, n_out);
 }
 
-// --- int8 -----------------------------------------------------------------------------------
-// The same skeleton: a chunk is 16 signed codes of 16 consecutive inputs. n_in is anything, so
-// the last chunk of a row may be partial (ALIGNED requires n_in % 16 == 0 as well).
-template <typename T, int MAX_ROWS, bool ALIGNED>
+// --- int8 and bf16: one weight per element, a chunk of 16 bytes --------------------------------
+// The same skeleton for both, over a weight format F: a chunk is 16 bytes of one row of W, which
+// hold F::kInputs consecutive inputs (16 int8 codes, or 8 bf16 values), lane l reading chunk l of
+// each stretch; F::weights turns float4 f of the chunk's x (inputs 4f .. 4f + 3) into the 4
+// weights that multiply it. n_in is anything: the last chunk of a row may be partial, its missing
+// bytes read as zeros (ALIGNED requires n_in % F::kInputs == 0 as well).
+struct Int8Format {
+    using W = int8_t;
+    using Slot = Int8Slot;
+    static constexpr int kInputs = kChunk;  // 16 codes
+    // Word f holds inputs 4f .. 4f + 3: flipped to unsigned, then floats by the 2^23 trick; the
+    // row's scale multiplies the sum once (see the top).
+    __device__ static void weights(const uint4& code, int f, float (&w)[4]) {
+        bytes_to_floats(word_of(code, f) ^ 0x80808080u, kInt8Bias, w);
+    }
+    __device__ static float row_scale(const float* scale, int o) { return scale[o]; }
+};
+struct Bf16Format {
+    using W = uint16_t;
+    using Slot = Bf16Slot;
+    static constexpr int kInputs = kChunk / 2;  // 8 values
+    // A bf16 is the top half of its float: words 2f and 2f + 1 hold inputs 4f .. 4f + 3, the low
+    // half of each word first, widened with a shift (the low one) and a mask (the high one).
+    __device__ static void weights(const uint4& code, int f, float (&w)[4]) {
+        const uint32_t lo = word_of(code, 2 * f), hi = word_of(code, 2 * f + 1);
+        w[0] = __uint_as_float(lo << 16);
+        w[1] = __uint_as_float(lo & 0xffff0000u);
+        w[2] = __uint_as_float(hi << 16);
+        w[3] = __uint_as_float(hi & 0xffff0000u);
+    }
+    __device__ static float row_scale(const float*, int) { return 1.f; }
+};
+
+template <typename F, typename T, int MAX_ROWS, bool ALIGNED>
 __global__ void __launch_bounds__(kThreads, 1)
-    int8_kernel(T* __restrict__ y, const T* __restrict__ x, const int8_t* __restrict__ q,
+    rows_kernel(T* __restrict__ y, const T* __restrict__ x, const typename F::W* __restrict__ w,
                 const float* __restrict__ scale, int rows, int n_in, int n_out, int tile) {
     constexpr int U = unroll_for<MAX_ROWS>();
-    constexpr int kInputs = kChunk;  // 16 inputs per chunk
-    constexpr int X_VEC = ALIGNED ? 16 / static_cast<int>(sizeof(T)) : 1;
-    extern __shared__ float4 smem[];
-    float* xs = reinterpret_cast<float*>(smem);
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int out0 = (blockIdx.x * kWarps + warp) * kOutPerWarp;
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(q);
-
-    float acc[kOutPerWarp][MAX_ROWS];
-#pragma unroll
-    for (int j = 0; j < kOutPerWarp; ++j) {
-#pragma unroll
-        for (int r = 0; r < MAX_ROWS; ++r) acc[j][r] = 0.f;
-    }
-
-    for (int k0 = 0; k0 < n_in; k0 += tile) {
-        const int kt = min(tile, n_in - k0);
-        __syncthreads();
-        stage_x<T, Int8Slot, kInputs, false, X_VEC>(xs, nullptr, x, rows, n_in, k0, kt, tile);
-        __syncthreads();
-
-        const int chunks = (kt + kInputs - 1) / kInputs;
-        for (int c0 = 0; c0 < chunks; c0 += 32 * U) {
-            uint4 code[kOutPerWarp][U];
-#pragma unroll
-            for (int j = 0; j < kOutPerWarp; ++j) {
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int c = c0 + u * 32 + lane, o = out0 + j;
-                    code[j][u] = make_uint4(0u, 0u, 0u, 0u);  // int8 zeros
-                    if (c < chunks && o < n_out) {
-                        code[j][u] = load_chunk<ALIGNED>(bytes + static_cast<int64_t>(o) * n_in + k0 + kChunk * c,
-                                                         kt - kChunk * c);
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = c0 + u * 32 + lane;
-                if (c >= chunks) break;
-                const float* xc = xs + (c / 32) * Int8Slot::kStretch + lane * 4;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    float w[kOutPerWarp][4];
-#pragma unroll
-                    for (int j = 0; j < kOutPerWarp; ++j) {
-                        bytes_to_floats(word_of(code[j][u], k) ^ 0x80808080u, kInt8Bias, w[j]);
-                    }
-#pragma unroll
-                    for (int r = 0; r < MAX_ROWS; ++r) {
-                        if (r >= rows) break;
-                        const float4 xv = *reinterpret_cast<const float4*>(xc + r * tile + k * 128);
-#pragma unroll
-                        for (int j = 0; j < kOutPerWarp; ++j) {
-                            float a = acc[j][r];
-                            a = fmaf(xv.x, w[j][0], a);
-                            a = fmaf(xv.y, w[j][1], a);
-                            a = fmaf(xv.z, w[j][2], a);
-                            a = fmaf(xv.w, w[j][3], a);
-                            acc[j][r] = a;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    float row_scale[kOutPerWarp];
-#pragma unroll
-    for (int j = 0; j < kOutPerWarp; ++j) row_scale[j] = out0 + j < n_out ? scale[out0 + j] : 0.f;
-    write_outputs<T, MAX_ROWS>(y, acc, row_scale, rows, out0, n_out);
-}
-
-// --- bf16 -----------------------------------------------------------------------------------
-// The same skeleton once more, for unquantized bf16 weights: a chunk is 8 weights of 8
-// consecutive inputs (16 bytes). A bf16 is the top half of its float, so a word of two of them
-// widens with a shift (the low one) and a mask (the high one): no conversion instruction, no
-// scale. n_in is anything (ALIGNED requires n_in % 8 == 0): a partial last chunk reads zeros.
-template <typename T, int MAX_ROWS, bool ALIGNED>
-__global__ void __launch_bounds__(kThreads, 1)
-    bf16_kernel(T* __restrict__ y, const T* __restrict__ x, const uint16_t* __restrict__ w, int rows, int n_in,
-                int n_out, int tile) {
-    constexpr int U = unroll_for<MAX_ROWS>();
-    constexpr int kInputs = kChunk / 2;  // 8 inputs per chunk
+    constexpr int kInputs = F::kInputs, kFloat4s = kInputs / 4, kBytes = kChunk / kInputs;  // bytes per input
     constexpr int X_VEC = ALIGNED ? 16 / static_cast<int>(sizeof(T)) : 1;
     extern __shared__ float4 smem[];
     float* xs = reinterpret_cast<float*>(smem);
@@ -429,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int k0 = 0; k0 < n_in; k0 += tile) {
         const int kt = min(tile, n_in - k0);
         __syncthreads();
-        stage_x<T, Bf16Slot, kInputs, false, X_VEC>(xs, nullptr, x, rows, n_in, k0, kt, tile);
+        stage_x<T, typename F::Slot, kInputs, false, X_VEC>(xs, nullptr, x, rows, n_in, k0, kt, tile);
         __syncthreads();
 
         const int chunks = (kt + kInputs - 1) / kInputs;
@@ -440,10 +387,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int c = c0 + u * 32 + lane, o = out0 + j;
-                    code[j][u] = make_uint4(0u, 0u, 0u, 0u);  // bf16 zeros
+                    code[j][u] = make_uint4(0u, 0u, 0u, 0u);  // int8 and bf16 zeros alike
                     if (c < chunks && o < n_out) {
                         const int64_t first = static_cast<int64_t>(o) * n_in + k0 + kInputs * c;  // in elements
-                        code[j][u] = load_chunk<ALIGNED>(bytes + 2 * first, 2 * (kt - kInputs * c));
+                        code[j][u] = load_chunk<ALIGNED>(bytes + kBytes * first, kBytes * (kt - kInputs * c));
                     }
                 }
             }
@@ -451,18 +398,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int u = 0; u < U; ++u) {
                 const int c = c0 + u * 32 + lane;
                 if (c >= chunks) break;
-                const float* xc = xs + (c / 32) * Bf16Slot::kStretch + lane * 4;
+                const float* xc = xs + (c / 32) * F::Slot::kStretch + lane * 4;
 #pragma unroll
-                for (int f = 0; f < 2; ++f) {  // float4 f of x: inputs 4f .. 4f + 3, words 2f and 2f + 1
+                for (int f = 0; f < kFloat4s; ++f) {
                     float wv[kOutPerWarp][4];
 #pragma unroll
-                    for (int j = 0; j < kOutPerWarp; ++j) {
-                        const uint32_t lo = word_of(code[j][u], 2 * f), hi = word_of(code[j][u], 2 * f + 1);
-                        wv[j][0] = __uint_as_float(lo << 16);
-                        wv[j][1] = __uint_as_float(lo & 0xffff0000u);
-                        wv[j][2] = __uint_as_float(hi << 16);
-                        wv[j][3] = __uint_as_float(hi & 0xffff0000u);
-                    }
+                    for (int j = 0; j < kOutPerWarp; ++j) F::weights(code[j][u], f, wv[j]);
 #pragma unroll
                     for (int r = 0; r < MAX_ROWS; ++r) {
                         if (r >= rows) break;
@@ -481,10 +422,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
     }
-    float ones[kOutPerWarp];
+    float row_scale[kOutPerWarp];
 #pragma unroll
-    for (int j = 0; j < kOutPerWarp; ++j) ones[j] = 1.f;
-    write_outputs<T, MAX_ROWS>(y, acc, ones, rows, out0, n_out);
+    for (int j = 0; j < kOutPerWarp; ++j) row_scale[j] = out0 + j < n_out ? F::row_scale(scale, out0 + j) : 0.f;
+    write_outputs<T, MAX_ROWS>(y, acc, row_scale, rows, out0, n_out);
 }
 
 // --- launch -----------------------------------------------------------------------------------
@@ -560,12 +501,16 @@ cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const uin
     });
 }
 
-cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
-                        DType dtype, cudaStream_t stream) {
+namespace {
+
+// int8_linear and bf16_linear: rows_kernel for format F, in launches of up to kMaxRowsPerLaunch rows.
+template <typename F>
+cudaError_t launch_rows(void* y, const void* x, const typename F::W* w, const float* scale, int rows, int n_in,
+                        int n_out, DType dtype, cudaStream_t stream) {
     if (rows < 0 || n_in < 0 || n_out < 0) return cudaErrorInvalidValue;
     if (rows == 0 || n_out == 0) return cudaSuccess;
-    // ALIGNED: 16-byte loads of W and x; with n_in % 16 == 0 every row keeps the first's alignment.
-    const bool aligned = is_aligned(q, 16) && is_aligned(x, 16) && n_in % 16 == 0;
+    // ALIGNED: 16-byte loads of W and x; with whole chunks per row every row keeps the first's alignment.
+    const bool aligned = is_aligned(w, 16) && is_aligned(x, 16) && n_in % F::kInputs == 0;
     return dispatch_dtype(dtype, [&](auto tag) {
         using T = typename decltype(tag)::type;
         for (int r0 = 0; r0 < rows; r0 += kMaxRowsPerLaunch) {
@@ -576,8 +521,8 @@ cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* sc
             const T* xc = static_cast<const T*>(x) + static_cast<int64_t>(r0) * n_in;
             const cudaError_t err = with_max_rows(chunk, [&](auto max_rows) {
                 constexpr int R = decltype(max_rows)::value;
-                auto kernel = aligned ? int8_kernel<T, R, true> : int8_kernel<T, R, false>;
-                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, q, scale, chunk, n_in, n_out, tile);
+                auto kernel = aligned ? rows_kernel<F, T, R, true> : rows_kernel<F, T, R, false>;
+                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, w, scale, chunk, n_in, n_out, tile);
             });
             if (err != cudaSuccess) return err;
         }
@@ -585,29 +530,16 @@ cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* sc
     });
 }
 
+}  // namespace
+
+cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                        DType dtype, cudaStream_t stream) {
+    return launch_rows<Int8Format>(y, x, q, scale, rows, n_in, n_out, dtype, stream);
+}
+
 cudaError_t bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype,
                         cudaStream_t stream) {
-    if (rows < 0 || n_in < 0 || n_out < 0) return cudaErrorInvalidValue;
-    if (rows == 0 || n_out == 0) return cudaSuccess;
-    // ALIGNED: 16-byte loads of W and x; with n_in % 8 == 0 every row keeps the first's alignment.
-    const bool aligned = is_aligned(w, 16) && is_aligned(x, 16) && n_in % 8 == 0;
-    return dispatch_dtype(dtype, [&](auto tag) {
-        using T = typename decltype(tag)::type;
-        for (int r0 = 0; r0 < rows; r0 += kMaxRowsPerLaunch) {
-            const int chunk = std::min(kMaxRowsPerLaunch, rows - r0);
-            const int tile = tile_for(chunk, n_in, 32);
-            const size_t smem = static_cast<size_t>(chunk) * tile * sizeof(float);
-            T* yc = static_cast<T*>(y) + static_cast<int64_t>(r0) * n_out;
-            const T* xc = static_cast<const T*>(x) + static_cast<int64_t>(r0) * n_in;
-            const cudaError_t err = with_max_rows(chunk, [&](auto max_rows) {
-                constexpr int R = decltype(max_rows)::value;
-                auto kernel = aligned ? bf16_kernel<T, R, true> : bf16_kernel<T, R, false>;
-                return launch(kernel, blocks_for(n_out), smem, stream, yc, xc, w, chunk, n_in, n_out, tile);
-            });
-            if (err != cudaSuccess) return err;
-        }
-        return cudaSuccess;
-    });
+    return launch_rows<Bf16Format>(y, x, w, nullptr, rows, n_in, n_out, dtype, stream);
 }
 
 }  // namespace kernels::cuda
