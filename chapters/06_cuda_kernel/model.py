@@ -16,9 +16,9 @@ Chapter 04: a linear weight is either a tensor or a quantized weight prepared fo
 dequantizing only the rows of the tokens.
 
 Chapter 06: the residual add, the norms, RoPE, decode attention, SwiGLU's silu(gate) * up, the
-quantized matmuls and bf16 matmuls of a few rows run through `model.ops`, kernels/' CUDA or C++ kernels or chapter 05's PyTorch
-(ops.py). The residual stream x is updated in place, and each add is fused with the norm that
-follows it:
+quantized matmuls and bf16 matmuls of a few rows run through `model.ops`, kernels/' CUDA or C++
+kernels or chapter 05's PyTorch (ops.py). The residual stream x is updated in place, and each add
+is fused with the norm that follows it:
 
     h = norm(x)
     for each layer:
