@@ -45,6 +45,7 @@ class AttentionGroup:
     context_lens: torch.Tensor  # [B] int32: keys each sequence's last query reads (its position + 1)
     decodes: bool = False  # one query per sequence
     _bias: dict = field(default_factory=dict, repr=False)
+    _one_query_each: AttentionGroup | None = field(default=None, repr=False)  # one_query_each's, once per step
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias (0 or -inf), made once per step for all layers: given a
@@ -136,14 +137,18 @@ def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bo
 def one_query_each(g: AttentionGroup) -> AttentionGroup:
     """A group of prompt chunks as a group of decodes: each real query a row of its own, with its
     sequence's block table and the keys up to its own position, which is how the paged decode
-    kernel would attend it in a decode step (ops.KernelOps, batch-invariant)."""
-    n_valid = g.valid.sum(dim=1)  # [B] queries of each sequence
-    first = g.context_lens - n_valid + 1  # [B] keys the first query of each chunk reads
-    lens = first[:, None] + torch.arange(g.valid.shape[1], device=first.device)[None, :]  # [B, Q]
-    return replace(
-        g,
-        token_index=g.token_index[g.valid][:, None],  # [T, 1]
-        block_tables=g.block_tables.repeat_interleave(n_valid, dim=0),  # [T, blocks]
-        context_lens=lens[g.valid].to(torch.int32),  # [T]
-        decodes=True,
-    )
+    kernel would attend it in a decode step (ops.KernelOps, batch-invariant). Made once per step and
+    kept on the group: every layer attends the same way."""
+    if g._one_query_each is None:
+        n_valid = g.valid.sum(dim=1)  # [B] queries of each sequence
+        first = g.context_lens - n_valid + 1  # [B] keys the first query of each chunk reads
+        lens = first[:, None] + torch.arange(g.valid.shape[1], device=first.device)[None, :]  # [B, Q]
+        g._one_query_each = replace(
+            g,
+            token_index=g.token_index[g.valid][:, None],  # [T, 1]
+            block_tables=g.block_tables.repeat_interleave(n_valid, dim=0),  # [T, blocks]
+            context_lens=lens[g.valid].to(torch.int32),  # [T]
+            decodes=True,
+            _bias={},
+        )
+    return g._one_query_each

@@ -729,6 +729,22 @@ float* x_scratch(int64_t n) {
     return buffer.data();
 }
 
+// int8 and bf16 (F: Int8Rows, Bf16Rows) on x widened to float: the tiles of this CPU's level.
+template <class F>
+void rows_linear(void* y, const void* x, const typename F::T* w, const float* scale, int rows, int n_in, int n_out,
+                 DType dtype) {
+    const Isa level = isa();
+    float* xs = x_scratch(int64_t(rows) * n_in);
+    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, level, 1, false);
+    const LinearArgs args{y, xs, nullptr, nullptr, w, scale, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
+    auto fn = rows_range_scalar<F>;
+#ifdef KERNELS_X86
+    if (level >= Isa::avx512) fn = rows_range_avx512<F>;
+    else if (level == Isa::avx2) fn = rows_range_avx2<F>;
+#endif
+    run_linear(fn, args);
+}
+
 }  // namespace
 
 void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
@@ -738,10 +754,11 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
     const int64_t n = int64_t(rows) * n_in;
     float* xs = x_scratch(n + int64_t(rows) * (n_in / group_size));
     float* xsum = xs + n;
-    // The factored form everywhere but in AVX512's kernel for several rows of x.
-    const bool factored = level < Isa::avx512 || (rows == 1 && !batch_invariant());
-    prepare_x(xs, xsum, x, rows, n_in, group_size, dtype, level, lanes, factored);
     const LinearArgs args{y, xs, nullptr, xsum, packed, nullptr, scale, min, rows, n_in, n_out, group_size, dtype};
+    // The factored form everywhere but in AVX512's kernel for several rows of x (or, batch-invariant,
+    // for any: the switch read once, into args, so that x is prepared for the form the kernel takes).
+    const bool factored = level < Isa::avx512 || (rows == 1 && !args.invariant);
+    prepare_x(xs, xsum, x, rows, n_in, group_size, dtype, level, lanes, factored);
     auto fn = int4_range_scalar;
 #ifdef KERNELS_X86
     if (level >= Isa::avx512) fn = int4_range_avx512;
@@ -752,36 +769,18 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
 
 void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                  DType dtype) {
-    const Isa level = isa();
-    float* xs = x_scratch(int64_t(rows) * n_in);
-    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, level, 1, false);
-    const LinearArgs args{y, xs, nullptr, nullptr, q, scale, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
-    auto fn = rows_range_scalar<Int8Rows>;
-#ifdef KERNELS_X86
-    if (level >= Isa::avx512) fn = rows_range_avx512<Int8Rows>;
-    else if (level == Isa::avx2) fn = rows_range_avx2<Int8Rows>;
-#endif
-    run_linear(fn, args);
+    rows_linear<Int8Rows>(y, x, q, scale, rows, n_in, n_out, dtype);
 }
 
 void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype) {
-    const Isa level = isa();
 #ifdef KERNELS_X86
-    if (level == Isa::avx512_bf16 && dtype == DType::bf16) {
+    if (isa() == Isa::avx512_bf16 && dtype == DType::bf16) {
         const auto* x_bf16 = static_cast<const uint16_t*>(x);
         const LinearArgs args{y, nullptr, x_bf16, nullptr, w, nullptr, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
         return run_linear(dot_range_bf16, args);
     }
 #endif
-    float* xs = x_scratch(int64_t(rows) * n_in);
-    prepare_x(xs, nullptr, x, rows, n_in, 0, dtype, level, 1, false);
-    const LinearArgs args{y, xs, nullptr, nullptr, w, nullptr, nullptr, nullptr, rows, n_in, n_out, 0, dtype};
-    auto fn = rows_range_scalar<Bf16Rows>;
-#ifdef KERNELS_X86
-    if (level >= Isa::avx512) fn = rows_range_avx512<Bf16Rows>;
-    else if (level == Isa::avx2) fn = rows_range_avx2<Bf16Rows>;
-#endif
-    run_linear(fn, args);
+    rows_linear<Bf16Rows>(y, x, w, nullptr, rows, n_in, n_out, dtype);
 }
 
 }  // namespace kernels::cpu
