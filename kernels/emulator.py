@@ -171,6 +171,7 @@ class Emulated:
         )
         self.lib.emu_add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [i, i, f, i]
         self.lib.emu_rope.argtypes = [ctypes.c_void_p] * 3 + [i, i, i, i64, i]
+        self.lib.emu_rope_cache.argtypes = [ctypes.c_void_p] * 6 + [i] * 5
         self.lib.emu_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [i] * 3
         self.lib.emu_int4_linear.argtypes = [ctypes.c_void_p] * 5 + [i] * 5
         self.lib.emu_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [i] * 4
@@ -243,6 +244,19 @@ class Emulated:
             _ptr(qk), _ptr(cos), _ptr(sin), tokens, heads, head_dim, qk.stride(0), DTYPE_CODES[str(qk.dtype)]
         )
         self._check(err, "rope")
+
+    def rope_cache_(self, qkv, cos, sin, k_pool, v_pool, slots):
+        tokens, heads, head_dim = qkv.shape
+        n_kv_heads = k_pool.shape[2]
+        err = self.lib.emu_rope_cache(
+            *map(_ptr, (qkv, cos, sin, k_pool, v_pool, slots)),
+            tokens,
+            heads - 2 * n_kv_heads,
+            n_kv_heads,
+            head_dim,
+            DTYPE_CODES[str(qkv.dtype)],
+        )
+        self._check(err, "rope_cache")
 
     def silu_mul(self, gate_up):
         import torch

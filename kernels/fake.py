@@ -34,6 +34,10 @@ def register() -> None:
     def _(qk, cos, sin):
         return None
 
+    @torch.library.register_fake(lib + "rope_cache_")
+    def _(qkv, cos, sin, k_pool, v_pool, slots):
+        return None
+
     @torch.library.register_fake(lib + "silu_mul")
     def _(gate_up):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

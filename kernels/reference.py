@@ -86,6 +86,20 @@ def rope(qk, cos, sin) -> torch.Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(qk.dtype)
 
 
+def rope_cache(qkv, cos, sin, k_pool, v_pool, slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [tokens, n_heads + 2 * n_kv_heads, D]; pools [num_blocks, block_size, n_kv_heads, D].
+    -> (qkv with its q heads rotated, k_pool with the rotated k heads at slots, v_pool with the v
+    heads there): new tensors."""
+    n_kv_heads = k_pool.shape[2]
+    n_heads = qkv.shape[1] - 2 * n_kv_heads
+    q, k, v = qkv[:, :n_heads], qkv[:, n_heads : n_heads + n_kv_heads], qkv[:, n_heads + n_kv_heads :]
+    qkv, k_pool, v_pool = qkv.clone(), k_pool.clone(), v_pool.clone()
+    qkv[:, :n_heads] = rope(q, cos, sin)
+    k_pool.view(-1, *k_pool.shape[2:])[slots] = rope(k, cos, sin)
+    v_pool.view(-1, *v_pool.shape[2:])[slots] = v
+    return qkv, k_pool, v_pool
+
+
 def silu_mul(gate_up) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dimension, in float32, rounded once."""
     gate, up = gate_up.float().chunk(2, dim=-1)

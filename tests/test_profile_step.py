@@ -18,9 +18,9 @@ def test_a_step_is_split_into_kernels_torch_and_the_rest(tmp_path):
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     layers = json.loads((REPO / "models" / "tiny-llama3" / "config.json").read_text())["num_hidden_layers"]
-    # one decode token a step: per layer one attention, one rope_, two norms, one silu_mul (+ the first norm)
+    # one decode token a step: per layer one attention, one rope_cache_, two norms, one silu_mul (+ the first norm)
     calls = result["kernel_calls"]
-    assert calls["paged_decode_attention"] == layers and calls["rope_"] == layers and calls["silu_mul"] == layers
+    assert calls["paged_decode_attention"] == layers and calls["rope_cache_"] == layers and calls["silu_mul"] == layers
     assert calls["add_rms_norm"] == 2 * layers + 1
     assert "bf16_linear" not in calls  # float32 weights: torch's GEMM (aten::linear / addmm / mm)
     assert any(name in result["torch_top"] for name in ("aten::addmm", "aten::mm", "aten::linear"))

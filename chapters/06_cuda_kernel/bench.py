@@ -19,7 +19,7 @@ Parts (--parts, comma-separated; all by default):
                   on K/V already gathered (in the dtype chapter 05 hands it: float32 on a CPU);
                   contexts 128..8192 at batch 1 and 16, SmolLM2-135M's heads (9, 3 KV, 64) and on
                   CUDA also Llama-3.2-1B's (32, 8 KV, 64); the kernel's K/V read in GB/s
-                add_rms_norm against x += delta then F.rms_norm; rope_ against rope.apply_rope
+                add_rms_norm against x += delta then F.rms_norm; rope_cache_ against apply_rope + cache.write
                 int4_linear and int8_linear against torch's packed ops (qmatmul.Int4PackedLinear,
                   Int8PackedLinear) and a dense F.linear, on SmolLM2's matrices (qkv, o, gate_up,
                   down; the LM head in int8) at 1, 4 and 16 rows; weight bytes read in GB/s;
@@ -187,16 +187,26 @@ def norm_case(ext, hidden: int, rows: int, device, dtype, timer) -> dict:
 
 
 def rope_case(ext, dims, rows: int, device, dtype, timer) -> dict:
+    """RoPE and the step's K/V into the paged pool: the fused kernel against rope then two indexed copies."""
+    from types import SimpleNamespace
+
     from ops import KernelOps, TorchOps
+    from paged_cache import PagedKVCache
 
     nh, nkv, hd = dims
     qkv = torch.randn(rows, nh + 2 * nkv, hd, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
-    qk = qkv[:, : nh + nkv]  # q and k heads, rotated in place inside qkv, as model.py does
+    shape = SimpleNamespace(num_key_value_heads=nkv, head_dim=hd, num_hidden_layers=1)
+    cache = PagedKVCache(shape, -(-2 * rows // 16), 16, device, dtype)
+    slots = torch.randperm(cache.num_blocks * 16, device=device)[:rows]  # a step's tokens land anywhere in the pool
     inv_freq = (1.0 / 500_000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)).to(device)
     positions = torch.arange(1000, 1000 + rows, device=device)
     (ck, sk), (ct, st) = KernelOps.angles(inv_freq, positions, dtype), TorchOps.angles(inv_freq, positions, dtype)
-    return {"heads": nh + nkv, "head_dim": hd, "rows": rows} | measure(
-        {"kernel": lambda: ext.rope_(qk, ck, sk), "torch": lambda: TorchOps.rope_(qk, ct, st)}, timer
+    return {"heads": nh + 2 * nkv, "head_dim": hd, "rows": rows} | measure(
+        {
+            "kernel": lambda: ext.rope_cache_(qkv, ck, sk, cache.k[0], cache.v[0], slots),
+            "torch": lambda: TorchOps.rope_cache_(qkv, ct, st, cache, 0, slots),
+        },
+        timer,
     )
 
 
@@ -303,7 +313,7 @@ def part_kernels(args, saved) -> dict:
             cases.append(
                 (
                     "rope",
-                    f"rope_ {m} rows={rows}",
+                    f"rope_cache_ {m} rows={rows}",
                     {"model": m},
                     lambda m=m, r=rows: rope_case(ext, SHAPES[m], r, device, dtype, timer),
                 )
@@ -607,7 +617,7 @@ def print_tables(result: dict) -> None:
         for op in ("add_rms_norm", "rope"):
             for r in kr[op]:
                 print(
-                    f"{op + ('_' if op == 'rope' else ''):<13} {r['model']:<13} {r['rows']:>5} "
+                    f"{op + ('_cache_' if op == 'rope' else ''):<13} {r['model']:<13} {r['rows']:>5} "
                     f"{fmt(r['us']['kernel'], '.2f'):>8} {fmt(r['us']['torch'], '.2f'):>8} "
                     f"{fmt(ratio(r['us']['torch'], r['us']['kernel']), '.2f'):>7}x"
                 )

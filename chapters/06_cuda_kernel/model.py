@@ -15,7 +15,7 @@ Chapter 04: a linear weight is either a tensor or a quantized weight prepared fo
 (qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
 dequantizing only the rows of the tokens.
 
-Chapter 06: the residual add, the norms, RoPE, decode attention, SwiGLU's silu(gate) * up, the
+Chapter 06: the residual add, the norms, RoPE with the KV cache write, decode attention, SwiGLU's silu(gate) * up, the
 quantized matmuls and bf16 matmuls of a few rows run through `model.ops`, kernels/' CUDA or C++
 kernels or chapter 05's PyTorch (ops.py). The residual stream x is updated in place, and each add
 is fused with the norm that follows it:
@@ -145,9 +145,8 @@ def attention(h, layer: Layer, i: int, cos, sin, cache: PagedKVCache, step: Step
     n = h.shape[0]
     nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     qkv = linear(h, layer.wqkv).view(n, nh + 2 * nkv, hd)
-    ops.rope_(qkv[:, : nh + nkv], cos, sin)  # q and k heads sit side by side in qkv: rotated together, in place
-    q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]  # [tokens, heads, hd]
-    cache.write(i, step.slots, k, v)
+    ops.rope_cache_(qkv, cos, sin, cache, i, step.slots)  # q rotated in place; k rotated and v stored in the pool
+    q = qkv[:, :nh]  # [tokens, nh, hd]
     out = ops.attention(q, cache.k[i], cache.v[i], step.groups)  # [tokens, nh, hd]
     return linear(out.reshape(n, nh * hd), layer.wo)
 

@@ -4,7 +4,7 @@ Chapter 06 runs chapter 05's engine with its inner loops replaced by the kernels
 (a CUDA kernel on a GPU, its C++ twin on a CPU). The forward pass (model.py) calls the five
 operations below through one of two objects with the same methods:
 
-    KernelOps   kernels/: fused residual-add + RMSNorm, RoPE in place, paged decode attention
+    KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged decode attention
                 (flash-decoding, reading K/V where they lie in the pool), SwiGLU's silu(gate) * up
                 in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU (qmatmul.py)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
@@ -32,6 +32,7 @@ import torch
 from batch import AttentionGroup, DecodeGroup, one_query_each
 from common.errors import UserError
 from paged_attention import paged_attention
+from paged_cache import PagedKVCache
 from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, KernelInt4Linear, KernelInt8Linear, PerStepLinear
 from quant import Int8Weight, QuantWeight
 from rope import apply_rope, cos_sin
@@ -48,7 +49,10 @@ class Ops(Protocol):
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor: ...
-    def rope_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+    def rope_cache_(self, qkv: torch.Tensor, cos, sin, cache: PagedKVCache, layer: int, slots: torch.Tensor) -> None:
+        """RoPE on the q and k heads of qkv ([tokens, n_heads + 2 * n_kv_heads, head_dim]), q in place;
+        the rotated k and the v heads stored in `layer`'s pool at `slots`."""
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
 
@@ -76,7 +80,7 @@ class TorchOps:
 
     @staticmethod
     def angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a step's tokens, in the form rope_ takes: [tokens, 1, head_dim] in `dtype`
+        """cos, sin for a step's tokens, in the form rope_cache_ takes: [tokens, 1, head_dim] in `dtype`
         (angles in float32, then cast: the reference's rounding)."""
         cos, sin = cos_sin(inv_freq, positions)
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
@@ -89,8 +93,12 @@ class TorchOps:
         return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
     @staticmethod
-    def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rope_cache_(qkv, cos, sin, cache: PagedKVCache, layer: int, slots) -> None:
+        nkv = cache.shape[2]
+        nh = qkv.shape[1] - 2 * nkv
+        qk = qkv[:, : nh + nkv]  # q and k heads sit side by side in qkv: rotated together, in place
         qk.copy_(apply_rope(qk, cos, sin))
+        cache.write(layer, slots, qkv[:, nh : nh + nkv], qkv[:, nh + nkv :])
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -162,8 +170,10 @@ class KernelOps:
     def add_rms_norm(self, x, delta, weight, eps) -> torch.Tensor:
         return self._ext.add_rms_norm(x, delta, weight, eps)
 
-    def rope_(self, qk, cos, sin) -> None:
-        self._ext.rope_(qk, cos, sin)
+    def rope_cache_(self, qkv, cos, sin, cache: PagedKVCache, layer: int, slots) -> None:
+        """One pass where PyTorch takes three: rotates q in place and k on its way into the pool, copies v
+        (vLLM's rotary embedding and reshape_and_cache, in one kernel). qkv's k heads stay unrotated."""
+        self._ext.rope_cache_(qkv, cos, sin, cache.k[layer], cache.v[layer], slots)
 
     def silu_mul(self, gate_up) -> torch.Tensor:
         """One pass instead of torch's silu, then product (and a call instead of three)."""

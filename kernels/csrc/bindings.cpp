@@ -189,6 +189,54 @@ void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
     }
 }
 
+void rope_cache_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool, at::Tensor& v_pool,
+                 const at::Tensor& slots) {
+    check_supported_device(qkv);
+    TORCH_CHECK(
+        k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+        "k_pool, v_pool: the same contiguous [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
+        k_pool.sizes(), " and ", v_pool.sizes());
+    const int64_t n_kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
+    const int64_t slots_total = k_pool.size(0) * k_pool.size(1);
+    TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) == head_dim && qkv.size(1) > 2 * n_kv_heads,
+                "qkv: contiguous [tokens, n_heads + 2 * n_kv_heads, head_dim] expected (q, k, v heads), with the "
+                "pool's n_kv_heads ",
+                n_kv_heads, " and head_dim ", head_dim, ", got ", qkv.sizes());
+    TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+    const int64_t tokens = qkv.size(0), n_heads = qkv.size(1) - 2 * n_kv_heads;
+    for (const at::Tensor* t : {&cos, &sin}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens &&
+                        t->size(1) == head_dim / 2,
+                    "cos, sin: contiguous float32 [tokens, head_dim / 2] expected, got ", t->sizes());
+    }
+    TORCH_CHECK(
+        slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens && slots.is_contiguous(),
+        "slots: contiguous int64 [tokens] expected, got ", slots.scalar_type(), " ", slots.sizes());
+    const at::Tensor* others[] = {&cos, &sin, &k_pool, &v_pool, &slots};
+    for (const at::Tensor* t : others) check_same_device(qkv, *t, "an argument");
+    const DType dtype = dtype_of(qkv, "qkv");
+    TORCH_CHECK(k_pool.scalar_type() == qkv.scalar_type() && v_pool.scalar_type() == qkv.scalar_type(),
+                "qkv, k_pool and v_pool must share a dtype");
+    if (tokens == 0) return;
+    if (qkv.is_cpu()) {
+        // Slots are checked on the CPU only (on CUDA it would cost a device-to-host copy, a wait).
+        const int64_t* s = slots.data_ptr<int64_t>();
+        for (int64_t t = 0; t < tokens; ++t)
+            TORCH_CHECK(s[t] >= 0 && s[t] < slots_total, "slots[", t, "] = ", s[t], " is outside the pool's 0..",
+                        slots_total - 1);
+        kernels::cpu::rope_cache(qkv.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool.data_ptr(),
+                                 v_pool.data_ptr(), s, tokens, n_heads, n_kv_heads, head_dim, dtype);
+    } else {
+#ifdef WITH_CUDA
+        const c10::cuda::CUDAGuard guard(qkv.device());
+        check_cuda(kernels::cuda::rope_cache(qkv.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                             k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr<int64_t>(), tokens,
+                                             n_heads, n_kv_heads, head_dim, dtype, at::cuda::getCurrentCUDAStream()),
+                   "rope_cache");
+#endif
+    }
+}
+
 // --- quantized linear layers -----------------------------------------------------------------
 
 void check_x(const at::Tensor& x, int64_t n_in) {
@@ -323,13 +371,16 @@ kernels::cpu::Isa isa_from(const std::string& name) {
 // them it is an unknown Python call. Registered here with a schema, each kernel is one opaque
 // operator they can place in a graph, with the output shapes of its fake implementation
 // (kernels/fake.py). The schema says what an operator writes: Tensor(a!) is an argument updated
-// in place (the residual stream of add_rms_norm, the q/k heads of rope_).
+// in place (the residual stream of add_rms_norm, the q/k heads of rope_, the pools of rope_cache_).
 TORCH_LIBRARY(llm_kernels, m) {
     m.def(
         "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens, "
         "float scale, int partition_size) -> Tensor");
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
     m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+    m.def(
+        "rope_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor slots) "
+        "-> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
@@ -342,6 +393,7 @@ static void impl_all(torch::Library& m) {
     m.impl("paged_decode_attention", &paged_decode_attention);
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("rope_", &rope_);
+    m.impl("rope_cache_", &rope_cache_);
     m.impl("silu_mul", &silu_mul);
     m.impl("int4_linear", &int4_linear);
     m.impl("int8_linear", &int8_linear);
@@ -363,6 +415,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("delta"), py::arg("weight"), py::arg("eps"));
     m.def("rope_", &rope_, "rotate q and k heads in place (rotate-half)", py::arg("qk"), py::arg("cos"),
           py::arg("sin"));
+    m.def("rope_cache_", &rope_cache_,
+          "rotate q heads in place, k heads into k_pool at slots; copy v heads into v_pool at slots", py::arg("qkv"),
+          py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"));
     m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up] -> [rows, inter]", py::arg("gate_up"));
     m.def("int4_linear", &int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
           py::arg("scale"), py::arg("min"), py::arg("group_size"));

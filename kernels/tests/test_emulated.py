@@ -167,6 +167,20 @@ def test_rope_on_a_strided_view(emu, tokens, heads, head_dim, dtype):
     assert torch.equal(qkv[:, heads:], before[:, heads:])  # the v heads beside them: untouched
 
 
+@pytest.mark.parametrize("tokens,n_heads,n_kv_heads,head_dim", [(1, 9, 3, 64), (5, 4, 4, 6), (40, 6, 2, 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rope_cache(emu, tokens, n_heads, n_kv_heads, head_dim, dtype):
+    from test_norm_rope import rope_cache_case
+
+    case = rope_cache_case(tokens, n_heads, n_kv_heads, head_dim, dtype, "cpu", num_blocks=12, seed=tokens)
+    qkv, k_pool, v_pool = reference.rope_cache(*case)
+    emu.rope_cache_(*case)
+    assert_close(case[0][:, :n_heads], qkv[:, :n_heads])
+    assert torch.equal(case[0][:, n_heads:], qkv[:, n_heads:])  # k and v heads of qkv: as they were
+    assert_close(case[3], k_pool)
+    assert torch.equal(case[4], v_pool)
+
+
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 8), (4, 100)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_silu_mul(emu, rows, inter, dtype):

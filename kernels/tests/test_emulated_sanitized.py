@@ -21,6 +21,7 @@ SANITIZED = textwrap.dedent(
     from conftest import assert_close
     from test_paged_attention import make_case
     from test_quant_linear import int4_weight
+    from test_norm_rope import rope_cache_case
     emu = emulator.load(plant={plant!r}, sanitize=True)
     torch.manual_seed(0)
     what = {what!r}
@@ -35,6 +36,10 @@ SANITIZED = textwrap.dedent(
         expected = reference.rope(qk, cos, sin)
         emu.rope_(qk, cos, sin)
         assert_close(qk, expected)
+        case = rope_cache_case(5, 6, 2, 32, torch.bfloat16, "cpu")
+        expected = reference.rope_cache(*case)
+        emu.rope_cache_(*case)
+        assert_close(case[3], expected[1])
         for rows, n_in in ((1, 576), (16, 2048), (3, 320)):
             packed, scale, mn = int4_weight(24, n_in, 32)
             x = torch.randn(rows, n_in).bfloat16()  # bf16: the memory is checked here, float32 maths above

@@ -1,4 +1,4 @@
-"""Fused residual-add + RMSNorm, in-place RoPE, and SwiGLU's silu(gate) * up, against their references."""
+"""Fused residual-add + RMSNorm, in-place RoPE, RoPE fused with the KV cache write, and SwiGLU's silu(gate) * up, against their references."""
 
 import pytest
 import torch
@@ -58,6 +58,52 @@ def test_rope_every_cpu_path(ops, isa):
         assert_close(x, expected, isa)
 
 
+def rope_cache_case(tokens, n_heads, n_kv_heads, head_dim, dtype, device, num_blocks=6, block_size=4, seed=0):
+    """qkv, cos, sin, k_pool, v_pool, slots as a layer hands them: the pools hold earlier tokens'
+    K/V (random), the step's tokens go to distinct slots scattered over the blocks."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, n_heads + 2 * n_kv_heads, head_dim, generator=g).to(dtype)
+    pools = [torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    cos, sin = angles(tokens, head_dim, "cpu")
+    return [t.to(device) for t in (qkv, cos, sin, *pools, slots)]
+
+
+@pytest.mark.parametrize("tokens,n_heads,n_kv_heads,head_dim", [(1, 9, 3, 64), (5, 4, 4, 32), (17, 6, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rope_cache(ops, device, tokens, n_heads, n_kv_heads, head_dim, dtype):
+    case = rope_cache_case(tokens, n_heads, n_kv_heads, head_dim, dtype, device, seed=tokens)
+    qkv, k_pool, v_pool = reference.rope_cache(*[t.cpu() for t in case])
+    v_before = case[0][:, n_heads:].clone()
+    ops.rope_cache_(*case)
+    assert_close(case[0][:, :n_heads], qkv[:, :n_heads], "q heads, rotated in place")
+    assert torch.equal(case[0][:, n_heads:], v_before), "k and v heads of qkv are left as they were"
+    assert_close(case[3], k_pool, "k pool: rotated k at the slots, the rest untouched")
+    assert torch.equal(case[4].cpu(), v_pool), "v pool: v copied bit for bit at the slots, the rest untouched"
+
+
+def test_rope_cache_every_cpu_path(ops, isa):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        case = rope_cache_case(7, 9, 3, 64, dtype, "cpu", seed=3)
+        qkv, k_pool, v_pool = reference.rope_cache(*case)
+        ops.rope_cache_(*case)
+        assert_close(case[0], qkv, f"{isa} {dtype}")
+        assert_close(case[3], k_pool, f"{isa} {dtype}")
+        assert torch.equal(case[4], v_pool), f"{isa} {dtype}"
+
+
+def test_rope_cache_equals_rope_then_the_indexed_copies(ops):
+    # What the fused call replaces in the engine (chapter 05's cache.write after rope_), bit for bit
+    # in bf16: the same rotation arithmetic, and copies are copies.
+    qkv, cos, sin, k_pool, v_pool, slots = rope_cache_case(6, 9, 3, 64, torch.bfloat16, "cpu", seed=1)
+    qkv2, k2, v2 = qkv.clone(), k_pool.clone(), v_pool.clone()
+    ops.rope_cache_(qkv, cos, sin, k_pool, v_pool, slots)
+    ops.rope_(qkv2[:, :12], cos, sin)
+    k2.view(-1, 3, 64).index_copy_(0, slots, qkv2[:, 9:12])
+    v2.view(-1, 3, 64).index_copy_(0, slots, qkv2[:, 12:])
+    assert torch.equal(qkv[:, :9], qkv2[:, :9]) and torch.equal(k_pool, k2) and torch.equal(v_pool, v2)
+
+
 def gate_up(rows, inter, dtype, seed=0):
     # gates from -100 to 100 as well as around 0: silu's two tails (0 and the identity), and past
     # the point where e^-g overflows a float
@@ -91,3 +137,12 @@ def test_bad_arguments_are_clear_errors(ops):
         ops.add_rms_norm(torch.randn(2, 8).double(), None, torch.randn(8).double(), 1e-5)
     with pytest.raises(RuntimeError, match=r"cos, sin: contiguous float32 \[tokens, head_dim / 2\]"):
         ops.rope_(torch.randn(2, 3, 8), torch.randn(2, 8), torch.randn(2, 8))
+    qkv, cos, sin, k_pool, v_pool, slots = rope_cache_case(3, 4, 2, 32, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=r"slots\[1\] = 24 is outside the pool's 0..23"):
+        ops.rope_cache_(qkv, cos, sin, k_pool, v_pool, torch.tensor([0, 24, 1]))
+    with pytest.raises(RuntimeError, match="slots: contiguous int64"):
+        ops.rope_cache_(qkv, cos, sin, k_pool, v_pool, slots.int())
+    with pytest.raises(RuntimeError, match=r"qkv: contiguous \[tokens, n_heads \+ 2 \* n_kv_heads"):
+        ops.rope_cache_(qkv[:, :4], cos, sin, k_pool, v_pool, slots)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        ops.rope_cache_(qkv, cos, sin, k_pool.bfloat16(), v_pool.bfloat16(), slots)

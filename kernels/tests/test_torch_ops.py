@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_close
+from test_norm_rope import rope_cache_case
 from test_paged_attention import make_case
 from test_quant_linear import int4_weight
 
@@ -25,6 +26,7 @@ def samples(device):
         "add_rms_norm": (*on(x, torch.randn(3, 64), torch.rand(64)), 1e-5),
         "add_rms_norm (no delta)": (on(x)[0], None, on(torch.rand(64))[0], 1e-5),
         "rope_": tuple(on(qk, angles.cos(), angles.sin())),
+        "rope_cache_": tuple(rope_cache_case(3, 4, 2, 64, torch.float32, device)),
         "silu_mul": tuple(on(torch.randn(3, 2 * 48))),
         "int4_linear": (*on(x, packed, scale, min_), 32),
         "int8_linear": tuple(on(x, q8, torch.rand(32))),
@@ -39,6 +41,7 @@ def samples(device):
         "add_rms_norm",
         "add_rms_norm (no delta)",
         "rope_",
+        "rope_cache_",
         "silu_mul",
         "int4_linear",
         "int8_linear",

@@ -10,6 +10,7 @@ from common.config import load_config
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
 from ops import TorchOps, resolve
+from paged_cache import PagedKVCache
 from rope import apply_rope, cos_sin_table, inv_frequencies
 
 
@@ -49,22 +50,34 @@ def test_add_rms_norm(tiny, ops, dtype):
 
 
 @pytest.mark.parametrize("ops", both_ops(), ids=lambda o: type(o).__name__)
-def test_rope_in_place_matches_hf(tiny, ops, hf):
+def test_rope_and_the_cache_write_match_hf(tiny, ops, hf):
+    # HF rotates q and k (apply_rotary_pos_emb) and its cache stores k rotated and v as is; here q is
+    # rotated in place in qkv, k and v go straight into the pool, at each token's slot.
     config, _ = tiny
+    nkv, hd = config.num_key_value_heads, config.head_dim
+    nh = config.num_attention_heads
     positions = torch.tensor([0, 3, 77, 9000])
-    qkv = torch.randn(4, 7, config.head_dim)  # [tokens, heads, hd]: rotate the first 5 heads
+    slots = torch.tensor([5, 0, 17, 9])  # any slots of the pool, in any order
+    qkv = torch.randn(4, nh + 2 * nkv, hd)  # [tokens, heads, hd]
+    cache = PagedKVCache(config, 3, 8, "cpu", torch.float32)
     cos, sin = ops.angles(inv_frequencies(config), positions, torch.float32)
     expected_cos, expected_sin = cos_sin_table(inv_frequencies(config), 9001)
-    theirs, _ = hf.apply_rotary_pos_emb(
-        qkv[None, :, :5].transpose(1, 2),
-        qkv[None, :, :5].transpose(1, 2),
-        expected_cos[positions][None],
-        expected_sin[positions][None],
+    q, k, v = qkv[:, :nh].clone(), qkv[:, nh : nh + nkv].clone(), qkv[:, nh + nkv :].clone()
+    q_hf, _ = hf.apply_rotary_pos_emb(
+        q[None].transpose(1, 2), q[None].transpose(1, 2), expected_cos[positions][None], expected_sin[positions][None]
     )
-    v = qkv[:, 5:].clone()
-    ops.rope_(qkv[:, :5], cos, sin)
-    torch.testing.assert_close(qkv[:, :5], theirs[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    assert torch.equal(qkv[:, 5:], v)
+    k_hf, _ = hf.apply_rotary_pos_emb(
+        k[None].transpose(1, 2), k[None].transpose(1, 2), expected_cos[positions][None], expected_sin[positions][None]
+    )
+    ops.rope_cache_(qkv, cos, sin, cache, 0, slots)
+    torch.testing.assert_close(qkv[:, :nh], q_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    k_pool, v_pool = cache.k[0].view(-1, nkv, hd), cache.v[0].view(-1, nkv, hd)
+    torch.testing.assert_close(k_pool[slots], k_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_pool[slots], v)
+    others = torch.ones(k_pool.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert not k_pool[others].any() and not v_pool[others].any()  # no other slot written
+    assert not cache.k[1].any()  # nor another layer's pool
 
 
 @pytest.mark.parametrize("ops", both_ops(), ids=lambda o: type(o).__name__)

@@ -63,6 +63,17 @@ void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int
 void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim, int64_t token_stride,
           DType dtype);
 
+// --- RoPE and the KV cache write, fused: what a layer does to its qkv projection before attention --
+// qkv: [tokens, n_heads + 2 * n_kv_heads, head_dim] contiguous, each token's q heads, then k, then v.
+// k_pool, v_pool: [slots_total, n_kv_heads, head_dim] contiguous (a paged pool viewed by slot);
+// slots: [tokens], token t's slot, distinct within a call, each < slots_total. For each token:
+//   q heads    rotated in place (as rope)
+//   k heads    rotated, stored at k_pool[slots[t]] (qkv's k heads are left as they were)
+//   v heads    copied to v_pool[slots[t]]
+// One pass where rope then two indexed copies take three (vLLM's rotary + reshape_and_cache).
+void rope_cache(void* qkv, const float* cos, const float* sin, void* k_pool, void* v_pool, const int64_t* slots,
+                int tokens, int n_heads, int n_kv_heads, int head_dim, DType dtype);
+
 // --- SwiGLU's activation, fused: out = silu(gate) * up -----------------------------------------
 // gate_up: [rows, 2 * inter] contiguous, each row the gate projection's outputs then the up
 // projection's (the model stacks the two weights, so one matmul makes both); out: [rows, inter]

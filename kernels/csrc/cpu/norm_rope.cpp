@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "cpu_kernels.h"
 #include "vec.h"
@@ -97,7 +98,33 @@ KERNELS_AVX512 __attribute__((flatten)) void add_rms_norm_avx512(const NormArgs&
 }
 #endif
 
-// --- rope ------------------------------------------------------------------------------------
+// --- rope, and rope_cache ---------------------------------------------------------------------
+
+// Rotates n_heads heads of head_dim values, read at element src_at of src, into dst at dst_at
+// (the same place for an in-place rotation); c, s: the token's cos and sin, head_dim / 2 each.
+template <class S, DType D>
+KERNELS_INLINE void rotate_heads(const void* src, int64_t src_at, void* dst, int64_t dst_at, const float* c,
+                                 const float* s, int n_heads, int head_dim) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    const int half = head_dim / 2, vec_end = half - half % W;
+    for (int h = 0; h < n_heads; ++h) {
+        const int64_t lo = src_at + int64_t(h) * head_dim, hi = lo + half;
+        const int64_t out_lo = dst_at + int64_t(h) * head_dim, out_hi = out_lo + half;
+        int i = 0;
+        for (; i < vec_end; i += W) {
+            V x1 = S::template load_as<D>(src, lo + i), x2 = S::template load_as<D>(src, hi + i);
+            V cv = S::load(c + i), sv = S::load(s + i);
+            S::template store_as<D>(dst, out_lo + i, S::fnma(x2, sv, S::mul(x1, cv)));  // x1 cos - x2 sin
+            S::template store_as<D>(dst, out_hi + i, S::fma(x1, sv, S::mul(x2, cv)));   // x2 cos + x1 sin
+        }
+        for (; i < half; ++i) {
+            float x1 = load_as_float<D>(src, lo + i), x2 = load_as_float<D>(src, hi + i);
+            store_from_float<D>(dst, out_lo + i, x1 * c[i] - x2 * s[i]);
+            store_from_float<D>(dst, out_hi + i, x2 * c[i] + x1 * s[i]);
+        }
+    }
+}
 
 struct RopeArgs {
     void* qk;
@@ -109,31 +136,41 @@ struct RopeArgs {
 };
 
 template <class S, DType D>
-KERNELS_INLINE void rope_token(const RopeArgs& a, int64_t t) {
-    using V = typename S::V;
-    constexpr int W = S::W;
-    const int half = a.head_dim / 2, vec_end = half - half % W;
-    const float* c = a.cos + t * half;
-    const float* s = a.sin + t * half;
-    for (int h = 0; h < a.n_heads; ++h) {
-        const int64_t lo = t * a.token_stride + int64_t(h) * a.head_dim, hi = lo + half;
-        int i = 0;
-        for (; i < vec_end; i += W) {
-            V x1 = S::template load_as<D>(a.qk, lo + i), x2 = S::template load_as<D>(a.qk, hi + i);
-            V cv = S::load(c + i), sv = S::load(s + i);
-            S::template store_as<D>(a.qk, lo + i, S::fnma(x2, sv, S::mul(x1, cv)));  // x1 cos - x2 sin
-            S::template store_as<D>(a.qk, hi + i, S::fma(x1, sv, S::mul(x2, cv)));   // x2 cos + x1 sin
-        }
-        for (; i < half; ++i) {
-            float x1 = load_as_float<D>(a.qk, lo + i), x2 = load_as_float<D>(a.qk, hi + i);
-            store_from_float<D>(a.qk, lo + i, x1 * c[i] - x2 * s[i]);
-            store_from_float<D>(a.qk, hi + i, x2 * c[i] + x1 * s[i]);
-        }
-    }
+KERNELS_INLINE void rope_token(const RopeArgs& a, int64_t t) {  // rope's token
+    const int64_t at = t * a.token_stride, half = a.head_dim / 2;
+    rotate_heads<S, D>(a.qk, at, a.qk, at, a.cos + t * half, a.sin + t * half, a.n_heads, a.head_dim);
 }
 
-template <class S>
-KERNELS_INLINE void rope_tokens(const RopeArgs& a, DType dtype, int64_t t0, int64_t t1) {
+// One token of rope_cache: its q heads rotated in place, its k heads rotated straight into the
+// pool row of its slot, its v heads copied there. The K and V a step writes are a few hundred
+// bytes per token: what this saves over rope then two indexed copies is the passes and the calls.
+struct RopeCacheArgs {
+    void* qkv;
+    const float* cos;
+    const float* sin;
+    void* k_pool;
+    void* v_pool;
+    const int64_t* slots;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+};
+
+template <class S, DType D>
+KERNELS_INLINE void rope_token(const RopeCacheArgs& a, int64_t t) {  // rope_cache's
+    const int64_t hd = a.head_dim, half = hd / 2, kv_row = int64_t(a.n_kv_heads) * hd;
+    const int64_t q_at = t * (a.n_heads + 2 * int64_t(a.n_kv_heads)) * hd, k_at = q_at + a.n_heads * hd,
+                  v_at = k_at + kv_row, slot_at = a.slots[t] * kv_row;
+    const float *c = a.cos + t * half, *s = a.sin + t * half;
+    rotate_heads<S, D>(a.qkv, q_at, a.qkv, q_at, c, s, a.n_heads, a.head_dim);
+    rotate_heads<S, D>(a.qkv, k_at, a.k_pool, slot_at, c, s, a.n_kv_heads, a.head_dim);
+    constexpr int64_t size = D == DType::f32 ? 4 : 2;
+    std::memcpy(static_cast<char*>(a.v_pool) + slot_at * size, static_cast<const char*>(a.qkv) + v_at * size,
+                kv_row * size);
+}
+
+template <class S, class Args>
+KERNELS_INLINE void rope_tokens(const Args& a, DType dtype, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
         switch (dtype) {
             case DType::f32: rope_token<S, DType::f32>(a, t); break;
@@ -143,15 +180,32 @@ KERNELS_INLINE void rope_tokens(const RopeArgs& a, DType dtype, int64_t t0, int6
     }
 }
 
-void rope_scalar(const RopeArgs& a, DType d, int64_t t0, int64_t t1) { rope_tokens<Scalar>(a, d, t0, t1); }
+// Args: RopeArgs (rope) or RopeCacheArgs (rope_cache).
+template <class Args>
+void rope_scalar(const Args& a, DType d, int64_t t0, int64_t t1) {
+    rope_tokens<Scalar>(a, d, t0, t1);
+}
 #ifdef KERNELS_X86
-KERNELS_AVX2 __attribute__((flatten)) void rope_avx2(const RopeArgs& a, DType d, int64_t t0, int64_t t1) {
+template <class Args>
+KERNELS_AVX2 __attribute__((flatten)) void rope_avx2(const Args& a, DType d, int64_t t0, int64_t t1) {
     rope_tokens<Avx2>(a, d, t0, t1);
 }
-KERNELS_AVX512 __attribute__((flatten)) void rope_avx512(const RopeArgs& a, DType d, int64_t t0, int64_t t1) {
+template <class Args>
+KERNELS_AVX512 __attribute__((flatten)) void rope_avx512(const Args& a, DType d, int64_t t0, int64_t t1) {
     rope_tokens<Avx512>(a, d, t0, t1);
 }
 #endif
+
+// The rope path for this CPU's instruction set.
+template <class Args>
+auto rope_for_isa() {
+    auto fn = rope_scalar<Args>;
+#ifdef KERNELS_X86
+    if (isa() >= Isa::avx512) fn = rope_avx512<Args>;
+    else if (isa() == Isa::avx2) fn = rope_avx2<Args>;
+#endif
+    return fn;
+}
 
 // --- silu_mul ----------------------------------------------------------------------------------
 // torch spends three passes on it (silu, then the product, each reading and writing a row) and
@@ -241,12 +295,13 @@ void add_rms_norm(void* out, void* x, const void* delta, const void* weight, int
 void rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim, int64_t token_stride,
           DType dtype) {
     const RopeArgs args{qk, cos, sin, n_heads, head_dim, token_stride};
-    auto fn = rope_scalar;
-#ifdef KERNELS_X86
-    if (isa() >= Isa::avx512) fn = rope_avx512;
-    else if (isa() == Isa::avx2) fn = rope_avx2;
-#endif
-    run_rows(fn, args, dtype, tokens, int64_t(n_heads) * head_dim);
+    run_rows(rope_for_isa<RopeArgs>(), args, dtype, tokens, int64_t(n_heads) * head_dim);
+}
+
+void rope_cache(void* qkv, const float* cos, const float* sin, void* k_pool, void* v_pool, const int64_t* slots,
+                int tokens, int n_heads, int n_kv_heads, int head_dim, DType dtype) {
+    const RopeCacheArgs args{qkv, cos, sin, k_pool, v_pool, slots, n_heads, n_kv_heads, head_dim};
+    run_rows(rope_for_isa<RopeCacheArgs>(), args, dtype, tokens, (int64_t(n_heads) + 2 * n_kv_heads) * head_dim);
 }
 
 void silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype) {

@@ -23,6 +23,9 @@ cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weig
 cudaError_t rope(void* qk, const float* cos, const float* sin, int tokens, int n_heads, int head_dim,
                  int64_t token_stride, DType dtype, cudaStream_t stream);
 
+cudaError_t rope_cache(void* qkv, const float* cos, const float* sin, void* k_pool, void* v_pool, const int64_t* slots,
+                       int tokens, int n_heads, int n_kv_heads, int head_dim, DType dtype, cudaStream_t stream);
+
 cudaError_t silu_mul(void* out, const void* gate_up, int rows, int inter, DType dtype, cudaStream_t stream);
 
 cudaError_t int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min,

@@ -1,5 +1,6 @@
-// RMSNorm with the residual add fused, RoPE, and SwiGLU's silu(gate) * up: the CUDA twins of
-// add_rms_norm, rope and silu_mul in cpu/cpu_kernels.h (the contracts and the maths are there).
+// RMSNorm with the residual add fused, RoPE (alone, and fused with the KV cache write), and
+// SwiGLU's silu(gate) * up: the CUDA twins of add_rms_norm, rope, rope_cache and silu_mul in cpu/cpu_kernels.h (the
+// contracts and the maths are there).
 //
 // All are small, memory-bound kernels: they read and write each element once or twice and do a
 // few flops on it. What matters is that the loads are coalesced (neighbouring threads read
@@ -126,6 +127,37 @@ __global__ void rope_kernel(T* __restrict__ qk, const float* __restrict__ cos, c
 
 constexpr int kRopeThreads = 256;
 
+// --- rope_cache -------------------------------------------------------------------------------
+// One thread per (token, head of q, k and v, pair i < head_dim/2), as rope's: a q pair is rotated
+// in place, a k pair rotated into the pool row of the token's slot, a v pair copied there. The
+// heads of a token are consecutive in qkv and in a pool row, so a warp's reads and writes stay
+// coalesced across the q/k/v boundaries (a branch per head kind, uniform over most warps).
+template <typename T>
+__global__ void rope_cache_kernel(T* __restrict__ qkv, const float* __restrict__ cos, const float* __restrict__ sin,
+                                  T* __restrict__ k_pool, T* __restrict__ v_pool, const int64_t* __restrict__ slots,
+                                  int64_t pairs_total, int n_heads, int n_kv_heads, int half) {
+    const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (index >= pairs_total) return;
+    const int heads = n_heads + 2 * n_kv_heads;
+    const int i = static_cast<int>(index % half);
+    const int64_t token_head = index / half;
+    const int head = static_cast<int>(token_head % heads);
+    const int64_t token = token_head / heads;
+
+    T* x = qkv + token_head * 2 * half;
+    const float x1 = load(x + i), x2 = load(x + i + half);
+    if (head >= n_heads + n_kv_heads) {  // v: copied as it is
+        T* out = v_pool + (slots[token] * n_kv_heads + head - n_heads - n_kv_heads) * 2 * half;
+        store(out + i, x1);
+        store(out + i + half, x2);
+        return;
+    }
+    T* out = head < n_heads ? x : k_pool + (slots[token] * n_kv_heads + head - n_heads) * 2 * half;
+    const float c = cos[token * half + i], s = sin[token * half + i];
+    store(out + i, x1 * c - x2 * s);
+    store(out + i + half, x2 * c + x1 * s);
+}
+
 // --- silu_mul -----------------------------------------------------------------------------------
 // One thread per output element (row, i): gate at [row, i], up at [row, inter + i]; consecutive
 // threads read consecutive elements of both halves. e^-g overflowing to inf for g < -88 gives
@@ -173,6 +205,24 @@ cudaError_t rope(void* qk, const float* cos, const float* sin, int tokens, int n
         using T = typename decltype(tag)::type;
         rope_kernel<T><<<static_cast<unsigned>(blocks), kRopeThreads, 0, stream>>>(
             static_cast<T*>(qk), cos, sin, pairs_total, n_heads, half, token_stride);
+        return cudaGetLastError();
+    });
+}
+
+cudaError_t rope_cache(void* qkv, const float* cos, const float* sin, void* k_pool, void* v_pool, const int64_t* slots,
+                       int tokens, int n_heads, int n_kv_heads, int head_dim, DType dtype, cudaStream_t stream) {
+    if (tokens < 0 || n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || head_dim % 2 != 0)
+        return cudaErrorInvalidValue;
+    const int half = head_dim / 2;
+    const int64_t pairs_total = static_cast<int64_t>(tokens) * (n_heads + 2 * n_kv_heads) * half;
+    if (pairs_total == 0) return cudaSuccess;
+    const int64_t blocks = (pairs_total + kRopeThreads - 1) / kRopeThreads;
+    if (blocks > INT_MAX) return cudaErrorInvalidValue;
+    return dispatch_dtype(dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        rope_cache_kernel<T><<<static_cast<unsigned>(blocks), kRopeThreads, 0, stream>>>(
+            static_cast<T*>(qkv), cos, sin, static_cast<T*>(k_pool), static_cast<T*>(v_pool), slots, pairs_total,
+            n_heads, n_kv_heads, half);
         return cudaGetLastError();
     });
 }

@@ -27,6 +27,12 @@ int emu_rope(void* qk, const float* cos, const float* sin, int tokens, int n_hea
     return cu::rope(qk, cos, sin, tokens, n_heads, head_dim, token_stride, static_cast<DType>(dtype), nullptr);
 }
 
+int emu_rope_cache(void* qkv, const float* cos, const float* sin, void* k_pool, void* v_pool, const int64_t* slots,
+                   int tokens, int n_heads, int n_kv_heads, int head_dim, int dtype) {
+    return cu::rope_cache(qkv, cos, sin, k_pool, v_pool, slots, tokens, n_heads, n_kv_heads, head_dim,
+                          static_cast<DType>(dtype), nullptr);
+}
+
 int emu_silu_mul(void* out, const void* gate_up, int rows, int inter, int dtype) {
     return cu::silu_mul(out, gate_up, rows, inter, static_cast<DType>(dtype), nullptr);
 }
