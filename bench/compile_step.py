@@ -10,7 +10,9 @@ capture=False): one sequence, static buffers, so every step has the same shapes 
 (fullgraph, dynamic=False). The kernels go through torch's dispatcher (torch.ops.llm_kernels.*,
 opaque to Inductor, which compiles the glue around them) instead of the pybind11 functions that
 dynamo cannot trace. Two engines on the same weights and prompt, their steps interleaved in
-rounds: "eager" runs the same static step without compiling it. Results: a table, JSON at --out.
+rounds: "eager" runs the same static step without compiling it, as the engine does (each layer
+one C++ call, ops.KernelOps.decoder_layer); the compiled step compiles the Python loop of layers.
+Results: a table, JSON at --out.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def static_steps(engine, compiled: bool, cpp_wrapper: bool):
                 return ext.cpu_isa()
 
         model.ops._ext = Dispatcher()
+        for layer in model.layers:  # dynamo cannot trace into a pybind11 call: the Python loop, compiled
+            layer.one_call = None
         kinds = {
             qmatmul.KernelInt4Linear: lib.int4_linear,
             qmatmul.KernelInt8Linear: lib.int8_linear,

@@ -5,6 +5,7 @@ scheduler, the sampler, the step's bookkeeping).
     python bench/profile_step.py                   # int4 weights, kernels on
     python bench/profile_step.py --quant none      # bf16 weights
     python bench/profile_step.py --kernels off     # chapter 05's PyTorch path
+    python bench/profile_step.py --layers python   # each layer op by op from Python: the kernels one by one
 
 Three runs of --steps decode steps each, after a --prompt-tokens prompt and a warm-up:
   1. plain: the wall time per step, nothing instrumented;
@@ -13,7 +14,9 @@ Three runs of --steps decode steps each, after a --prompt-tokens prompt and a wa
   3. under torch.profiler: torch's operators by name, calls and self time per step. The
      profiler costs a few microseconds per operator, so these times are high; the counts are exact.
 The rest is run 1's step minus the kernels (run 2) and torch's operators (run 3): a lower bound
-on the time in Python. Results: a table on stdout, JSON at --out.
+on the time in Python. With the kernels on, a decode step's layers run as one C++ call each
+(ops.KernelOps.decoder_layer); that call is one part, DecoderLayer.decode, the kernels and torch
+operators it calls inside included. Results: a table on stdout, JSON at --out.
 """
 
 from __future__ import annotations
@@ -55,6 +58,35 @@ class TimedLibrary:
         return timed
 
 
+class TimedLayer:
+    """A layer's one C++ call per decode step (the library's DecoderLayer), timed as one part, and
+    marked for the profiler so that the torch operators it calls inside count with it."""
+
+    NAME = "DecoderLayer.decode"
+
+    def __init__(self, layer, timed: TimedLibrary):
+        self._layer, self._timed = layer, timed
+
+    def decode(self, *args):
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(self.NAME):
+            out = self._layer.decode(*args)
+        if self._timed.on:
+            self._timed.seconds[self.NAME] += time.perf_counter() - t0
+            self._timed.calls[self.NAME] += 1
+        return out
+
+
+def outside_layer_calls(events):
+    """The profiler's events that did not run inside a TimedLayer's call."""
+    for e in events:
+        parent = e.cpu_parent
+        while parent is not None and parent.name != TimedLayer.NAME:
+            parent = parent.cpu_parent
+        if parent is None and e.name != TimedLayer.NAME:
+            yield e
+
+
 def build(args, timed: TimedLibrary | None):
     import kernels
 
@@ -70,6 +102,13 @@ def main() -> int:
     ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", choices=["on", "off"], default="on")
+    ap.add_argument(
+        "--layers",
+        choices=["one-call", "python"],
+        default="one-call",
+        help="decode steps' layers as the engine runs them, one C++ call each (the default), or op by op from "
+        "Python (the per-kernel split)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=8)
@@ -86,6 +125,11 @@ def main() -> int:
 
         timed = TimedLibrary(kernels.load())
     engine = build(args, timed)
+    for layer in engine.model.layers:
+        if args.layers == "python":
+            layer.one_call = None
+        elif layer.one_call is not None and timed is not None:
+            layer.one_call = TimedLayer(layer.one_call, timed)
 
     step_s = time_steps(engine, args.steps)  # 1: plain
     kernel_s: dict[str, float] = {}
@@ -98,18 +142,19 @@ def main() -> int:
         kernel_calls = {k: v / args.steps for k, v in timed.calls.items()}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # 3
         time_steps(engine, args.steps)
-    aten = {}
-    for e in prof.key_averages():
-        if e.key.startswith("llm_kernels::"):
-            continue
-        aten[e.key] = {"calls": e.count / args.steps, "self_s": e.self_cpu_time_total / 1e6 / args.steps}
+    aten = defaultdict(lambda: {"calls": 0.0, "self_s": 0.0})
+    for e in outside_layer_calls(prof.events()):  # inside, the operators are part of the layer's time
+        if not e.name.startswith("llm_kernels::"):
+            aten[e.name]["calls"] += 1 / args.steps
+            aten[e.name]["self_s"] += e.self_cpu_time_total / 1e6 / args.steps
     aten_s = sum(v["self_s"] for v in aten.values())
     aten_calls = sum(v["calls"] for v in aten.values())
     top = dict(sorted(aten.items(), key=lambda kv: -kv[1]["self_s"])[:12])
     rest = step_s - sum(kernel_s.values()) - aten_s
 
     what = (
-        f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, kernels {args.kernels}, {args.threads} threads"
+        f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, kernels {args.kernels}, layers: {args.layers}, "
+        f"{args.threads} threads"
     )
     print(f"decode step, one sequence after a {args.prompt_tokens}-token prompt ({what}): {step_s * 1e3:.2f} ms")
     print(f"{'part':40} {'ms/step':>8} {'calls/step':>11}")

@@ -6,23 +6,46 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from common.warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_a_step_is_split_into_kernels_torch_and_the_rest(tmp_path):
-    out = tmp_path / "p.json"
-    args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "12"]
-    r = run_python(["bench/profile_step.py", *args, "--warmup", "2", "--steps", "4", "--out", str(out)], cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())
-    layers = json.loads((REPO / "models" / "tiny-llama3" / "config.json").read_text())["num_hidden_layers"]
+LAYERS = json.loads((REPO / "models" / "tiny-llama3" / "config.json").read_text())["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):
+    """layers -> (JSON result, stdout) of a profile with the layers as one C++ call each, or op by op."""
+    out = {}
+    for layers in ("one-call", "python"):
+        path = tmp_path_factory.mktemp("p") / "p.json"
+        args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "12"]
+        args += ["--layers", layers, "--warmup", "2", "--steps", "4", "--out", str(path)]
+        r = run_python(["bench/profile_step.py", *args], cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        out[layers] = json.loads(path.read_text()), r.stdout
+    return out
+
+
+def test_a_step_is_split_into_kernels_torch_and_the_rest(profiles):
+    result, stdout = profiles["python"]
     # one decode token a step: per layer one attention, one rope_cache_, two norms, one silu_mul (+ the first norm)
     calls = result["kernel_calls"]
-    assert calls["paged_decode_attention"] == layers and calls["rope_cache_"] == layers and calls["silu_mul"] == layers
-    assert calls["add_rms_norm"] == 2 * layers + 1
+    assert calls["paged_decode_attention"] == LAYERS and calls["rope_cache_"] == LAYERS
+    assert calls["silu_mul"] == LAYERS and calls["add_rms_norm"] == 2 * LAYERS + 1
     assert "bf16_linear" not in calls  # float32 weights: torch's GEMM (aten::linear / addmm / mm)
     assert any(name in result["torch_top"] for name in ("aten::addmm", "aten::mm", "aten::linear"))
     assert result["step_ms"] > 0 and result["torch_op_calls"] > 0
-    assert "the rest: Python, at least" in r.stdout
+    assert "the rest: Python, at least" in stdout
+
+
+def test_the_engine_s_step_is_one_call_per_layer(profiles):
+    result, stdout = profiles["one-call"]
+    assert result["kernel_calls"] == {"DecoderLayer.decode": LAYERS, "add_rms_norm": 1}  # the first norm, the layers
+    assert "layers: one-call" in stdout
+    # the layers' own torch operators (their GEMMs, their outputs' allocations) run inside their
+    # calls: what is left outside is the step's embedding, LM head, sampling and bookkeeping
+    assert result["torch_op_calls"] < profiles["python"][0]["torch_op_calls"] - 4 * LAYERS

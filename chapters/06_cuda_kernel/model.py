@@ -24,6 +24,11 @@ is fused with the norm that follows it:
     for each layer:
         h = norm(x += attention(h))      # one kernel: add, then normalise
         h = norm(x += mlp(h))            # with the next layer's norm (the final norm after the last)
+
+A step of decodes only, with the kernels on a CPU, runs each layer's two lines as one C++ call
+(Layer.one_call, ops.KernelOps.decoder_layer): the same kernels in the same order, bit for bit the
+same result, without the Python between them. Prompt chunks, `--kernels off` and CUDA (where CUDA
+graphs replay the whole step) run the loop as written.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Layer:
     mlp_norm: torch.Tensor  # [hidden]
     w_gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
     w_down: torch.Tensor  # [hidden, intermediate]
+    one_call: object | None = None  # ops.decoder_layer: the layer's decode steps in one C++ call, or None
 
 
 @dataclass
@@ -119,6 +125,8 @@ def load_model(
                 w_down=t(p + "mlp.down_proj.weight"),
             )
         )
+    for layer in layers:
+        layer.one_call = ops.decoder_layer(layer, config)
     embed = w.pop("model.embed_tokens.weight")
     if isinstance(embed, torch.Tensor):
         embed = embed.to(device)
@@ -157,6 +165,11 @@ def mlp(h: torch.Tensor, layer: Layer, ops: Ops) -> torch.Tensor:
     return linear(ops.silu_mul(gate_up), layer.w_down)
 
 
+def decodes_only(step: StepBatch) -> bool:
+    """One query per sequence, every sequence of the step in one group."""
+    return len(step.groups) == 1 and step.groups[0].decodes
+
+
 def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | None = None) -> torch.Tensor:
     """Runs one step: the new tokens of every sequence in `step` (batch.py), each at its own
     positions, writing their K/V into the pool and reading each sequence's earlier ones through
@@ -172,9 +185,13 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     if capture is not None:
         capture["embedding"] = x.float().cpu().numpy().copy()  # a copy: x is updated in place
     h = ops.add_rms_norm(x, None, layers[0].attn_norm, eps)
+    one_call = capture is None and layers[0].one_call is not None and decodes_only(step)
     for i, layer in enumerate(layers):
-        h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)
         next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
+        if one_call:  # the two lines below, in C++ (kernels/csrc/bindings.cpp, DecoderLayer::decode)
+            h = ops.decode_layer(layer, i, x, h, cos, sin, cache, step, next_norm)
+            continue
+        h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)
         h = ops.add_rms_norm(x, mlp(h, layer, ops), next_norm, eps)
         if capture is not None:
             capture[f"layer.{i}"] = x.float().cpu().numpy().copy()

@@ -63,6 +63,13 @@ class Ops(Protocol):
         """A plain weight as the forward pass will multiply by it: the tensor (torch's GEMM), or a
         callable that picks per step between this implementation's matvec and that GEMM."""
 
+    def decoder_layer(self, layer, config) -> object | None:
+        """A model.Layer's weights in the form that runs its decode steps in one call (decode_layer),
+        or None: each operation is then called from Python."""
+
+    def decode_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+        """Layer i of a step of decodes (model.forward's loop body) in one call; layer.one_call is set."""
+
     def check_block_size(self, block_size: int) -> None:
         """Raises UserError, naming the limit, for a KV block size this implementation cannot read."""
 
@@ -117,6 +124,10 @@ class TorchOps:
     @staticmethod
     def dense_linear(w: torch.Tensor) -> torch.Tensor:
         return w
+
+    @staticmethod
+    def decoder_layer(layer, config) -> None:
+        return None
 
     @staticmethod
     def check_block_size(block_size: int) -> None:
@@ -215,6 +226,33 @@ class KernelOps:
         if w.dtype != torch.bfloat16 or self.device.type != "cpu":
             return w
         return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
+
+    def decoder_layer(self, layer, config):
+        """The layer as the library's DecoderLayer (csrc/bindings.cpp): its decode steps in one C++ call,
+        the same kernels in the same order as model.forward's loop body, with no Python between them.
+        None on a GPU, where CUDA graphs replay whole decode steps (cuda_graphs.py), and where a weight
+        has no kernel of the library (--matmul reference)."""
+        linears = [self._library_linear(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        if self.device.type != "cpu" or None in linears:
+            return None
+        shape = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        return self._ext.DecoderLayer(*linears, layer.mlp_norm, *shape, config.rms_norm_eps)
+
+    def _library_linear(self, w):
+        """A weight as load_model prepared it -> the library's Linear: the same kernel, and the same
+        dense GEMM above the same number of rows (PerStepLinear); None for a form it lacks."""
+        if isinstance(w, torch.Tensor):
+            return self._ext.Linear("dense", [], dense=w)
+        dense = {"dense": w.dense, "max_rows": w.max_rows} if isinstance(w, PerStepLinear) else {}
+        kernel = w.packed if isinstance(w, PerStepLinear) else w
+        if not hasattr(kernel, "library_form"):
+            return None  # dequantize-and-multiply (qmatmul.ReferenceLinear)
+        return self._ext.Linear(*kernel.library_form(), **dense)
+
+    def decode_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+        g, partition = step.groups[0], self.partition_size(cache.block_size)
+        where = step.slots, g.block_tables, g.context_lens
+        return layer.one_call.decode(x, h, cos, sin, cache.k[i], cache.v[i], *where, next_norm, partition)
 
     def describe(self) -> str:
         where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type

@@ -132,6 +132,10 @@ class KernelInt4Linear:
         y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min, self.group_size)
         return y.view(*x.shape[:-1], -1)
 
+    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
+        """(kind, weight tensors, group size) as the library's Linear takes them (ops.KernelOps.decoder_layer)."""
+        return "int4", [self.packed, self.scale, self.min], self.group_size
+
 
 class KernelBf16Linear:
     """kernels/' bf16 matrix-vector product for a plain bf16 weight (ops.KernelOps.dense_linear); of
@@ -144,6 +148,9 @@ class KernelBf16Linear:
         y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)
         return y.view(*x.shape[:-1], -1)
 
+    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
+        return "bf16", [self.weight], 0
+
 
 class KernelInt8Linear:
     """kernels/' int8 matmul, as ops.KernelOps.quant_linear builds it; of the library `lib` it keeps int8_linear."""
@@ -155,6 +162,9 @@ class KernelInt8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
         return y.view(*x.shape[:-1], -1)
+
+    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
+        return "int8", [self.q, self.scale], 0
 
 
 # Chapter 05: up to how many rows (tokens in a step) the packed kernels beat a dense GEMM. They

@@ -14,9 +14,11 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
-#include <optional>
+#include <cmath>
 #include <iterator>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -355,6 +357,68 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     return out;
 }
 
+// --- a decoder layer's decode step in one call -------------------------------------------------
+// What chapter 06's forward pass does for one layer of a step of decodes, as one call from Python:
+// the same functions as above, in the same order, with no Python between them. On a GPU, CUDA
+// graphs already take the per-call overhead away; on a CPU this is what does (a decode step of a
+// small model is some 300 library calls, each tens of microseconds of Python where the C++ side
+// spends one or two).
+
+// A linear layer as the decode step multiplies by it: one of the library's matmuls, and for calls
+// of more rows than `max_rows` torch's GEMM on `dense` (chapter 06's qmatmul.PerStepLinear); a
+// plain weight with no kernel is `dense` alone.
+struct Linear {
+    std::string kind;                // "int4", "int8", "bf16" or "dense"
+    std::vector<at::Tensor> weight;  // int4: packed, scale, min; int8: q, scale; bf16: w; dense: none
+    int64_t group_size;              // int4's
+    std::optional<at::Tensor> dense;
+    int64_t max_rows;
+
+    Linear(std::string kind_, std::vector<at::Tensor> weight_, int64_t group_size_, std::optional<at::Tensor> dense_,
+           int64_t max_rows_)
+        : kind(std::move(kind_)),
+          weight(std::move(weight_)),
+          group_size(group_size_),
+          dense(std::move(dense_)),
+          max_rows(max_rows_) {
+        const size_t tensors = kind == "int4" ? 3 : kind == "int8" ? 2 : kind == "bf16" ? 1 : 0;
+        TORCH_CHECK(kind == "int4" || kind == "int8" || kind == "bf16" || kind == "dense",
+                    "Linear: kind must be int4, int8, bf16 or dense, got ", kind);
+        TORCH_CHECK(weight.size() == tensors, "Linear: ", kind, " takes ", tensors, " weight tensors, got ",
+                    weight.size());
+        TORCH_CHECK(kind != "dense" || dense, "Linear: a dense layer needs its dense weight");
+    }
+
+    at::Tensor operator()(const at::Tensor& x) const {  // x [rows, n_in] contiguous -> [rows, n_out]
+        if (kind == "dense" || (dense && x.size(0) > max_rows)) return at::linear(x, *dense);
+        if (kind == "int4") return int4_linear(x, weight[0], weight[1], weight[2], group_size);
+        if (kind == "int8") return int8_linear(x, weight[0], weight[1]);
+        return bf16_linear(x, weight[0]);
+    }
+};
+
+struct DecoderLayer {
+    Linear wqkv, wo, w_gate_up, w_down;  // [out, in] each: q, k, v stacked; o; gate, up stacked; down
+    at::Tensor mlp_norm;
+    int64_t n_heads, n_kv_heads, head_dim;
+    double eps;
+
+    // x: the residual stream [B, hidden], updated in place; h: rms_norm(x) * this layer's input norm.
+    // -> rms_norm(x) * next_norm, x having taken this layer's attention and MLP outputs.
+    at::Tensor decode(at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, const at::Tensor& next_norm, int64_t partition_size) const {
+        const int64_t rows = h.size(0);
+        at::Tensor qkv = wqkv(h).view({rows, n_heads + 2 * n_kv_heads, head_dim});
+        rope_cache_(qkv, cos, sin, k_pool, v_pool, slots);
+        const at::Tensor q = qkv.narrow(1, 0, n_heads);  // [B, n_heads, head_dim], token stride of qkv's
+        const at::Tensor attn = paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens,
+                                                       1.0 / std::sqrt(double(head_dim)), partition_size);
+        const at::Tensor h_mlp = add_rms_norm(x, wo(attn.view({rows, n_heads * head_dim})), mlp_norm, eps);
+        return add_rms_norm(x, w_down(silu_mul(w_gate_up(h_mlp))), next_norm, eps);
+    }
+};
+
 // --- which CPU path runs ---------------------------------------------------------------------
 
 kernels::cpu::Isa isa_from(const std::string& name) {
@@ -423,6 +487,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("scale"), py::arg("min"), py::arg("group_size"));
     m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
     m.def("bf16_linear", &bf16_linear, "x @ W.T for bfloat16 W, at few rows of x", py::arg("x"), py::arg("w"));
+    py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, torch's GEMM above max_rows")
+        .def(py::init<std::string, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>, int64_t>(),
+             py::arg("kind"), py::arg("weight"), py::arg("group_size") = 0, py::arg("dense") = py::none(),
+             py::arg("max_rows") = INT64_MAX)
+        .def("__call__", &Linear::operator(), py::arg("x"))
+        .def_readonly("kind", &Linear::kind);
+    py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer's weights, for decode steps in one call")
+        .def(py::init<Linear, Linear, Linear, Linear, at::Tensor, int64_t, int64_t, int64_t, double>(), py::arg("wqkv"),
+             py::arg("wo"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("mlp_norm"), py::arg("n_heads"),
+             py::arg("n_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+        .def("decode", &DecoderLayer::decode, "the layer's decode step: x updated in place; -> rms_norm(x) * next_norm",
+             py::arg("x"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"),
+             py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"), py::arg("next_norm"),
+             py::arg("partition_size"));
     m.def(
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");
