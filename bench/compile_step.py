@@ -9,9 +9,10 @@ graphs do on a GPU. The step compiled is the one CUDA graphs capture (cuda_graph
 capture=False): one sequence, static buffers, so every step has the same shapes and compiles once
 (fullgraph, dynamic=False). The kernels go through torch's dispatcher (torch.ops.llm_kernels.*,
 opaque to Inductor, which compiles the glue around them) instead of the pybind11 functions that
-dynamo cannot trace. Two engines on the same weights and prompt, their steps interleaved in
-rounds: "eager" runs the same static step without compiling it, as the engine does (each layer
-one C++ call, ops.KernelOps.decoder_layer); the compiled step compiles the Python loop of layers.
+dynamo cannot trace. Three engines on the same weights and prompt, their steps interleaved in
+rounds: "eager" runs the static step as the engine does, each layer one C++ call
+(ops.KernelOps.decoder_layer); "loop" runs its layers op by op from Python; "compiled" is that
+Python loop compiled: issue 20's two ways of removing the per-op overhead, side by side.
 Results: a table, JSON at --out.
 """
 
@@ -32,10 +33,16 @@ def chapter_module(name: str):
     return sys.modules[f"ch06.{name}"]
 
 
-def static_steps(engine, compiled: bool, cpp_wrapper: bool):
-    """Makes the engine run its decode steps through DecodeGraphs without capture, compiled or not."""
+def static_steps(engine, how: str, cpp_wrapper: bool):
+    """Makes the engine run its decode steps through DecodeGraphs without capture. how: "eager" (as
+    the engine does: each layer one C++ call), "loop" (the layers op by op from Python) or
+    "compiled" (that Python loop compiled)."""
     graphs_mod, qmatmul = chapter_module("cuda_graphs"), chapter_module("qmatmul")
     model = engine.model
+    compiled = how == "compiled"
+    if how != "eager":
+        for layer in model.layers:  # dynamo cannot trace into a pybind11 call: the Python loop
+            layer.one_call = None
     if compiled:
         # The library through the dispatcher: ops.KernelOps calls model.ops._ext.<kernel>, the
         # prepared linears their .matmul; both are pointed at torch.ops.llm_kernels.
@@ -49,8 +56,6 @@ def static_steps(engine, compiled: bool, cpp_wrapper: bool):
                 return ext.cpu_isa()
 
         model.ops._ext = Dispatcher()
-        for layer in model.layers:  # dynamo cannot trace into a pybind11 call: the Python loop, compiled
-            layer.one_call = None
         kinds = {
             qmatmul.KernelInt4Linear: lib.int4_linear,
             qmatmul.KernelInt8Linear: lib.int8_linear,
@@ -93,11 +98,12 @@ def main() -> int:
     args.model = str(resolve_model(args.model))
     torch.set_num_threads(args.threads)
     engines = {}
-    for name in ("eager", "compiled"):
+    for name in ("eager", "loop", "compiled"):
         total = args.rounds * args.steps + 8
         engines[name] = decoding_engine(6, args.model, args.quant, args.dtype, "on", args.prompt_tokens, total, 2)
-        static_steps(engines[name], name == "compiled", args.cpp_wrapper)
+        static_steps(engines[name], name, args.cpp_wrapper)
     engines["eager"].step()
+    engines["loop"].step()
     t0 = time.perf_counter()
     engines["compiled"].step()  # compiles
     compile_s = time.perf_counter() - t0
@@ -108,13 +114,14 @@ def main() -> int:
         for name, engine in engines.items():
             ms[name].append(time_steps(engine, args.steps) * 1e3)
     median = {name: sorted(v)[len(v) // 2] for name, v in ms.items()}
-    # Both took the same steps on the same prompt: the same tokens (exactly, in float32).
+    # All took the same steps on the same prompt: the same tokens (exactly, in float32).
     tokens = {name: list(next(iter(e.scheduler.running)).tokens) for name, e in engines.items()}
-    same = tokens["eager"] == tokens["compiled"]
+    same = tokens["eager"] == tokens["loop"] == tokens["compiled"]
     what = f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, {args.threads} threads"
     print(f"decode step, one sequence, static buffers ({what}); compiling took {compile_s:.1f} s")
     for name, v in ms.items():
         print(f"{name:9} ms/step  median {median[name]:6.2f}   rounds: " + " ".join(f"{x:.2f}" for x in v))
+    print(f"loop / eager: {median['loop'] / median['eager']:.2f}x the time (the layers op by op from Python)")
     print(f"compiled / eager: {median['compiled'] / median['eager']:.2f}x the time; the same tokens: {same}")
     if args.out:
         result = {

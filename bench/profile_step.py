@@ -1,11 +1,12 @@
-"""Where a decode step's time goes: chapter 06's engine decoding one sequence, split into the
-kernels of kernels/, torch's operators, and the rest (Python: the forward pass's glue, the
-scheduler, the sampler, the step's bookkeeping).
+"""Where a decode step's time goes: chapter 06's engine decoding one sequence (or several,
+--sequences), split into the kernels of kernels/, torch's operators, and the rest (Python: the
+forward pass's glue, the scheduler, the sampler, the step's bookkeeping).
 
     python bench/profile_step.py                   # int4 weights, kernels on
     python bench/profile_step.py --quant none      # bf16 weights
     python bench/profile_step.py --kernels off     # chapter 05's PyTorch path
     python bench/profile_step.py --layers python   # each layer op by op from Python: the kernels one by one
+    python bench/profile_step.py --sequences 16    # a step of 16 sequences decoding together
 
 Three runs of --steps decode steps each, after a --prompt-tokens prompt and a warm-up:
   1. plain: the wall time per step, nothing instrumented;
@@ -93,7 +94,9 @@ def build(args, timed: TimedLibrary | None):
     if timed is not None:  # ops.resolve takes the library from kernels.load(): hand it the timed one
         kernels.load = lambda: timed
     steps = 3 * args.steps
-    return decoding_engine(6, args.model, args.quant, args.dtype, args.kernels, args.prompt_tokens, steps, args.warmup)
+    return decoding_engine(
+        6, args.model, args.quant, args.dtype, args.kernels, args.prompt_tokens, steps, args.warmup, args.sequences
+    )
 
 
 def main() -> int:
@@ -111,6 +114,9 @@ def main() -> int:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument(
+        "--sequences", type=int, default=1, help="sequences decoding together (a step decodes one token of each)"
+    )
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=None)
@@ -156,7 +162,8 @@ def main() -> int:
         f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, kernels {args.kernels}, layers: {args.layers}, "
         f"{args.threads} threads"
     )
-    print(f"decode step, one sequence after a {args.prompt_tokens}-token prompt ({what}): {step_s * 1e3:.2f} ms")
+    who = "one sequence" if args.sequences == 1 else f"{args.sequences} sequences, each"
+    print(f"decode step, {who} after a {args.prompt_tokens}-token prompt ({what}): {step_s * 1e3:.2f} ms")
     print(f"{'part':40} {'ms/step':>8} {'calls/step':>11}")
     for name, s in sorted(kernel_s.items(), key=lambda kv: -kv[1]):
         print(f"{'kernels.' + name:40} {s * 1e3:8.2f} {kernel_calls[name]:11.0f}")
@@ -174,6 +181,7 @@ def main() -> int:
         "torch_op_calls": aten_calls,
         "torch_top": {k: {"calls": v["calls"], "self_ms": v["self_s"] * 1e3} for k, v in top.items()},
         "rest_ms": rest * 1e3,
+        "sequences_decoding": len(engine.scheduler.running),  # at the end: all of --sequences, still running
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -141,11 +141,20 @@ def machine() -> dict:
 
 
 def decoding_engine(
-    chapter: int, model: str, quant: str, dtype: str, kernels: str, prompt_tokens: int, steps: int, warmup: int
+    chapter: int,
+    model: str,
+    quant: str,
+    dtype: str,
+    kernels: str,
+    prompt_tokens: int,
+    steps: int,
+    warmup: int,
+    sequences: int = 1,
 ):
-    """A chapter's engine (05 on) on the CPU, decoding one greedy sequence: a prompt of
-    `prompt_tokens` ids, then `warmup` steps taken (the prompt and a few decodes); room for
-    `steps` more decode steps (ignore_eos). -> the engine, whose step() decodes the next token."""
+    """A chapter's engine (05 on) on the CPU, decoding `sequences` greedy sequences together, each
+    a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken (the prompts and a
+    few decodes); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
+    decodes the next token of every sequence."""
     from types import SimpleNamespace
 
     from common.chapters import load_chapter
@@ -154,10 +163,14 @@ def decoding_engine(
     spec = ch.loading.quant_spec(
         SimpleNamespace(quant=None if quant == "none" else quant, group_size=32, symmetric=False, lm_head="int8")
     )
-    engine, _ = ch.engine.build_engine(model, "cpu", dtype, spec, kernels=kernels, num_blocks=64, prefix_caching=False)
-    prompt = list(range(1000, 1000 + prompt_tokens))
+    blocks = 64 * sequences
+    engine, _ = ch.engine.build_engine(
+        model, "cpu", dtype, spec, kernels=kernels, num_blocks=blocks, prefix_caching=False
+    )
     greedy = ch.sampling.SamplingParams(temperature=0)
-    engine.add(ch.engine.Request(prompt, greedy, max_tokens=warmup + steps + 8, ignore_eos=True), "r")
+    for s in range(sequences):
+        prompt = list(range(1000 + 7 * s, 1000 + 7 * s + prompt_tokens))
+        engine.add(ch.engine.Request(prompt, greedy, max_tokens=warmup + steps + 8, ignore_eos=True), f"r{s}")
     for _ in range(warmup):
         engine.step()
     return engine

@@ -21,4 +21,5 @@ def test_the_compiled_step_decodes_what_the_eager_one_does(tmp_path):
         result["same_tokens"] is True and result["tokens"] == 9 + 2 + 1 + 2 + 2 * 3
     )  # prompt, warm-up, compile, warm-up, rounds
     assert result["compile_s"] > 0 and all(len(v) == 2 for v in result["ms_per_step"].values())
-    assert "compiled / eager:" in r.stdout
+    assert "compiled / eager:" in r.stdout and "loop / eager:" in r.stdout
+    assert set(result["ms_per_step"]) == {"eager", "loop", "compiled"}

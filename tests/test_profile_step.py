@@ -49,3 +49,13 @@ def test_the_engine_s_step_is_one_call_per_layer(profiles):
     # the layers' own torch operators (their GEMMs, their outputs' allocations) run inside their
     # calls: what is left outside is the step's embedding, LM head, sampling and bookkeeping
     assert result["torch_op_calls"] < profiles["python"][0]["torch_op_calls"] - 4 * LAYERS
+
+
+def test_a_step_of_several_sequences(tmp_path):
+    path = tmp_path / "p.json"
+    args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "5"]
+    r = run_python(["bench/profile_step.py", *args, "--sequences", "3", "--steps", "2", "--out", str(path)], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(path.read_text())
+    assert result["sequences_decoding"] == 3 and result["kernel_calls"]["DecoderLayer.decode"] == LAYERS
+    assert "3 sequences, each after a 5-token prompt" in r.stdout
