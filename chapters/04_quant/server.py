@@ -532,14 +532,14 @@ def body_limit_for(context: int) -> int:
 
 
 def create_app(
-    engine: Engine,
+    worker: Worker,
     model_name: str,
     max_body_bytes: int = int(MAX_BODY_MB * 2**20),
     body_timeout: float = BODY_TIMEOUT_S,
     max_requests: int = 128,
 ) -> FastAPI:
     app = FastAPI(title="llm-from-scratch chapter 03")
-    app.state.server = ServerState(engine, Worker(engine), model_name)
+    app.state.server = ServerState(worker.engine, worker, model_name)
     app.include_router(router)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -629,20 +629,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
-    engine, name = build_engine(
-        args.model,
-        args.device,
-        args.dtype,
-        quant_spec(args),
-        args.matmul,
-        max_model_len=args.max_model_len,
-        max_tokens_default=args.max_tokens_default,
-    )
+    named = {}
+
+    def build() -> Engine:  # on the engine thread, the one thread that computes (worker.py)
+        engine, named["name"] = build_engine(
+            args.model,
+            args.device,
+            args.dtype,
+            quant_spec(args),
+            args.matmul,
+            max_model_len=args.max_model_len,
+            max_tokens_default=args.max_tokens_default,
+        )
+        return engine
+
+    worker = Worker(build)
+    engine, name = worker.engine, named["name"]
     engine.memory_budget = (
         int(args.memory_budget_gb * GiB) if args.memory_budget_gb is not None else default_budget(engine.model.device)
     )
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb is not None else body_limit_for(engine.context)
-    app = create_app(engine, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
+    app = create_app(worker, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
         app,

@@ -547,14 +547,14 @@ def body_limit_for(context: int) -> int:
 
 
 def create_app(
-    engine: Engine,
+    worker: Worker,
     model_name: str,
     max_body_bytes: int = int(MAX_BODY_MB * 2**20),
     body_timeout: float = BODY_TIMEOUT_S,
     max_requests: int = 128,
 ) -> FastAPI:
     app = FastAPI(title="llm-from-scratch chapter 05")
-    app.state.server = ServerState(engine, Worker(engine), model_name)
+    app.state.server = ServerState(worker.engine, worker, model_name)
     app.include_router(router)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -668,24 +668,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
-    engine, name = build_engine(
-        args.model,
-        args.device,
-        args.dtype,
-        quant_spec(args),
-        args.matmul,
-        ops.from_args(args),
-        max_model_len=args.max_model_len,
-        max_tokens_default=args.max_tokens_default,
-        kv_cache_bytes=None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GiB),
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        chunked_prefill=args.chunked_prefill,
-        prefix_caching=args.prefix_caching,
-    )
+    named = {}
+
+    def build() -> Engine:  # on the engine thread, the one thread that computes (worker.py)
+        engine, named["name"] = build_engine(
+            args.model,
+            args.device,
+            args.dtype,
+            quant_spec(args),
+            args.matmul,
+            ops.from_args(args),
+            max_model_len=args.max_model_len,
+            max_tokens_default=args.max_tokens_default,
+            kv_cache_bytes=None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GiB),
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill=args.chunked_prefill,
+            prefix_caching=args.prefix_caching,
+        )
+        return engine
+
+    worker = Worker(build)
+    engine, name = worker.engine, named["name"]
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb is not None else body_limit_for(engine.context)
-    app = create_app(engine, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
+    app = create_app(worker, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
         app,
