@@ -64,14 +64,14 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Engine | Callable[[], Engine]):
-        """engine: the engine, or a function that builds it, called on the engine thread (as the
-        server does; see above). Raises what that function raises."""
+    def __init__(self, build: Callable[[], Engine]):
+        """build: makes the engine, called on the engine thread (see above; a test hands in
+        `lambda: engine`). Raises what it raises."""
         self._jobs: deque[Job] = deque()
         self._arrived = threading.Condition()
         self.busy = False
         built: Future = Future()
-        threading.Thread(target=self._run, args=(engine, built), name="engine-worker", daemon=True).start()
+        threading.Thread(target=self._run, args=(build, built), name="engine-worker", daemon=True).start()
         self.engine: Engine = built.result()
 
     def submit(self, request: Request) -> Job:
@@ -98,9 +98,9 @@ class Worker:
                     self.busy = True
                     return job
 
-    def _run(self, engine: Engine | Callable[[], Engine], built: Future) -> None:
+    def _run(self, build: Callable[[], Engine], built: Future) -> None:
         try:
-            built.set_result(engine if isinstance(engine, Engine) else engine())
+            built.set_result(build())
         except BaseException as e:  # noqa: BLE001  (handed to the thread that waits for the engine)
             built.set_exception(e)
             return

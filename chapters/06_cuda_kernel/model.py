@@ -15,10 +15,10 @@ Chapter 04: a linear weight is either a tensor or a quantized weight prepared fo
 (qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
 dequantizing only the rows of the tokens.
 
-Chapter 06: the residual add, the norms, RoPE with the KV cache write, decode attention, SwiGLU's silu(gate) * up, the
-quantized matmuls and bf16 matmuls of a few rows run through `model.ops`, kernels/' CUDA or C++
-kernels or chapter 05's PyTorch (ops.py). The residual stream x is updated in place, and each add
-is fused with the norm that follows it:
+Chapter 06: the residual add, the norms, RoPE with the KV cache write, decode attention, SwiGLU's
+silu(gate) * up, the quantized matmuls and bf16 matmuls of a few rows run through `model.ops`,
+kernels/' CUDA or C++ kernels or chapter 05's PyTorch (ops.py). The residual stream x is updated
+in place, and each add is fused with the norm that follows it:
 
     h = norm(x)
     for each layer:

@@ -4,9 +4,10 @@ Chapter 06 runs chapter 05's engine with its inner loops replaced by the kernels
 (a CUDA kernel on a GPU, its C++ twin on a CPU). The forward pass (model.py) calls the five
 operations below through one of two objects with the same methods:
 
-    KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged decode attention
-                (flash-decoding, reading K/V where they lie in the pool), SwiGLU's silu(gate) * up
-                in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU (qmatmul.py)
+    KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged
+                decode attention (flash-decoding, reading K/V where they lie in the pool), SwiGLU's
+                silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU
+                (qmatmul.py), and on a CPU each layer of a decode step as one call (DecoderLayer)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
 
 Both compute the same maths; what differs is how many passes over memory it takes. Per layer
@@ -232,8 +233,10 @@ class KernelOps:
         the same kernels in the same order as model.forward's loop body, with no Python between them.
         None on a GPU, where CUDA graphs replay whole decode steps (cuda_graphs.py), and where a weight
         has no kernel of the library (--matmul reference)."""
+        if self.device.type != "cpu":
+            return None
         linears = [self._library_linear(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        if self.device.type != "cpu" or None in linears:
+        if None in linears:
             return None
         shape = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         return self._ext.DecoderLayer(*linears, layer.mlp_norm, *shape, config.rms_norm_eps)

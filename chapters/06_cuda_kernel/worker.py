@@ -78,15 +78,15 @@ def _deliver(batch: list) -> None:
 
 
 class Worker:
-    def __init__(self, engine: Engine | Callable[[], Engine]):
-        """engine: the engine, or a function that builds it, called on the engine thread (as the
-        server does; see above). Raises what that function raises."""
+    def __init__(self, build: Callable[[], Engine]):
+        """build: makes the engine, called on the engine thread (see above; a test hands in
+        `lambda: engine`). Raises what it raises."""
         self._inbox: list[Job] = []  # submitted, not yet added to the engine
         self._jobs: dict[str, Job] = {}  # in the engine, by request id
         self._wake = threading.Condition()
         self._ids = itertools.count()
         built: Future = Future()
-        threading.Thread(target=self._run, args=(engine, built), name="engine-loop", daemon=True).start()
+        threading.Thread(target=self._run, args=(build, built), name="engine-loop", daemon=True).start()
         self.engine: Engine = built.result()
         self.stats = self.engine.stats()  # refreshed after every step, read by /health without the engine
 
@@ -130,9 +130,9 @@ class Worker:
             self.engine.abort(rid)
             del self._jobs[rid]
 
-    def _run(self, engine: Engine | Callable[[], Engine], built: Future) -> None:
+    def _run(self, build: Callable[[], Engine], built: Future) -> None:
         try:
-            built.set_result(engine if isinstance(engine, Engine) else engine())
+            built.set_result(build())
         except BaseException as e:  # noqa: BLE001  (handed to the thread that waits for the engine)
             built.set_exception(e)
             return

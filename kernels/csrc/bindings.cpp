@@ -368,31 +368,39 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // of more rows than `max_rows` torch's GEMM on `dense` (chapter 06's qmatmul.PerStepLinear); a
 // plain weight with no kernel is `dense` alone.
 struct Linear {
-    std::string kind;                // "int4", "int8", "bf16" or "dense"
+    enum class Kind { int4, int8, bf16, dense };
+    Kind kind;
     std::vector<at::Tensor> weight;  // int4: packed, scale, min; int8: q, scale; bf16: w; dense: none
     int64_t group_size;              // int4's
     std::optional<at::Tensor> dense;
     int64_t max_rows;
 
-    Linear(std::string kind_, std::vector<at::Tensor> weight_, int64_t group_size_, std::optional<at::Tensor> dense_,
-           int64_t max_rows_)
-        : kind(std::move(kind_)),
+    Linear(const std::string& kind_name, std::vector<at::Tensor> weight_, int64_t group_size_,
+           std::optional<at::Tensor> dense_, int64_t max_rows_)
+        : kind(kind_of(kind_name)),
           weight(std::move(weight_)),
           group_size(group_size_),
           dense(std::move(dense_)),
           max_rows(max_rows_) {
-        const size_t tensors = kind == "int4" ? 3 : kind == "int8" ? 2 : kind == "bf16" ? 1 : 0;
-        TORCH_CHECK(kind == "int4" || kind == "int8" || kind == "bf16" || kind == "dense",
-                    "Linear: kind must be int4, int8, bf16 or dense, got ", kind);
-        TORCH_CHECK(weight.size() == tensors, "Linear: ", kind, " takes ", tensors, " weight tensors, got ",
+        const size_t tensors = kind == Kind::int4 ? 3 : kind == Kind::int8 ? 2 : kind == Kind::bf16 ? 1 : 0;
+        TORCH_CHECK(weight.size() == tensors, "Linear: ", kind_name, " takes ", tensors, " weight tensors, got ",
                     weight.size());
-        TORCH_CHECK(kind != "dense" || dense, "Linear: a dense layer needs its dense weight");
+        TORCH_CHECK(kind != Kind::dense || dense, "Linear: a dense layer needs its dense weight");
+    }
+
+    static constexpr const char* kKindNames[] = {"int4", "int8", "bf16", "dense"};  // in Kind's order
+
+    static Kind kind_of(const std::string& name) {
+        for (int k = 0; k < 4; ++k)
+            if (name == kKindNames[k]) return static_cast<Kind>(k);
+        TORCH_CHECK(false, "Linear: kind must be int4, int8, bf16 or dense, got ", name);
+        return Kind::dense;  // not reached
     }
 
     at::Tensor operator()(const at::Tensor& x) const {  // x [rows, n_in] contiguous -> [rows, n_out]
-        if (kind == "dense" || (dense && x.size(0) > max_rows)) return at::linear(x, *dense);
-        if (kind == "int4") return int4_linear(x, weight[0], weight[1], weight[2], group_size);
-        if (kind == "int8") return int8_linear(x, weight[0], weight[1]);
+        if (kind == Kind::dense || (dense && x.size(0) > max_rows)) return at::linear(x, *dense);
+        if (kind == Kind::int4) return int4_linear(x, weight[0], weight[1], weight[2], group_size);
+        if (kind == Kind::int8) return int8_linear(x, weight[0], weight[1]);
         return bf16_linear(x, weight[0]);
     }
 };
@@ -413,7 +421,7 @@ struct DecoderLayer {
         rope_cache_(qkv, cos, sin, k_pool, v_pool, slots);
         const at::Tensor q = qkv.narrow(1, 0, n_heads);  // [B, n_heads, head_dim], token stride of qkv's
         const at::Tensor attn = paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens,
-                                                       1.0 / std::sqrt(double(head_dim)), partition_size);
+                                                       std::pow(double(head_dim), -0.5), partition_size);
         const at::Tensor h_mlp = add_rms_norm(x, wo(attn.view({rows, n_heads * head_dim})), mlp_norm, eps);
         return add_rms_norm(x, w_down(silu_mul(w_gate_up(h_mlp))), next_norm, eps);
     }
@@ -488,11 +496,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int8_linear", &int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
     m.def("bf16_linear", &bf16_linear, "x @ W.T for bfloat16 W, at few rows of x", py::arg("x"), py::arg("w"));
     py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, torch's GEMM above max_rows")
-        .def(py::init<std::string, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>, int64_t>(),
+        .def(py::init<const std::string&, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>, int64_t>(),
              py::arg("kind"), py::arg("weight"), py::arg("group_size") = 0, py::arg("dense") = py::none(),
              py::arg("max_rows") = INT64_MAX)
         .def("__call__", &Linear::operator(), py::arg("x"))
-        .def_readonly("kind", &Linear::kind);
+        .def_property_readonly("kind", [](const Linear& l) { return Linear::kKindNames[static_cast<int>(l.kind)]; });
     py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer's weights, for decode steps in one call")
         .def(py::init<Linear, Linear, Linear, Linear, at::Tensor, int64_t, int64_t, int64_t, double>(), py::arg("wqkv"),
              py::arg("wo"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("mlp_norm"), py::arg("n_heads"),

@@ -250,7 +250,7 @@ def http():
     import server
 
     eng = engine.Engine(model.load_model(TINY), Tokenizer(TINY), {})
-    with TestClient(server.create_app(server.Worker(eng), "tiny"), raise_server_exceptions=False) as client:
+    with TestClient(server.create_app(server.Worker(lambda: eng), "tiny"), raise_server_exceptions=False) as client:
         yield client
 
 

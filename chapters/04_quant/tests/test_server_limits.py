@@ -307,7 +307,7 @@ def test_tokenizing_runs_off_the_event_loop(tiny_engine, monkeypatch):
         monkeypatch.setattr(
             tiny_engine.tokenizer, name, lambda *a, _real=real, **k: calls.append(on_event_loop()) or _real(*a, **k)
         )
-    with TestClient(create_app(Worker(tiny_engine), MODEL)) as client:
+    with TestClient(create_app(Worker(lambda: tiny_engine), MODEL)) as client:
         assert client.post("/v1/chat/completions", json={"messages": HI}).status_code == 200
         assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
     assert calls and not any(calls)  # a 1 MB prompt takes a while: /health must not wait for it
@@ -322,7 +322,7 @@ def test_an_engine_failure_before_the_first_token_is_a_500_not_a_200_stream(tiny
         yield  # a generator, like the real stream
 
     monkeypatch.setattr(tiny_engine, "stream", fail)
-    with TestClient(create_app(Worker(tiny_engine), MODEL), raise_server_exceptions=False) as client:
+    with TestClient(create_app(Worker(lambda: tiny_engine), MODEL), raise_server_exceptions=False) as client:
         for body in ({"prompt": "hi", "stream": True}, {"prompt": "hi"}):
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 500, r.text

@@ -252,7 +252,7 @@ def http():
     # A pool of 64 blocks: the default, a quarter of free memory (tiny-llama3's context is 131072),
     # takes seconds to zero, and these requests never hold more than a few blocks.
     eng = engine.Engine(model.load_model(TINY), Tokenizer(TINY), {}, num_blocks=64)
-    with TestClient(server.create_app(server.Worker(eng), "tiny"), raise_server_exceptions=False) as client:
+    with TestClient(server.create_app(server.Worker(lambda: eng), "tiny"), raise_server_exceptions=False) as client:
         yield client
 
 

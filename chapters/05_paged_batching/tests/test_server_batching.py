@@ -159,6 +159,6 @@ def test_health_counts_a_request_while_its_first_step_runs(tmp_path):
         while await job.next_events() is not None:
             pass
 
-    worker = Worker(engine)
+    worker = Worker(lambda: engine)
     aio.run(run())
     assert seen and seen[0]["waiting"] + seen[0]["running"] == 1

@@ -2,6 +2,8 @@
 DecoderLayer): the same kernels in the same order as the Python loop body, so the same logits bit
 for bit, for every kind of weight; and steps that are not all decodes stay in Python."""
 
+import contextlib
+
 import pytest
 import torch
 from batch import Work, build_step
@@ -24,17 +26,31 @@ CASES = [
 ]
 
 
+_loaded: dict = {}
+
+
 def load(name, dtype, quant, ops=None):
-    ops = ops or resolve("on", CPU)
-    return load_model(resolve_model(name), CPU, dtype, quant, ops=ops)
+    """The model with the kernels on, loaded once per case for the whole module (tests that change
+    it put it back); with other `ops`, a fresh one."""
+    if ops is not None:
+        return load_model(resolve_model(name), CPU, dtype, quant, ops=ops)
+    key = (name, dtype, quant)
+    if key not in _loaded:
+        _loaded[key] = load_model(resolve_model(name), CPU, dtype, quant, ops=resolve("on", CPU))
+    return _loaded[key]
 
 
+@contextlib.contextmanager
 def without_one_call(model):
-    """The same model object with its layers called op by op from Python."""
+    """The same model object with its layers called op by op from Python, for the block."""
     saved = [layer.one_call for layer in model.layers]
     for layer in model.layers:
         layer.one_call = None
-    return saved
+    try:
+        yield
+    finally:
+        for layer, one_call in zip(model.layers, saved):
+            layer.one_call = one_call
 
 
 def steps(model, n_seqs: int):
@@ -61,10 +77,8 @@ def test_one_call_equals_the_python_loop_bit_for_bit(name, dtype, quant, n_seqs)
     model = load(name, dtype, quant)
     assert all(layer.one_call is not None for layer in model.layers)
     fused = steps(model, n_seqs)
-    saved = without_one_call(model)
-    python = steps(model, n_seqs)
-    for layer, one_call in zip(model.layers, saved):
-        layer.one_call = one_call
+    with without_one_call(model):
+        python = steps(model, n_seqs)
     for a, b in zip(fused, python):
         assert torch.equal(a, b)
 

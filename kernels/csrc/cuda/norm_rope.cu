@@ -1,6 +1,6 @@
 // RMSNorm with the residual add fused, RoPE (alone, and fused with the KV cache write), and
-// SwiGLU's silu(gate) * up: the CUDA twins of add_rms_norm, rope, rope_cache and silu_mul in cpu/cpu_kernels.h (the
-// contracts and the maths are there).
+// SwiGLU's silu(gate) * up: the CUDA twins of add_rms_norm, rope, rope_cache and silu_mul in
+// cpu/cpu_kernels.h (the contracts and the maths are there).
 //
 // All are small, memory-bound kernels: they read and write each element once or twice and do a
 // few flops on it. What matters is that the loads are coalesced (neighbouring threads read
