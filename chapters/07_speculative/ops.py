@@ -1,0 +1,339 @@
+"""The hot operations of a decoder layer, from the kernel library or from PyTorch.
+
+Chapter 06 runs chapter 05's engine with its inner loops replaced by the kernels of kernels/
+(a CUDA kernel on a GPU, its C++ twin on a CPU). The forward pass (model.py) calls the five
+operations below through one of two objects with the same methods:
+
+    KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged
+                decode attention (flash-decoding, reading K/V where they lie in the pool), SwiGLU's
+                silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU
+                (qmatmul.py), and on a CPU each layer of a decode step as one call (DecoderLayer)
+    TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
+
+Both compute the same maths; what differs is how many passes over memory it takes. Per layer
+and decode token, chapter 05 launches about 25 small PyTorch operations (each reading and writing
+its whole input); the kernels make that about 10, and attention stops copying each sequence's
+context out of the pool.
+
+The choice is made once, where the model is loaded: `--kernels` (add_arguments) becomes a
+`Kernels` value that the entry points hand on unread, and loading.load turns it into one of the two
+objects for its device. Past that point nothing asks which it got: qmatmul.py takes its int
+matmuls from `quant_linear`, the engine asks `can_capture_graphs`, the startup line `describe()`.
+Only this file holds the compiled library; the int matmuls it builds keep the one function they call.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from batch import AttentionGroup, DecodeGroup, one_query_each
+from common.errors import UserError
+from paged_attention import paged_attention
+from paged_cache import PagedKVCache
+from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, KernelInt4Linear, KernelInt8Linear, PerStepLinear
+from quant import Int8Weight, QuantWeight
+from rope import apply_rope, cos_sin
+
+
+class Ops(Protocol):
+    """What the forward pass, qmatmul.prepare and the engine ask of either implementation."""
+
+    @property
+    def can_capture_graphs(self) -> bool:
+        """Whether decode steps may replay as CUDA graphs (cuda_graphs.py)."""
+
+    def angles(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+    def rope_cache_(self, qkv: torch.Tensor, cos, sin, cache: PagedKVCache, layer: int, slots: torch.Tensor) -> None:
+        """RoPE on the q and k heads of qkv ([tokens, n_heads + 2 * n_kv_heads, head_dim]), q in place;
+        the rotated k and the v heads stored in `layer`'s pool at `slots`."""
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
+
+    def quant_linear(self, w: QuantWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x -> x @ W.T through this implementation's own int matmul, or None: qmatmul's torch path."""
+
+    def dense_linear(self, w: torch.Tensor) -> torch.Tensor | Callable[[torch.Tensor], torch.Tensor]:
+        """A plain weight as the forward pass will multiply by it: the tensor (torch's GEMM), or a
+        callable that picks per step between this implementation's matvec and that GEMM."""
+
+    def decoder_layer(self, layer, config) -> object | None:
+        """A model.Layer's weights in the form that runs its decode steps in one call (decode_layer),
+        or None: each operation is then called from Python."""
+
+    def decode_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+        """Layer i of a step of decodes (model.forward's loop body) in one call; layer.one_call is set."""
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raises UserError, naming the limit, for a KV block size this implementation cannot read."""
+
+    def describe(self) -> str:
+        """For the startup line, e.g. "kernels: on (cpu, avx512)"."""
+
+
+class TorchOps:
+    """Chapter 05's operations. `why_off`: why the kernels are not used, for the startup line."""
+
+    can_capture_graphs = False  # the decode kernel is what reads fixed-width block tables
+
+    def __init__(self, why_off: str = "--kernels off"):
+        self.why_off = why_off
+
+    @staticmethod
+    def angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a step's tokens, in the form rope_cache_ takes: [tokens, 1, head_dim] in `dtype`
+        (angles in float32, then cast: the reference's rounding)."""
+        cos, sin = cos_sin(inv_freq, positions)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += delta (the residual stream, in place); -> rms_norm(x) * weight."""
+        if delta is not None:
+            x.add_(delta)
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+    @staticmethod
+    def rope_cache_(qkv, cos, sin, cache: PagedKVCache, layer: int, slots) -> None:
+        nkv = cache.shape[2]
+        nh = qkv.shape[1] - 2 * nkv
+        qk = qkv[:, : nh + nkv]  # q and k heads sit side by side in qkv: rotated together, in place
+        qk.copy_(apply_rope(qk, cos, sin))
+        cache.write(layer, slots, qkv[:, nh : nh + nkv], qkv[:, nh + nkv :])
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2 * inter] (gate, then up) -> silu(gate) * up, [tokens, inter]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def attention(q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
+        return paged_attention(q, k_pool, v_pool, groups)
+
+    @staticmethod
+    def quant_linear(w: QuantWeight) -> None:
+        return None
+
+    @staticmethod
+    def dense_linear(w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    @staticmethod
+    def decoder_layer(layer, config) -> None:
+        return None
+
+    @staticmethod
+    def check_block_size(block_size: int) -> None:
+        return None  # gather + SDPA reads blocks of any size
+
+    def describe(self) -> str:
+        return f"kernels: off ({self.why_off})"
+
+
+class KernelOps:
+    """The kernel library's operations on `device`."""
+
+    # Flash-decoding cuts a sequence's keys into partitions of whole blocks, about PARTITION_KEYS
+    # keys each. The CUDA kernel keeps a partition's pool rows in shared memory (4 bytes a key,
+    # beside up to 17 KB of its merge, in the 48 KB a block gets): at most MAX_BLOCK_SIZE keys.
+    PARTITION_KEYS = 256
+    MAX_BLOCK_SIZE = 4096
+
+    def __init__(self, ext, device: torch.device = torch.device("cpu"), batch_invariant: bool = False):
+        """batch_invariant: every row of every step computed as it would be alone (--batch-invariant):
+        the linear kernels in one form for any number of rows (a switch of the library, process-wide
+        like torch.use_deterministic_algorithms), at any number of rows (no dense GEMM for big steps),
+        and prompt chunks' attention through the decode kernel, one query at a time."""
+        self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
+        if self.device.type == "cpu":
+            ext.set_batch_invariant(batch_invariant)
+
+    @classmethod
+    def partition_size(cls, block_size: int) -> int:
+        """Keys per partition for blocks of `block_size`: a whole number of blocks, at least one."""
+        return block_size * max(1, cls.PARTITION_KEYS // block_size)
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size > self.MAX_BLOCK_SIZE:
+            raise UserError(
+                f"--block-size {block_size}: the decode kernel reads blocks of at most {self.MAX_BLOCK_SIZE} tokens "
+                "(its partition's rows live in shared memory); use a smaller block size or --kernels off"
+            )
+
+    @property
+    def can_capture_graphs(self) -> bool:
+        return self.device.type == "cuda"
+
+    @staticmethod
+    def angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin as the RoPE kernel takes them: float32 [tokens, head_dim / 2], computed once per
+        step for all layers; the kernel rotates in float32 and rounds once."""
+        angles = positions.to(torch.float32)[:, None] * inv_freq
+        return angles.cos(), angles.sin()
+
+    def add_rms_norm(self, x, delta, weight, eps) -> torch.Tensor:
+        return self._ext.add_rms_norm(x, delta, weight, eps)
+
+    def rope_cache_(self, qkv, cos, sin, cache: PagedKVCache, layer: int, slots) -> None:
+        """One pass where PyTorch takes three: rotates q in place and k on its way into the pool, copies v
+        (vLLM's rotary embedding and reshape_and_cache, in one kernel). qkv's k heads stay unrotated."""
+        self._ext.rope_cache_(qkv, cos, sin, cache.k[layer], cache.v[layer], slots)
+
+    def silu_mul(self, gate_up) -> torch.Tensor:
+        """One pass instead of torch's silu, then product (and a call instead of three)."""
+        return self._ext.silu_mul(gate_up)
+
+    def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
+        """Decodes (one query per sequence) through the paged kernel; prompt chunks through
+        chapter 05's gather + SDPA, which is compute-bound there and already good at it.
+        Batch-invariant, prompt chunks too go through the decode kernel, each query as if it were
+        decoded alone: SDPA's sums over a chunk's keys depend on the chunk, which depends on what
+        else the step holds and on what the prefix cache had."""
+        if self.batch_invariant:
+            groups = [g if g.decodes else one_query_each(g) for g in groups]
+        return paged_attention(q, k_pool, v_pool, groups, decode=self.decode)
+
+    def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup | DecodeGroup) -> torch.Tensor:
+        """q: [B, n_heads, head_dim], one query per sequence of the group -> the same shape."""
+        return self._ext.paged_decode_attention(
+            q, k_pool, v_pool, g.block_tables, g.context_lens, q.shape[-1] ** -0.5, self.partition_size(k_pool.shape[1])
+        )
+
+    def quant_linear(self, w: QuantWeight):
+        kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
+        return kind(w, self._ext, self.device)
+
+    def dense_linear(self, w: torch.Tensor):
+        """A bf16 weight on a CPU: the bf16 matvec for steps of up to KERNEL_MAX_ROWS_BF16 rows,
+        torch's GEMM above, on the same tensor. torch's bf16 GEMM is made for larger products and
+        reads a decode step's weights at a third or less of the memory bandwidth. On CUDA, cuBLAS
+        until the GPU check has measured the kernel against it (bench.py --parts kernels)."""
+        if self.batch_invariant:  # the kernel at every row count
+            if w.dtype != torch.bfloat16:
+                raise UserError(
+                    f"--batch-invariant: {str(w.dtype).removeprefix('torch.')} weights would go through torch's GEMM, "
+                    "whose rounding of a row may depend on the rows beside it; use bfloat16 weights (--dtype "
+                    "bfloat16) or --quant int4/int8"
+                )
+            return KernelBf16Linear(w, self._ext)
+        if w.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return w
+        return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
+
+    def decoder_layer(self, layer, config):
+        """The layer as the library's DecoderLayer (csrc/bindings.cpp): its decode steps in one C++ call,
+        the same kernels in the same order as model.forward's loop body, with no Python between them.
+        None on a GPU, where CUDA graphs replay whole decode steps (cuda_graphs.py), and where a weight
+        has no kernel of the library (--matmul reference)."""
+        if self.device.type != "cpu":
+            return None
+        linears = [self._library_linear(w) for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        if None in linears:
+            return None
+        shape = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        return self._ext.DecoderLayer(*linears, layer.mlp_norm, *shape, config.rms_norm_eps)
+
+    def _library_linear(self, w):
+        """A weight as load_model prepared it -> the library's Linear: the same kernel, and the same
+        dense GEMM above the same number of rows (PerStepLinear); None for a form it lacks."""
+        if isinstance(w, torch.Tensor):
+            return self._ext.Linear("dense", [], dense=w)
+        dense = {"dense": w.dense, "max_rows": w.max_rows} if isinstance(w, PerStepLinear) else {}
+        kernel = w.packed if isinstance(w, PerStepLinear) else w
+        if not hasattr(kernel, "library_form"):
+            return None  # dequantize-and-multiply (qmatmul.ReferenceLinear)
+        return self._ext.Linear(*kernel.library_form(), **dense)
+
+    def decode_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+        g, partition = step.groups[0], self.partition_size(cache.block_size)
+        where = step.slots, g.block_tables, g.context_lens
+        return layer.one_call.decode(x, h, cos, sin, cache.k[i], cache.v[i], *where, next_norm, partition)
+
+    def describe(self) -> str:
+        where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type
+        return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
+
+
+def resolve(choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False) -> Ops:
+    """choice: "on" (the kernels, an error where they cannot run), "off" (PyTorch), or "auto"
+    (the kernels where they run on this device, else PyTorch, which then says why). head_dim: the
+    model's, when known: the decode kernel is built for a few sizes (kernels.head_dims()).
+    batch_invariant: the kernels in their batch-invariant form (KernelOps), an error where they cannot."""
+    if choice not in ("auto", "on", "off"):
+        raise UserError(f"kernels must be 'auto', 'on' or 'off', got {choice!r}")
+    if batch_invariant and (choice == "off" or device.type != "cpu"):
+        raise UserError(
+            "--batch-invariant runs the CPU kernels (kernels/ with --kernels auto or on, on a CPU): chapter 05's "
+            "PyTorch picks its matmul by row count, and the CUDA kernels tile by it"
+        )
+    if choice == "off":
+        return TorchOps()
+    if device.type not in ("cpu", "cuda"):
+        why = f"kernels/ has no {device.type} implementation"
+    else:
+        import kernels  # builds the library on first use (a minute), with a message
+
+        try:
+            ext = kernels.load()
+            why = None if device.type == "cpu" or ext.with_cuda else "kernels/ was built without CUDA here"
+            if why is None and device.type == "cuda":
+                why = kernels.gpu_not_covered(ext, device)
+            served = ext.head_dims()
+            if why is None and head_dim is not None and head_dim not in served:
+                why = f"kernels/ decodes heads of {', '.join(map(str, served))} values; this model's have {head_dim}"
+        except kernels.KernelBuildError as e:
+            why = str(e)
+        if why is None:
+            return KernelOps(ext, device, batch_invariant)
+    if choice == "on" or batch_invariant:
+        raise UserError(f"--kernels {choice}{' --batch-invariant' if batch_invariant else ''}: {why}")
+    return TorchOps(why)
+
+
+# --- the flags: everything a kernels option touches outside the forward pass is below -------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel flags as parsed, before there is a device to resolve them for: what the entry
+    points hand to loading.load and engine.build_engine without reading it."""
+
+    choice: str = "auto"  # --kernels
+    batch_invariant: bool = False  # --batch-invariant
+
+    def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
+        """The operations for `device` (and a model's head size); where "auto" falls back to
+        PyTorch, a note says why."""
+        ops = resolve(self.choice, device, head_dim, self.batch_invariant)
+        if self.choice == "auto" and isinstance(ops, TorchOps):
+            print(f"note: kernels off ({ops.why_off}): chapter 05's PyTorch path runs", file=sys.stderr)
+        return ops
+
+
+def add_arguments(ap) -> None:
+    k = ap.add_argument_group("kernels")
+    k.add_argument(
+        "--kernels",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="kernels/ for norms, RoPE, decode attention and int matmuls: auto (default: where they run on "
+        "this device, built on first use), on (an error where they cannot), off (chapter 05's PyTorch)",
+    )
+    k.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens at temperature 0 independent of what else runs (the batch, prefix-cache "
+        "hits, n): every row through the same kernel in the same order; slower (see the README); CPU, kernels on",
+    )
+
+
+def from_args(args) -> Kernels:
+    return Kernels(args.kernels, args.batch_invariant)

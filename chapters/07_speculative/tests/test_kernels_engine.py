@@ -1,0 +1,232 @@
+"""Chapter 06's engine with kernels/ against chapter 05's, and against itself with --kernels off."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import UserError
+from common.models import resolve_model
+from common.testing import load_neighbour
+from common.tokenizer import Tokenizer
+from common.warm_python import run_python
+from cuda_graphs import DecodeGraphs
+from engine import Engine, Request, build_engine
+from model import forward_sequence, load_model
+from ops import Kernels, KernelOps, TorchOps, resolve
+from paged_cache import PagedKVCache
+from quant import QuantSpec
+from sampling import SamplingParams
+
+HERE = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a KV cache is in one sentence.",
+]
+
+
+def greedy_tokens(engine, prompt_ids, n):
+    req = Request(prompt_ids, GREEDY, max_tokens=n)
+    return [t for events in engine.stream(req) for ev in events for t in ev.token_ids]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "smollm2-135m"])
+def test_greedy_output_equals_chapter_05_on_every_test_prompt(name):
+    ch05 = load_neighbour(5, "engine")
+    d = resolve_model(name)
+    ours, _ = build_engine(str(d), "cpu", "float32", kernels="on", num_blocks=256)
+    theirs, _ = ch05.engine.build_engine(str(d), "cpu", "float32", num_blocks=256)
+    assert isinstance(ours.model.ops, KernelOps)
+    tok = Tokenizer(d)
+    for text in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": text}])
+        req = ch05.engine.Request(ids, ch05.engine.SamplingParams(temperature=0), max_tokens=24)
+        expected = [t for events in theirs.stream(req) for ev in events for t in ev.token_ids]
+        assert greedy_tokens(ours, ids, 24) == expected, text
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return resolve_model("smollm2-135m")
+
+
+@pytest.mark.parametrize("quant", [None, QuantSpec(bits=4), QuantSpec(bits=8)], ids=["fp32", "int4", "int8"])
+def test_kernels_on_and_off_give_the_same_logits(smollm2_dir, quant):
+    # Every position of a prompt (the prefill path: norms, RoPE, the int matmuls for <= 16 rows are
+    # not used there, so decode them too) on both paths, float32 activations.
+    ids = Tokenizer(smollm2_dir).encode("The quick brown fox jumps over the lazy dog. " * 3)
+    on = load_model(smollm2_dir, "cpu", torch.float32, quant, "fast", resolve("on", CPU))
+    off = load_model(smollm2_dir, "cpu", torch.float32, quant, "reference", resolve("off", CPU))
+    assert isinstance(off.ops, TorchOps)
+    torch.testing.assert_close(forward_sequence(on, ids), forward_sequence(off, ids), atol=2e-3, rtol=1e-3)
+    e_on = Engine(on, Tokenizer(smollm2_dir), {}, num_blocks=64)
+    e_off = Engine(off, Tokenizer(smollm2_dir), {}, num_blocks=64)
+    assert greedy_tokens(e_on, ids[:20], 16) == greedy_tokens(e_off, ids[:20], 16)
+
+
+def test_bf16_weights_decode_through_the_bf16_kernel_as_accurately_as_torch(smollm2_dir):
+    # A bf16 model with the kernels on: every matrix (the tied head too) is the bf16 matvec for
+    # steps of up to KERNEL_MAX_ROWS_BF16 rows, on the weight tensor itself (no copy). A 6-token
+    # step runs it in every layer: its logits are as close to float32's as torch's bf16 GEMM's are.
+    from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, PerStepLinear
+
+    on = load_model(smollm2_dir, "cpu", torch.bfloat16, None, "fast", resolve("on", CPU))
+    off = load_model(smollm2_dir, "cpu", torch.bfloat16, None, "fast", resolve("off", CPU))
+    exact = load_model(smollm2_dir, "cpu", torch.float32, None, "fast", resolve("off", CPU))
+    for w in [on.lm_head, on.layers[0].wqkv, on.layers[-1].w_down]:
+        assert isinstance(w, PerStepLinear) and isinstance(w.packed, KernelBf16Linear) and w.packed.weight is w.dense
+    assert on.dense_copy_bytes == 0 and isinstance(off.lm_head, torch.Tensor)
+    ids = Tokenizer(smollm2_dir).encode("The quick brown fox jumps")[:KERNEL_MAX_ROWS_BF16]
+    want = forward_sequence(exact, ids)
+    err_on = (forward_sequence(on, ids).float() - want).abs().max().item()
+    err_off = (forward_sequence(off, ids).float() - want).abs().max().item()
+    assert err_on <= 1.5 * err_off, (err_on, err_off)
+
+
+def test_padded_static_decode_steps_equal_the_eager_engine():
+    # What the CUDA graphs replay, run eagerly on a CPU: decode steps padded to their bucket, on
+    # fixed buffers, with fixed-width block tables; everything but the capture itself.
+    d = resolve_model("tiny-llama3")
+    model, tok = load_model(d, ops=resolve("on", CPU)), Tokenizer(d)
+    rng = random.Random(0)
+    reqs = [
+        Request(
+            [rng.randrange(3, 250) for _ in range(rng.choice([1, 5, 17, 40]))],
+            GREEDY,
+            max_tokens=rng.randrange(1, 25),
+            ignore_eos=True,
+        )
+        for _ in range(11)
+    ]
+    arrivals = [rng.randrange(0, 12) for _ in reqs]
+    eager = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
+    padded = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
+    assert eager.graphs is None and padded.graphs is None  # no graphs on a CPU
+    # As the engine sets them up on CUDA: one block more than the block manager hands out, for padding rows.
+    padded.cache = PagedKVCache(model.config, 129, 16, model.device, model.dtype)
+    padded.graphs = DecodeGraphs(model, padded.cache, 16, -(-padded.context // 16), 128, capture=False)
+    assert padded.graphs.buckets[:4] == [1, 2, 4, 8]
+    ran = []
+    run = padded.graphs.run
+    padded.graphs.run = lambda work: ran.append(len(work)) or run(work)
+    assert padded.generate(reqs, arrivals) == eager.generate(reqs, arrivals)
+    assert any(n not in padded.graphs.buckets for n in ran)  # some steps were padded to a larger bucket
+
+
+def test_decode_graphs_only_where_the_ops_can_capture_them():
+    import kernels
+
+    assert KernelOps(kernels.load(), torch.device("cuda")).can_capture_graphs
+    assert not resolve("on", CPU).can_capture_graphs and not TorchOps().can_capture_graphs
+    d = resolve_model("tiny-llama3")
+    for ops in (resolve("on", CPU), resolve("off", CPU)):
+        engine = Engine(load_model(d, ops=ops), Tokenizer(d), {}, num_blocks=8)
+        assert engine.graphs is None and engine.cache.num_blocks == 8  # no spare block for padding either
+
+
+def test_kernels_where_they_cannot_run(capsys):
+    mps = torch.device("mps")
+    ops = resolve("auto", mps)
+    assert isinstance(ops, TorchOps) and ops.describe() == "kernels: off (kernels/ has no mps implementation)"
+    with pytest.raises(ValueError, match="--kernels on: kernels/ has no mps implementation"):
+        resolve("on", mps)
+    with pytest.raises(ValueError, match="kernels must be 'auto', 'on' or 'off'"):
+        resolve("yes", CPU)
+    # What the entry points get: --kernels auto says why it falls back, --kernels off does not.
+    assert isinstance(Kernels("auto").ops(mps), TorchOps)
+    assert (
+        "note: kernels off (kernels/ has no mps implementation): chapter 05's PyTorch path runs"
+        in capsys.readouterr().err
+    )
+    assert Kernels("off").ops(mps).describe() == "kernels: off (--kernels off)" and capsys.readouterr().err == ""
+    assert Kernels("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
+
+
+def test_a_head_size_the_kernels_do_not_serve_falls_back_to_pytorch_and_says_why(tmp_path, capsys):
+    why = "kernels/ decodes heads of 32, 64, 96, 128, 256 values; this model's have 80"
+    assert resolve("auto", CPU, head_dim=80).describe() == f"kernels: off ({why})"
+    with pytest.raises(UserError, match=f"--kernels on: {why}"):
+        resolve("on", CPU, head_dim=80)
+    assert isinstance(resolve("auto", CPU, head_dim=32), KernelOps)  # tiny-llama3's
+    # A whole model: tiny-llama3 with 2 query heads of 80 values instead of 8 of 32, loaded
+    # the way every entry point loads one, answers through PyTorch and says why.
+    cfg = json.loads((resolve_model("tiny-llama3") / "config.json").read_text())
+    cfg |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 80}
+    d = tmp_path / "wide-heads"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(resolve_model("tiny-llama3") / f, d / f)
+    engine, _ = build_engine(str(d), "cpu", "float32", kernels="auto", num_blocks=16)
+    assert isinstance(engine.model.ops, TorchOps) and why in capsys.readouterr().err
+    assert len(greedy_tokens(engine, [1, 2, 3, 4], 4)) > 0
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_generate_with_and_without_kernels(flag):
+    r = run_python(
+        [
+            str(HERE / "generate.py"),
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "--kernels",
+            flag,
+        ],
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run slurm/gpu_check.sh on a GPU node)")
+def test_cuda_graphs_replay_equals_eager_on_cuda():
+    d = resolve_model("tiny-llama3")
+    model, tok = load_model(d, "cuda", torch.float32, ops=resolve("on", torch.device("cuda"))), Tokenizer(d)
+    rng = random.Random(1)
+    reqs = [
+        Request([rng.randrange(3, 250) for _ in range(rng.choice([1, 9, 33]))], GREEDY, max_tokens=20, ignore_eos=True)
+        for _ in range(7)
+    ]
+    graphs = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8)
+    assert graphs.graphs is not None and graphs.graphs.capture
+    eager = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8, cuda_graphs=False)
+    assert graphs.generate(reqs, [0, 0, 1, 2, 3, 5, 8]) == eager.generate(reqs, [0, 0, 1, 2, 3, 5, 8])
+    assert graphs.graphs.graphs, "no decode step was captured"
+
+
+@pytest.mark.parametrize("block_size", [1, 24, 48, 512])
+def test_any_block_size_decodes_as_pytorch_does(block_size):
+    # Partitions are whole blocks: 256 keys with 16-token blocks, 240 with 24 or 48, one block of 512.
+    assert KernelOps.partition_size(block_size) % block_size == 0
+    d = resolve_model("tiny-llama3")
+    ids = Tokenizer(d).encode_chat(
+        [{"role": "user", "content": PROMPTS[3]}]
+    )  # 41 tokens, 61 with the answer: three blocks of 24
+    tokens = {}
+    for flag in ("on", "off"):
+        engine, _ = build_engine(str(d), "cpu", "float32", kernels=flag, num_blocks=64, block_size=block_size)
+        tokens[flag] = greedy_tokens(engine, ids, 20)
+    assert tokens["on"] == tokens["off"] and len(tokens["on"]) == 20
+
+
+def test_a_block_size_the_decode_kernel_cannot_read_is_refused_at_startup():
+    d = resolve_model("tiny-llama3")
+    with pytest.raises(UserError, match="at most 4096 tokens"):
+        build_engine(str(d), "cpu", "float32", kernels="on", num_blocks=2, block_size=8192)
+    build_engine(str(d), "cpu", "float32", kernels="off", num_blocks=2, block_size=8192)  # PyTorch reads any size

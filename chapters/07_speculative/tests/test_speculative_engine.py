@@ -1,0 +1,226 @@
+"""Speculative decoding inside the batching engine: greedy output token for token what the engine
+gives with speculation off (chapter 06's engine), with every proposer, on a mixed workload with
+preemption, prefix caching, n = 4, stop strings, penalties and min_tokens; and rollback: no block
+held or cached for a rejected draft (float32, SmolLM2: real text, so prompt lookup hits)."""
+
+import random
+
+import pytest
+import torch
+from block_manager import BlockManager
+from engine import Engine, Request, build_engine
+from proposers import NgramProposer
+from sampling import SamplingParams
+from sequence import Status
+
+from common.models import resolve_model
+
+GREEDY = SamplingParams(temperature=0)
+SYSTEM = "You are a careful assistant. Repeat the user's words where you can."
+TOPICS = ["the sea", "bread", "the moon", "rivers", "a compiler", "prime numbers", "Paris", "trains"]
+ASKS = [
+    "Repeat this sentence twice: {t} is on my mind, {t} is on my mind.",
+    "Write the words '{t}' three times, separated by commas.",
+    "Say one sentence about {t}.",
+    "List three facts about {t}, one per line.",
+]
+
+
+class Junk:
+    """Always wrong: proposes a token no reply here contains, k times."""
+
+    def describe(self):
+        return "junk"
+
+    def propose(self, tokens, k):
+        return [49000] * k
+
+
+class Oracle:
+    """Proposes what the reference run generated next: every guess is right."""
+
+    def __init__(self, runs: list[list[int]]):
+        self.runs = runs
+
+    def describe(self):
+        return "oracle"
+
+    def propose(self, tokens, k):
+        for full in self.runs:
+            if full[: len(tokens)] == tokens:
+                return full[len(tokens) : len(tokens) + k]
+        return []
+
+
+def workload(tokenizer) -> tuple[list[Request], list[int]]:
+    rng = random.Random(0)
+    reqs = []
+    for i in range(32):
+        topic = TOPICS[i % len(TOPICS)]
+        messages = [{"role": "system", "content": SYSTEM}] if i % 2 == 0 else []  # a shared prefix
+        # numbered, so that no two prompts are equal (the oracle finds each one's run by its tokens)
+        messages.append({"role": "user", "content": f"{i}. " + ASKS[i % len(ASKS)].format(t=topic)})
+        params = GREEDY
+        if i % 7 == 3:
+            params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.3)
+        reqs.append(
+            Request(
+                tokenizer.encode_chat(messages),
+                params,
+                max_tokens=rng.choice([6, 12, 20]),
+                n=4 if i % 8 == 5 else 1,
+                stop=[", "] if i % 5 == 1 else [],
+                min_tokens=4 if i % 6 == 2 else 0,
+            )
+        )
+    return reqs, [rng.randrange(0, 12) for _ in reqs]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The workload through one float32 SmolLM2 with each proposer. -> {name: (outputs, engine)}"""
+    base, _ = build_engine(str(resolve_model("smollm2-135m")), "cpu", "float32")
+
+    def run(proposer, **kw):
+        # 12 sequences at most and a pool of 40 blocks of 8: preemptions; speculation up to 12
+        engine = Engine(
+            base.model,
+            base.tokenizer,
+            base.generation_config,
+            num_blocks=40,
+            block_size=8,
+            max_num_seqs=12,
+            max_num_batched_tokens=64,
+            proposer=proposer,
+            num_speculative_tokens=5,
+            speculative_max_batch=12,
+            **kw,
+        )
+        reqs, arrivals = workload(base.tokenizer)
+        return engine.generate(reqs, arrivals), engine
+
+    out = {"off": run(None)}
+    reqs, _ = workload(base.tokenizer)
+    finished = [r.prompt_ids + c.token_ids for r, choices in zip(reqs, out["off"][0]) for c in choices]
+    out["ngram"] = run(NgramProposer(min_n=1, max_n=3))
+    out["junk"] = run(Junk())
+    out["oracle"] = run(Oracle(finished))
+    return out
+
+
+def as_tuples(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason) for c in choices] for choices in outputs]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "junk", "oracle"])
+def test_greedy_output_equals_speculation_off(runs, proposer):
+    off, off_engine = runs["off"]
+    on, engine = runs[proposer]
+    assert as_tuples(on) == as_tuples(off)
+    # the workload did exercise what it is meant to
+    assert off_engine.scheduler.n_preemptions > 0 and off_engine.blocks.hit_rate > 0
+    assert any(c.finish_reason == "stop" and c.token_ids and c.text for choices in off for c in choices)
+    spec = engine.spec
+    assert spec.verifies > 0
+    if proposer == "ngram":  # some guesses kept, some not, fewer steps
+        assert 0 < spec.accepted < spec.drafted
+        assert engine.n_steps < off_engine.n_steps
+    if proposer == "junk":
+        assert spec.accepted == 0
+    if proposer == "oracle":  # every guess kept: verify rows compute exactly what decode steps do
+        assert spec.accepted == spec.drafted
+        assert engine.n_steps < off_engine.n_steps
+
+
+def test_stats_report_acceptance(runs):
+    stats = runs["ngram"][1].stats()
+    spec = runs["ngram"][1].spec
+    assert stats["spec_acceptance_rate"] == round(spec.accepted / spec.drafted, 4)
+    assert stats["spec_mean_accepted_length"] == round(1 + spec.accepted / spec.verifies, 4)
+    assert runs["off"][1].stats()["spec_draft_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def small():
+    engine, _ = build_engine(str(resolve_model("smollm2-135m")), "cpu", "float32", num_blocks=64, block_size=4)
+    return engine
+
+
+def real_blocks(tokens: list[int], block_size: int) -> set[tuple[int, ...]]:
+    return {tuple(tokens[i : i + block_size]) for i in range(0, len(tokens) - block_size + 1, block_size)}
+
+
+def test_rejected_drafts_hold_no_blocks_and_are_never_cached(small):
+    engine = Engine(
+        small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=Junk(), num_speculative_tokens=6
+    )
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Count from one to ten."}])
+    rid = engine.add(Request(prompt, GREEDY, max_tokens=24, ignore_eos=True))
+    seq = engine.requests[rid].seqs[0]
+    steps_after_prefill = 0
+    while engine.has_work():
+        engine.step()
+        if seq.status is Status.RUNNING and seq.n_uncomputed == 1:
+            steps_after_prefill += 1
+            # what it holds covers its tokens, not the 6 rejected guesses past them
+            assert len(seq.block_table) <= engine.blocks.blocks_for(len(seq.tokens))
+        b = engine.blocks
+        assert b.num_used + b.num_free == b.num_blocks
+    assert steps_after_prefill > 5 and engine.spec.drafted > 0 and engine.spec.accepted == 0
+    assert engine.blocks.num_used == 0
+    # every block the prefix cache names holds real tokens at their real place
+    real = real_blocks(seq.tokens, 4)
+    assert engine.blocks.num_cached > 0
+    assert all(entry.tokens in real for entry in engine.blocks._cached.values())
+    # and a prompt made of the real prefix plus the rejected guesses hits only the real blocks
+    n_real = len(seq.tokens) - 1
+    lookup = engine.blocks.take_prefix([], seq.tokens[:n_real] + [49000] * 6 + [1])
+    assert lookup <= n_real
+
+
+def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    table = []
+    blocks.grow(table, 13)  # 4 blocks
+    blocks.truncate(table, 6)  # 2 blocks hold 6 tokens
+    assert len(table) == 2 and blocks.num_free == 6
+    blocks.truncate(table, 8)  # nothing to give back
+    assert len(table) == 2
+    blocks.free(table)
+    assert blocks.num_free == 8
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(small):
+    def sample_once():
+        engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=NgramProposer(1, 3))
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Repeat: red, green, red, green, red."}])
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
+        out = engine.generate([Request(prompt, params, max_tokens=24, n=2)])[0]
+        return [c.token_ids for c in out], engine.spec.verifies
+
+    first, verifies = sample_once()
+    assert verifies > 0
+    assert sample_once()[0] == first
+
+
+def test_bad_speculation_settings_are_clear_errors(small):
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match="num_speculative_tokens"):
+        Engine(small.model, small.tokenizer, {}, num_blocks=8, proposer=Junk(), num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="unknown proposer"):
+        build_engine("does-not-matter", speculative="medusa")
+
+
+@torch.inference_mode()
+def test_verify_rows_are_decodes_at_consecutive_positions(small):
+    """The pending token and the drafts run as one-token rows of the sequence's block table."""
+    engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=Oracle([]))
+    rid = engine.add(Request([1, 2, 3, 4, 5], GREEDY, max_tokens=8))
+    seq = engine.requests[rid].seqs[0]
+    engine.step()
+    seq.draft = [7, 8, 9]
+    rows = engine._verify_rows(seq)
+    assert [w.tokens for w in rows] == [[seq.tokens[-1]], [7], [8], [9]]
+    assert [w.start for w in rows] == [5, 6, 7, 8]
+    assert all(w.block_table is seq.block_table for w in rows)
