@@ -81,7 +81,7 @@ class Event:
 
     index: int  # which of the n choices
     text: str  # new text (may be "")
-    token_ids: list[int]  # tokens this event accounts for
+    token_ids: list[int]  # tokens this event accounts for (chapter 07: several when drafts were kept)
     logprobs: list[TokenLogprob]  # one per token in token_ids, when requested
     finish_reason: str | None = None  # "stop" or "length" on the last event of a choice
 
@@ -449,19 +449,24 @@ class Engine:
         return out
 
     def _emit(self, new_tokens: list[tuple[Sequence, list, list]]) -> list[tuple[str, list[Event], bool]]:
-        """Each sequence's new tokens through the stop rules, one Event per token; a stop inside an
-        accepted run ends the choice there and drops the tokens after it."""
+        """Each sequence's new tokens through the stop rules, one Event per sequence and step (as a
+        server streams it: one chunk per step); a stop inside an accepted run ends the choice there
+        and drops the tokens after it."""
         news: dict[str, list[Event]] = {}
         for seq, tokens, logprobs in new_tokens:
             state = self.requests[seq.request_id]
+            step = Event(seq.index, "", [], [])
             for token, logprob in zip(tokens, logprobs):
                 event = self._advance(seq, token, logprob, state.stop_ids)
-                if event.text or event.finish_reason or event.token_ids:
-                    news.setdefault(seq.request_id, []).append(event)
+                step.text += event.text
+                step.token_ids += event.token_ids
+                step.logprobs += event.logprobs
+                step.finish_reason = event.finish_reason
                 if event.finish_reason is not None:
                     self.scheduler.finish(seq)
                     state.n_finished += 1
                     break
+            news.setdefault(seq.request_id, []).append(step)
         out = []
         for rid, events in news.items():
             done = self.requests[rid].done

@@ -57,6 +57,8 @@ def test_models_and_health(client, base_url):
         "kv_blocks_cached",
         "prefix_cache_hit_rate",
         "preemptions",
+        "spec_acceptance_rate",
+        "spec_mean_accepted_length",
     } <= set(health), health
     assert health["kv_blocks_total"] == pool_blocks() == 364  # 0.25 GiB / (16 x 46080 bytes)
     assert health["kv_blocks_used"] + health["kv_blocks_free"] == health["kv_blocks_total"]

@@ -212,6 +212,25 @@ def test_bad_speculation_settings_are_clear_errors(small):
         build_engine("does-not-matter", speculative="medusa")
 
 
+def test_a_step_gives_one_event_per_choice_with_every_kept_token(small):
+    """A server streams one chunk per step, one entry per choice: kept drafts arrive together."""
+    reference = small.generate([Request([5, 6, 7, 8], GREEDY, max_tokens=16, n=2, ignore_eos=True)])[0][0].token_ids
+    engine = Engine(
+        small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=Oracle([[5, 6, 7, 8] + reference])
+    )
+    engine.add(Request([5, 6, 7, 8], GREEDY, max_tokens=16, n=2, ignore_eos=True), "r")
+    streamed, sizes = {0: [], 1: []}, []
+    while engine.has_work():
+        for _, events, _ in engine.step():
+            assert len({e.index for e in events}) == len(events)
+            for e in events:
+                assert len(e.logprobs) in (0, len(e.token_ids))
+                streamed[e.index] += e.token_ids
+                sizes.append(len(e.token_ids))
+    assert streamed[0] == streamed[1] == reference
+    assert max(sizes) > 1
+
+
 @torch.inference_mode()
 def test_verify_rows_are_decodes_at_consecutive_positions(small):
     """The pending token and the drafts run as one-token rows of the sequence's block table."""
