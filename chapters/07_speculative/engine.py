@@ -51,7 +51,7 @@ from memory import GiB, default_kv_bytes
 from model import Model, forward
 from ops import Kernels
 from paged_cache import PagedKVCache
-from proposers import make_proposer
+from proposers import DraftModelProposer, check_draft, make_proposer
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample, token_logprobs
@@ -132,7 +132,7 @@ class Engine:
         cuda_graphs: bool = True,
         proposer=None,
         num_speculative_tokens: int = 6,
-        speculative_max_batch: int = 4,
+        speculative_max_batch: int = 2,
     ):
         """max_model_len: the context, at most the model's (default: the model's).
         The pool: `num_blocks` blocks of `block_size` tokens, or as many as `kv_cache_bytes` hold
@@ -375,15 +375,21 @@ class Engine:
         """Chapter 07: a draft for each decoding sequence, unless the batch is too large to gain."""
         running = self.scheduler.running
         speculate = self.proposer is not None and len(running) <= self.speculative_max_batch
+        seqs, ks = [], []
         for seq in running:
-            seq.draft = []
+            seq.draft, seq.draft_probs = [], None
             if not speculate or seq.n_uncomputed != 1:
                 continue  # still in its prompt, or recomputing after a preemption
             # The pending token and the drafts all become output if every draft is kept, plus one
             # more: the drafts may take what max_tokens leaves, less one.
             k = min(seq.spec_k, seq.max_tokens - len(seq.output) - 1)
             if k > 0:
-                seq.draft = list(self.proposer.propose(seq.tokens, k))[:k]
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
+                seq.draft = list(draft.tokens[:k])
+                seq.draft_probs = None if draft.probs is None else draft.probs[:k]
 
     @staticmethod
     def _verify_rows(seq: Sequence) -> list[Work]:
@@ -427,7 +433,8 @@ class Engine:
                 banned = self._id_mask(state.stop_ids, rows.device).expand(k + 1, -1).clone()
                 banned[too_early:] = False
             x = target_logits(rows, seq.params, seq.prompt, seq.output, draft, banned)
-            verdict = accept(x, draft, seq.params, seq.generator)
+            q = None if seq.draft_probs is None else seq.draft_probs[:k]  # the scheduler may have cut the draft
+            verdict = accept(x, draft, seq.params, seq.generator, q)
             self.spec.count(k, verdict.accepted)
             # The pending token and the kept drafts now have K/V in the cache; the rejected drafts'
             # slots are past n_computed (run again, so overwritten, when their positions come).
@@ -443,7 +450,7 @@ class Engine:
                 seq.spec_k = min(self.num_speculative_tokens, seq.spec_k + 2)
             else:
                 seq.spec_k = max(1, seq.spec_k - 1)
-            seq.draft = []
+            seq.draft, seq.draft_probs = [], None
             logprobs = token_logprobs(rows[: len(verdict.tokens)], [seq.params] * len(verdict.tokens), verdict.tokens)
             out.append((seq, verdict.tokens, logprobs))
         return out
@@ -587,15 +594,22 @@ def build_engine(
     matmul: str = DEFAULT_PATH,
     kernels: Kernels | str = Kernels(),
     speculative: str = "off",
+    draft_model: str | None = None,
+    draft_quant: QuantSpec | None = QuantSpec(4, 32),
     **limits,
 ) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
     quantized on load when `quant` is given, onto a device, with the kernel flags (ops.from_args, or
-    a --kernels choice), and a proposer by its --speculative name (proposers.py); -> the engine, and
-    the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
+    a --kernels choice), and a proposer by its --speculative name (proposers.py): for "draft",
+    `draft_model` (default: the model itself) quantized on load with `draft_quant`; -> the engine,
+    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
     proposer = make_proposer(speculative)  # a bad name fails before the model loads
     loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
     engine = Engine(loaded, Tokenizer(model_dir), Engine.read_generation_config(model_dir), proposer=proposer, **limits)
+    if speculative == "draft":
+        draft, draft_dir = load(draft_model or model, device, dtype, draft_quant, matmul, kernels)
+        check_draft(draft, loaded)
+        engine.proposer = DraftModelProposer(draft, engine.blocks, Path(draft_dir).name)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name
 

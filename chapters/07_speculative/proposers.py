@@ -3,16 +3,45 @@
 A decode step reads every weight of the model to produce one token. Scoring k+1 tokens in one
 step reads the same weights once, so if something cheap can guess what the model would say next,
 the model can check k guesses for about the price of one token, and keep the ones it agrees with
-(speculative.py). A proposer is that cheap guesser:
+(speculative.py). A proposer is that cheap guesser, asked once per step for every sequence that
+decodes:
 
-    propose(tokens, k) -> up to k draft tokens that would follow `tokens` (prompt + output)
+    propose(sequences, ks) -> one Draft per sequence: up to k tokens that would follow its tokens
 
-It may return fewer, or none (then the sequence decodes one token as in chapter 06). A proposer
-that returns its guesses as plain tokens is deterministic: its "distribution" q is all on the
-guess, which is what speculative.accept assumes when it is given no draft probabilities.
+A draft may be shorter, or empty (that sequence then decodes one token as in chapter 06).
+
+- NgramProposer (prompt lookup): the continuation of an earlier occurrence of the last few
+  tokens. No model; deterministic, so its q is all on its guess (Draft.probs None).
+- DraftModelProposer: a smaller or cheaper model (the same checkpoint in int4 drafting for its
+  bf16 self, or Llama-3.2-1B for Llama-3.1-8B) runs k decode steps of its own. Its K/V live in a
+  pool of its own with the target's geometry, addressed through the target's block tables: one
+  block manager decides where a token's K/V live in both pools, so a preemption, a fork or a
+  rolled-back draft needs no second bookkeeping.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batch import Work, build_step
+from block_manager import BlockManager
+from common.errors import UserError
+from model import Model, forward
+from paged_cache import PagedKVCache
+from quant import QuantSpec
+from sampling import GREEDY_BELOW, draw
+from sequence import Sequence
+from speculative import target_probs
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = (
+        None  # [len(tokens), vocab]: q, the distribution each was drawn from; None: a sure guess
+    )
 
 
 class NgramProposer:
@@ -34,7 +63,10 @@ class NgramProposer:
     def describe(self) -> str:
         return f"prompt lookup ({self.min_n}- to {self.max_n}-grams)"
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [Draft(self.guess(seq.tokens, k)) for seq, k in zip(seqs, ks)]
+
+    def guess(self, tokens: list[int], k: int) -> list[int]:
         if k < 1:
             return []
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
@@ -61,16 +93,92 @@ class NgramProposer:
         return None
 
 
-PROPOSERS = ("off", "ngram")
+class DraftModelProposer:
+    """A draft model guesses by decoding: k steps of its own for every speculating sequence at
+    once, greedy for greedy requests, else sampled from its own distribution q (the request's
+    temperature, top-k, top-p and min-p on the draft's logits), which the acceptance rule needs.
+
+    What the draft has run of a sequence is `seq.draft_computed` tokens, but only those the target
+    has computed too are sure to be the sequence's (past them lie guesses the target may have
+    rejected, or nothing after a preemption): each propose first runs the tokens from
+    min(draft_computed, n_computed) on in one chunk (the prompt, at first; after a verify, the
+    target's new token and perhaps the last kept guess), whose last row gives the first guess."""
+
+    def __init__(self, model: Model, blocks: BlockManager, name: str):
+        self.model = model
+        self.blocks = blocks
+        self.name = name
+        self.cache = PagedKVCache(model.config, blocks.num_blocks, blocks.block_size, model.device, model.dtype)
+
+    def describe(self) -> str:
+        quant = self.model.quant.name if self.model.quant else "unquantized"
+        return f"draft model {self.name} ({quant} weights, {self.cache.nbytes / 2**30:.2f} GiB KV pool of its own)"
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([], None) for _ in seqs]
+        # The draft writes K/V up to position len(tokens) + k - 2 (its last guess is not run): the
+        # table must hold them before the scheduler would grow it. Where the pool is short, fewer.
+        live = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            while k > 0 and not self.blocks.can_grow(seq.block_table, len(seq.tokens) + k - 1):
+                k -= 1
+            if k > 0:
+                self.blocks.grow(seq.block_table, len(seq.tokens) + k - 1)
+                live.append((i, seq, k))
+        if not live:
+            return drafts
+        starts = [min(seq.draft_computed, seq.n_computed) for _, seq, _ in live]
+        work = [Work(seq.tokens[s:], s, seq.block_table) for s, (_, seq, _) in zip(starts, live)]
+        pending = live
+        rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in live}
+        while pending:
+            logits = forward(self.model, build_step(work, self.blocks.block_size, self.model.device), self.cache)
+            # what each sequence has run now, and its next guess
+            next_pending, next_work = [], []
+            for (i, seq, k), w, row in zip(pending, work, logits):
+                seq.draft_computed = w.start + len(w.tokens)
+                token, q = self._pick(row, seq)
+                drafts[i].tokens.append(token)
+                rows[i].append(q)
+                if len(drafts[i].tokens) < k:
+                    next_pending.append((i, seq, k))
+                    next_work.append(Work([token], seq.draft_computed, seq.block_table))
+            pending, work = next_pending, next_work
+        for i, seq, _ in live:
+            if seq.params.temperature >= GREEDY_BELOW:
+                drafts[i].probs = torch.stack(rows[i])
+        return drafts
+
+    def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
+        """The draft's next token from its logits ([vocab]), and q when the request samples."""
+        x = logits.float()
+        if seq.params.temperature < GREEDY_BELOW:
+            return int(x.argmax()), None
+        q = target_probs(x[None], seq.params)[0]  # [vocab]
+        return int(draw(q[None], [seq.generator])[0]), q
+
+
+PROPOSERS = ("off", "ngram", "draft")
 
 
 def make_proposer(name: str):
-    """A proposer by its --speculative name; None for "off"."""
-    if name == "off":
+    """A proposer by its --speculative name; None for "off" (and for "draft", which needs the
+    engine's block manager: build_engine makes it, load_draft loads its model)."""
+    if name in ("off", "draft"):
         return None
     if name == "ngram":
         return NgramProposer()
     raise ValueError(f"unknown proposer {name!r}: choose one of {', '.join(PROPOSERS)}")
+
+
+def check_draft(draft: Model, target: Model) -> None:
+    """A draft must speak the target's vocabulary: its token ids are the target's."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise UserError(
+            f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the target's "
+            f"{target.config.vocab_size}: a draft must use the target's tokenizer"
+        )
 
 
 def add_speculative_args(ap, default: str = "ngram") -> None:
@@ -80,7 +188,19 @@ def add_speculative_args(ap, default: str = "ngram") -> None:
         "--speculative",
         choices=PROPOSERS,
         default=default,
-        help="who proposes draft tokens for the model to verify: ngram = prompt lookup (default: %(default)s)",
+        help="who proposes draft tokens for the model to verify: ngram = prompt lookup, draft = a draft model "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--draft-model",
+        default=None,
+        help="with --speculative draft: a model with the same tokenizer (default: the model itself, quantized)",
+    )
+    group.add_argument(
+        "--draft-quant",
+        choices=["int4", "int8", "none"],
+        default="int4",
+        help="with --speculative draft: the draft's weights, quantized on load (default: %(default)s)",
     )
     group.add_argument(
         "--num-speculative-tokens",
@@ -91,15 +211,20 @@ def add_speculative_args(ap, default: str = "ngram") -> None:
     group.add_argument(
         "--speculative-max-batch",
         type=int,
-        default=4,
+        default=2,
         help="nobody speculates while more sequences than this run (default: %(default)s)",
     )
 
 
 def speculative_args(args) -> dict:
     """build_engine's keyword arguments from those flags."""
+    if args.draft_model and args.speculative != "draft":
+        raise UserError("--draft-model needs --speculative draft")
+    bits = {"int4": 4, "int8": 8, "none": None}[args.draft_quant]
     return {
         "speculative": args.speculative,
+        "draft_model": args.draft_model,
+        "draft_quant": None if bits is None else QuantSpec(bits, 32, head_bits=8),
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch": args.speculative_max_batch,
     }

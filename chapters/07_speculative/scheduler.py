@@ -142,7 +142,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.draft = []
+        seq.draft, seq.draft_probs = [], None
         seq.n_computed = 0
         seq.status = Status.WAITING
         seq.n_preempted += 1

@@ -50,7 +50,9 @@ class Sequence:
     # Chapter 07: tokens a proposer guessed, run after the pending token and verified in the next
     # step (speculative.py), and how many to ask for next time (adapts to how many were kept).
     draft: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft), vocab]: the proposer's q, if it drew them
     spec_k: int = 0
+    draft_computed: int = 0  # tokens whose K/V a draft model has in its own pool (proposers.py)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)

@@ -12,27 +12,27 @@ from speculative import Verdict, accept, target_logits, target_probs
 # --- prompt lookup ---------------------------------------------------------------------------------
 
 
-def test_ngram_proposes_what_followed_the_latest_match():
+def test_ngram_guesses_what_followed_the_latest_match():
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     # "1 2 3" occurred at 0 (followed by 9 9) and at 5 (followed by 7 8 5): the latest wins
-    assert NgramProposer(min_n=1, max_n=3).propose(tokens, 3) == [7, 8, 5]
-    assert NgramProposer(min_n=1, max_n=3).propose(tokens, 10) == [7, 8, 5, 1, 2, 3]  # up to the end
+    assert NgramProposer(min_n=1, max_n=3).guess(tokens, 3) == [7, 8, 5]
+    assert NgramProposer(min_n=1, max_n=3).guess(tokens, 10) == [7, 8, 5, 1, 2, 3]  # up to the end
 
 
 def test_ngram_prefers_the_longest_match():
     tokens = [3, 5, 4, 10, 5, 4, 20, 3, 5, 4]
     # 3-gram "3 5 4" matches at 0 (-> 10); 2-gram "5 4" would match later at 4 (-> 20)
-    assert NgramProposer(min_n=1, max_n=3).propose(tokens, 1) == [10]
-    assert NgramProposer(min_n=1, max_n=2).propose(tokens, 1) == [20]
+    assert NgramProposer(min_n=1, max_n=3).guess(tokens, 1) == [10]
+    assert NgramProposer(min_n=1, max_n=2).guess(tokens, 1) == [20]
 
 
 def test_ngram_proposes_nothing_without_a_match():
-    assert NgramProposer(min_n=2, max_n=3).propose([1, 2, 3, 4, 5], 4) == []
-    assert NgramProposer(min_n=1, max_n=3).propose([7], 4) == []
-    assert NgramProposer().propose([1, 2, 1, 2], 0) == []
+    assert NgramProposer(min_n=2, max_n=3).guess([1, 2, 3, 4, 5], 4) == []
+    assert NgramProposer(min_n=1, max_n=3).guess([7], 4) == []
+    assert NgramProposer().guess([1, 2, 1, 2], 0) == []
     # min_n = 2: a single repeated token is not enough
-    assert NgramProposer(min_n=2, max_n=3).propose([4, 8, 9, 4], 2) == []
-    assert NgramProposer(min_n=1, max_n=3).propose([4, 8, 9, 4], 2) == [8, 9]
+    assert NgramProposer(min_n=2, max_n=3).guess([4, 8, 9, 4], 2) == []
+    assert NgramProposer(min_n=1, max_n=3).guess([4, 8, 9, 4], 2) == [8, 9]
 
 
 def test_unknown_proposer_and_bad_ngram_sizes_are_errors():

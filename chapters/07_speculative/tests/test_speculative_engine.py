@@ -4,12 +4,15 @@ preemption, prefix caching, n = 4, stop strings, penalties and min_tokens; and r
 held or cached for a rejected draft (float32, SmolLM2: real text, so prompt lookup hits)."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from block_manager import BlockManager
 from engine import Engine, Request, build_engine
-from proposers import NgramProposer
+from loading import load
+from proposers import Draft, DraftModelProposer, NgramProposer
+from quant import QuantSpec
 from sampling import SamplingParams
 from sequence import Status
 
@@ -26,26 +29,30 @@ ASKS = [
 ]
 
 
-class Junk:
-    """Always wrong: proposes a token no reply here contains, k times."""
+class Guesser:
+    """A proposer from a guess per sequence."""
 
     def describe(self):
-        return "junk"
+        return type(self).__name__
 
-    def propose(self, tokens, k):
+    def propose(self, seqs, ks):
+        return [Draft(self.guess(seq.tokens, k)) for seq, k in zip(seqs, ks)]
+
+
+class Junk(Guesser):
+    """Always wrong: proposes a token no reply here contains, k times."""
+
+    def guess(self, tokens, k):
         return [49000] * k
 
 
-class Oracle:
+class Oracle(Guesser):
     """Proposes what the reference run generated next: every guess is right."""
 
     def __init__(self, runs: list[list[int]]):
         self.runs = runs
 
-    def describe(self):
-        return "oracle"
-
-    def propose(self, tokens, k):
+    def guess(self, tokens, k):
         for full in self.runs:
             if full[: len(tokens)] == tokens:
                 return full[len(tokens) : len(tokens) + k]
@@ -67,7 +74,7 @@ def workload(tokenizer) -> tuple[list[Request], list[int]]:
             Request(
                 tokenizer.encode_chat(messages),
                 params,
-                max_tokens=rng.choice([6, 12, 20]),
+                max_tokens=rng.choice([5, 10, 16]),
                 n=4 if i % 8 == 5 else 1,
                 stop=[", "] if i % 5 == 1 else [],
                 min_tokens=4 if i % 6 == 2 else 0,
@@ -80,6 +87,7 @@ def workload(tokenizer) -> tuple[list[Request], list[int]]:
 def runs():
     """The workload through one float32 SmolLM2 with each proposer. -> {name: (outputs, engine)}"""
     base, _ = build_engine(str(resolve_model("smollm2-135m")), "cpu", "float32")
+    draft, _ = load(str(resolve_model("smollm2-135m")), "cpu", "float32", QuantSpec(4, 32))
 
     def run(proposer, **kw):
         # 12 sequences at most and a pool of 40 blocks of 8: preemptions; speculation up to 12
@@ -96,6 +104,8 @@ def runs():
             speculative_max_batch=12,
             **kw,
         )
+        if proposer == "draft":  # the int4 copy drafting for the float32 model, in a pool of its own
+            engine.proposer = DraftModelProposer(draft, engine.blocks, "int4 self")
         reqs, arrivals = workload(base.tokenizer)
         return engine.generate(reqs, arrivals), engine
 
@@ -105,6 +115,7 @@ def runs():
     out["ngram"] = run(NgramProposer(min_n=1, max_n=3))
     out["junk"] = run(Junk())
     out["oracle"] = run(Oracle(finished))
+    out["draft"] = run("draft")
     return out
 
 
@@ -112,7 +123,7 @@ def as_tuples(outputs):
     return [[(c.token_ids, c.text, c.finish_reason) for c in choices] for choices in outputs]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "junk", "oracle"])
+@pytest.mark.parametrize("proposer", ["ngram", "junk", "oracle", "draft"])
 def test_greedy_output_equals_speculation_off(runs, proposer):
     off, off_engine = runs["off"]
     on, engine = runs[proposer]
@@ -122,7 +133,7 @@ def test_greedy_output_equals_speculation_off(runs, proposer):
     assert any(c.finish_reason == "stop" and c.token_ids and c.text for choices in off for c in choices)
     spec = engine.spec
     assert spec.verifies > 0
-    if proposer == "ngram":  # some guesses kept, some not, fewer steps
+    if proposer in ("ngram", "draft"):  # some guesses kept, some not, fewer steps
         assert 0 < spec.accepted < spec.drafted
         assert engine.n_steps < off_engine.n_steps
     if proposer == "junk":
@@ -243,3 +254,25 @@ def test_verify_rows_are_decodes_at_consecutive_positions(small):
     assert [w.tokens for w in rows] == [[seq.tokens[-1]], [7], [8], [9]]
     assert [w.start for w in rows] == [5, 6, 7, 8]
     assert all(w.block_table is seq.block_table for w in rows)
+
+
+def test_a_draft_model_equal_to_the_target_has_every_guess_kept(small):
+    """The model drafting for itself: greedy drafts are the target's own picks (its K/V in the
+    draft's pool follow each verify), unless a near tie flips between a chunk and a decode row."""
+    engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, num_speculative_tokens=4)
+    engine.proposer = DraftModelProposer(small.model, engine.blocks, "itself")
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Name the planets of the solar system."}])
+    out = engine.generate([Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)])[0][0]
+    assert out.token_ids == small.generate([Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)])[0][0].token_ids
+    assert engine.spec.drafted > 20 and engine.spec.accepted >= 0.95 * engine.spec.drafted
+    assert engine.blocks.num_used == 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(small):
+    from common.errors import UserError
+    from proposers import check_draft
+
+    other = SimpleNamespace(config=SimpleNamespace(vocab_size=32000))  # a Llama-2-sized vocabulary
+    with pytest.raises(UserError, match="vocabulary has 32000 tokens and the target's 49152"):
+        check_draft(other, small.model)
+    check_draft(small.model, small.model)
