@@ -2,7 +2,7 @@
 # Everything this repository can only check on a GPU, in one go (at most about 7 minutes):
 #   1. build kernels/ with its CUDA half, for the GPU that is present (once: CI compiles every .cu
 #      for sm_80 and sm_90 with -Werror, `make kernels-check`)
-#   2. every CUDA test of chapters 02-06 and kernels/ (DEVICE=cuda; the CPU-only tests are CI's job),
+#   2. every CUDA test of chapters 02-07 and kernels/ (DEVICE=cuda; the CPU-only tests are CI's job),
 #      the suites side by side, each with its own timeout
 #   3. a batch-1 decode benchmark (slurm/gpu_decode_bench.py) and chapter 06's kernel timings
 # then a summary: each suite's passed/failed/skipped, the decode table, the kernel timings. Each part
@@ -85,7 +85,7 @@ fi
 select="cuda"
 [ -f "$MODELS_DIR/smollm2-135m/config.json" ] || { select="cuda and not smollm2"; echo "SmolLM2's weights are absent: its cases skip"; }
 logs=$(mktemp -d)
-suites=(chapters/0[2-6]_*/tests kernels/tests)
+suites=(chapters/0[2-7]_*/tests kernels/tests)
 threads=$(( $(nproc) / ${#suites[@]} )); [ $threads -gt 0 ] || threads=1
 for suite in "${suites[@]}"; do
   name=$(echo "$suite" | cut -d/ -f2)

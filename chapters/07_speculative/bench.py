@@ -4,7 +4,7 @@ streams with speculation on and off, to find where it stops paying.
 
 Usage, from this chapter's folder:
 
-    python bench.py --peers llama.cpp        # both parts: the README's figures
+    python bench.py --peers llama.cpp        # every part: the README's figures
     python bench.py --parts one --ks 2,4,6,8 # one stream only, speedup against k
 
 Parts (--parts, comma-separated; both by default):
@@ -18,6 +18,8 @@ Parts (--parts, comma-separated; both by default):
            (tokens after the first / their time), the drafts' acceptance rate, tokens per verify,
            and whether the tokens equal speculation off's (in bf16 they may differ near ties: a
            verify row is a decode row, but the kernels are not batch-invariant by default).
+  draft    one stream, the bf16 model with its own int4 copy drafting (--speculative draft) at
+           k = 2 and 4, against the bf16 model alone and the int4 model alone, on the same tasks.
   batch    --batches sequences at once (the code-edit task, each prompt numbered so none is
            cached), with speculation off and on with no batch cut-off: output tok/s of the whole
            batch. Where "on" falls below "off" is where Engine's speculative_max_batch belongs.
@@ -44,11 +46,12 @@ from common.errors import UserError
 from engine import Engine, Request, build_engine
 from loading import quant_spec
 from peers import gguf_path, llama_cpp_available
-from proposers import NgramProposer
+from proposers import DraftModelProposer, NgramProposer
+from quant import QuantSpec
 from sampling import SamplingParams
 
 CH = f"ch{Path(__file__).resolve().parent.name[:2]}"
-PARTS = ("one", "batch")
+PARTS = ("one", "batch", "draft")
 
 CODE = """def moving_average(values, window):
     result = []
@@ -219,6 +222,51 @@ def part_one(args, base: Engine) -> dict:
     return result
 
 
+def part_draft(args) -> dict:
+    """bf16 target + int4 self-draft, against each alone (one stream, greedy)."""
+    bf16, _ = build_engine(args.model, args.device, args.dtype, None, max_num_seqs=1, prefix_caching=False)
+    int4, _ = build_engine(args.model, args.device, args.dtype, QuantSpec(4, 32), max_num_seqs=1, prefix_caching=False)
+    engines = {"bf16": bf16, "int4": int4}
+    for k in (2, 4):
+        e = Engine(
+            bf16.model,
+            bf16.tokenizer,
+            bf16.generation_config,
+            max_num_seqs=1,
+            prefix_caching=False,
+            num_speculative_tokens=k,
+        )
+        e.proposer = DraftModelProposer(int4.model, e.blocks, "int4 self")
+        engines[f"bf16 + int4 draft k={k}"] = e
+    prompts = {name: bf16.tokenizer.encode_chat([{"role": "user", "content": text}]) for name, text in TASKS.items()}
+    for engine in engines.values():  # warm-up
+        ours(engine, next(iter(prompts.values()))[:32], 4)
+    runs: dict[str, dict[str, list[dict]]] = {task: {} for task in TASKS}
+    for r in range(args.repeats):
+        for task, prompt in prompts.items():
+            for name, engine in engines.items():
+                runs[task].setdefault(name, []).append(ours(engine, prompt, args.max_tokens))
+        print(f"draft round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    result = {}
+    for task, by_engine in runs.items():
+        result[task] = {}
+        for name, rs in by_engine.items():
+            rates = [x["decode_tok_s"] for x in rs if x["decode_tok_s"]]
+            result[task][name] = {
+                "decode_tok_s": median(rates),
+                "decode_tok_s_range": [min(rates), max(rates)] if rates else None,
+                "tokens": rs[0]["tokens"],
+                "acceptance": rs[0].get("acceptance"),
+                "tokens_per_verify": rs[0].get("tokens_per_verify"),
+                "speedup_per_round": [
+                    round(x["decode_tok_s"] / p["decode_tok_s"], 3)
+                    for x, p in zip(rs, by_engine["bf16"])
+                    if x["decode_tok_s"] and p["decode_tok_s"]
+                ],
+            }
+    return result
+
+
 def part_batch(args, base: Engine) -> dict:
     """Output tok/s of a batch of sequences, speculation off and on (no cut-off)."""
 
@@ -274,6 +322,16 @@ def print_tables(result: dict) -> None:
                     f"{task:16} {name:22} {fmt(r['decode_tok_s']):>7} {speed:>15} {fmt(r['acceptance'], '.2f'):>7} "
                     f"{fmt(r['tokens_per_verify'], '.2f'):>10} {r['tokens']:>6} {'yes' if r['same_tokens_as_plain'] else 'no'}"
                 )
+    if "draft" in result:
+        print("\nbf16 target with its int4 copy drafting, one stream, decode tok/s (speedup against bf16 alone)")
+        for task, rows in result["draft"].items():
+            for name, r in rows.items():
+                sp = r["speedup_per_round"]
+                speed = f"{statistics.median(sp):.2f} ({min(sp):.2f}-{max(sp):.2f})" if sp else "-"
+                print(
+                    f"{task:16} {name:22} {fmt(r['decode_tok_s']):>7} {speed:>15} {fmt(r['acceptance'], '.2f'):>7} "
+                    f"{fmt(r['tokens_per_verify'], '.2f'):>10} {r['tokens']:>6}"
+                )
     if "batch" in result:
         print("\nMany streams (code edit), output tok/s of the batch, speculation off / on (no cut-off)")
         for n, r in result["batch"].items():
@@ -291,6 +349,8 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     panels = [p for p in ("one", "batch") if p in result]
+    if not panels:
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, part in zip(axes[0], panels):
         if part == "one":
@@ -370,6 +430,8 @@ def main() -> int:
         result["one"] = part_one(args, base)
     if "batch" in parts:
         result["batch"] = part_batch(args, base)
+    if "draft" in parts:
+        result["draft"] = part_draft(args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     for rows in result.get("one", {}).values():
         for r in rows.values():

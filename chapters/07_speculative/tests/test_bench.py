@@ -1,4 +1,4 @@
-"""bench.py runs both parts in miniature and saves its figures (timings are printed and saved, never
+"""bench.py runs every part in miniature and saves its figures (timings are printed and saved, never
 asserted)."""
 
 import json
@@ -24,7 +24,7 @@ def run(*args, timeout=300):
     )
 
 
-def test_bench_runs_both_parts_and_saves_figures(tmp_path):
+def test_bench_runs_every_part_and_saves_figures(tmp_path):
     out = tmp_path / "bench.json"
     proc = run(*SMALL, "--threads", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,7 +43,10 @@ def test_bench_runs_both_parts_and_saves_figures(tmp_path):
     assert set(result["batch"]) == {"1", "2"}
     for r in result["batch"].values():
         assert r["off"]["tok_s"] > 0 and r["on"]["tok_s"] > 0 and r["on_over_off"] > 0
-    assert "One stream" in proc.stdout and "Many streams" in proc.stdout
+    draft = result["draft"]["code edit"]
+    assert set(draft) == {"bf16", "int4", "bf16 + int4 draft k=2", "bf16 + int4 draft k=4"}
+    assert draft["bf16 + int4 draft k=2"]["acceptance"] is not None and draft["bf16"]["acceptance"] is None
+    assert "One stream" in proc.stdout and "Many streams" in proc.stdout and "int4 copy drafting" in proc.stdout
 
 
 def test_beside_llama_cpp(tmp_path):

@@ -17,6 +17,7 @@ from sampling import SamplingParams
 from sequence import Status
 
 from common.models import resolve_model
+from common.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0)
 SYSTEM = "You are a careful assistant. Repeat the user's words where you can."
@@ -276,3 +277,29 @@ def test_a_draft_with_another_vocabulary_is_refused(small):
     with pytest.raises(UserError, match="vocabulary has 32000 tokens and the target's 49152"):
         check_draft(other, small.model)
     check_draft(small.model, small.model)
+
+
+def test_speculation_on_each_device(device):
+    """On cpu and (where present) cuda, where verify steps replay as CUDA graphs when the kernels
+    capture them: guesses that are all right are all
+    kept, and the tokens are plain decoding's (tiny random model, float32)."""
+    from model import load_model
+
+    d = resolve_model("tiny-llama3")
+    model = load_model(d, device=device)
+    base = Engine(model, Tokenizer(d), {}, num_blocks=64, block_size=16)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 17, 40)]
+    reqs = lambda: [Request(p, GREEDY, max_tokens=12, ignore_eos=True) for p in prompts]  # noqa: E731
+    plain = [o[0].token_ids for o in base.generate(reqs())]
+    engine = Engine(
+        model,
+        base.tokenizer,
+        {},
+        num_blocks=64,
+        block_size=16,
+        speculative_max_batch=4,
+        proposer=Oracle([p + o for p, o in zip(prompts, plain)]),
+    )
+    assert [o[0].token_ids for o in engine.generate(reqs())] == plain
+    assert engine.spec.drafted > 0 and engine.spec.accepted == engine.spec.drafted
