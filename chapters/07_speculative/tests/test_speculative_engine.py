@@ -279,6 +279,25 @@ def test_a_draft_with_another_vocabulary_is_refused(small):
     check_draft(small.model, small.model)
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_speculation_with_the_kernels_on_and_off(kernels):
+    """Verify rows through kernels/ (the paged decode kernel, one C++ call per layer) and through
+    chapter 05's PyTorch (gather + SDPA): all-right guesses kept, plain decoding's tokens."""
+    from model import load_model
+    from ops import resolve
+
+    d = resolve_model("tiny-llama3")
+    model = load_model(d, ops=resolve(kernels, torch.device("cpu")))
+    base = Engine(model, Tokenizer(d), {}, num_blocks=64)
+    prompts = [[5, 9, 13, 200, 7], list(range(3, 40))]
+    reqs = lambda: [Request(p, GREEDY, max_tokens=10, ignore_eos=True) for p in prompts]  # noqa: E731
+    plain = [o[0].token_ids for o in base.generate(reqs())]
+    oracle = Oracle([p + o for p, o in zip(prompts, plain)])
+    engine = Engine(model, base.tokenizer, {}, num_blocks=64, proposer=oracle)
+    assert [o[0].token_ids for o in engine.generate(reqs())] == plain
+    assert engine.spec.drafted > 0 and engine.spec.accepted == engine.spec.drafted
+
+
 def test_speculation_on_each_device(device):
     """On cpu and (where present) cuda, where verify steps replay as CUDA graphs when the kernels
     capture them: guesses that are all right are all
