@@ -397,8 +397,9 @@ class Engine:
         at consecutive positions of its block table. Each row attends to the keys up to its own
         position, which the step writes before any layer reads them: the causal mask of a chunk,
         but as decodes, so the step stays on the decode path (the paged decode kernel, one C++
-        call per layer, CUDA graphs) and each row's logits are exactly what a plain decode step
-        at that position would compute (the kernels are batch-invariant)."""
+        call per layer, CUDA graphs) and each row's logits are what a plain decode step at that
+        position computes: bit for bit with --batch-invariant, else up to the rounding that the
+        number of rows in a step moves (chapter 06)."""
         tokens = [seq.tokens[seq.n_computed]] + seq.draft
         return [Work([t], seq.n_computed + j, seq.block_table) for j, t in enumerate(tokens)]
 
