@@ -181,12 +181,11 @@ def part_one(args, base: Engine) -> dict:
             peers = llama_cpp_engines(args, max(len(p) for p in prompts.values()) + args.max_tokens + 16)
     eos = set(base.eos_ids)
     runs: dict[str, dict[str, list[dict]]] = {task: {} for task in TASKS}
-    for task, prompt in prompts.items():  # a warm-up of every engine, untimed
-        for engine in engines.values():
-            ours(engine, prompt[:32], 4)
-        for llm in peers.values():
-            llama_cpp_run(llm, prompt[:32], 4, eos)
-        break
+    warm = next(iter(prompts.values()))[:32]  # a warm-up of every engine, untimed
+    for engine in engines.values():
+        ours(engine, warm, 4)
+    for llm in peers.values():
+        llama_cpp_run(llm, warm, 4, eos)
     for r in range(args.repeats):
         for task, prompt in prompts.items():
             for name, engine in engines.items():
@@ -196,29 +195,34 @@ def part_one(args, base: Engine) -> dict:
             print(f"round {r + 1}/{args.repeats}: {task} done", file=sys.stderr, flush=True)
     for llm in peers.values():
         llm.close()
+
+    def plain_of(name: str) -> str:
+        return "llama.cpp" if name.startswith("llama.cpp") else "off"
+
+    return {task: summarize_runs(by_engine, plain_of) for task, by_engine in runs.items()}
+
+
+def summarize_runs(by_engine: dict[str, list[dict]], plain_of) -> dict:
+    """Per engine: median decode tok/s and its range, and per round the speedup against the plain
+    engine of the same round (plain_of(name) names it); whether its tokens are the plain engine's."""
     result = {}
-    for task, by_engine in runs.items():
-        off_ids = by_engine["off"][0]["ids"]
-        plain_llama = by_engine.get("llama.cpp", [{}])[0].get("ids")
-        result[task] = {}
-        for name, rs in by_engine.items():
-            rates = [x["decode_tok_s"] for x in rs if x["decode_tok_s"]]
-            reference = plain_llama if name.startswith("llama.cpp") else off_ids
-            result[task][name] = {
-                "decode_tok_s": median(rates),
-                "decode_tok_s_range": [min(rates), max(rates)] if rates else None,
-                "tokens": rs[0]["tokens"],
-                "same_tokens_as_plain": rs[0]["ids"] == reference,
-                "acceptance": rs[0].get("acceptance"),
-                "tokens_per_verify": rs[0].get("tokens_per_verify"),
-                "ttft_ms": median([x["ttft_ms"] for x in rs]),
-                # per round, against the plain engine of the same round: the speedup
-                "speedup_per_round": [
-                    round(x["decode_tok_s"] / p["decode_tok_s"], 3)
-                    for x, p in zip(rs, by_engine["llama.cpp" if name.startswith("llama.cpp") else "off"])
-                    if x["decode_tok_s"] and p["decode_tok_s"]
-                ],
-            }
+    for name, rs in by_engine.items():
+        plain = by_engine[plain_of(name)]
+        rates = [x["decode_tok_s"] for x in rs if x["decode_tok_s"]]
+        result[name] = {
+            "decode_tok_s": median(rates),
+            "decode_tok_s_range": [min(rates), max(rates)] if rates else None,
+            "tokens": rs[0]["tokens"],
+            "same_tokens_as_plain": rs[0]["ids"] == plain[0]["ids"],
+            "acceptance": rs[0].get("acceptance"),
+            "tokens_per_verify": rs[0].get("tokens_per_verify"),
+            "ttft_ms": median([x["ttft_ms"] for x in rs]),
+            "speedup_per_round": [
+                round(x["decode_tok_s"] / p["decode_tok_s"], 3)
+                for x, p in zip(rs, plain)
+                if x["decode_tok_s"] and p["decode_tok_s"]
+            ],
+        }
     return result
 
 
@@ -247,24 +251,7 @@ def part_draft(args) -> dict:
             for name, engine in engines.items():
                 runs[task].setdefault(name, []).append(ours(engine, prompt, args.max_tokens))
         print(f"draft round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-    result = {}
-    for task, by_engine in runs.items():
-        result[task] = {}
-        for name, rs in by_engine.items():
-            rates = [x["decode_tok_s"] for x in rs if x["decode_tok_s"]]
-            result[task][name] = {
-                "decode_tok_s": median(rates),
-                "decode_tok_s_range": [min(rates), max(rates)] if rates else None,
-                "tokens": rs[0]["tokens"],
-                "acceptance": rs[0].get("acceptance"),
-                "tokens_per_verify": rs[0].get("tokens_per_verify"),
-                "speedup_per_round": [
-                    round(x["decode_tok_s"] / p["decode_tok_s"], 3)
-                    for x, p in zip(rs, by_engine["bf16"])
-                    if x["decode_tok_s"] and p["decode_tok_s"]
-                ],
-            }
-    return result
+    return {task: summarize_runs(by_engine, lambda name: "bf16") for task, by_engine in runs.items()}
 
 
 def part_batch(args, base: Engine) -> dict:
@@ -306,32 +293,27 @@ def part_batch(args, base: Engine) -> dict:
 # --- report --------------------------------------------------------------------------------------
 
 
+def print_rows(rows_by_task: dict) -> None:
+    print(f"{'task':16} {'engine':22} {'tok/s':>7} {'speedup':>15} {'accept':>7} {'tok/verify':>10} {'tokens':>6} same")
+    for task, rows in rows_by_task.items():
+        for name, r in rows.items():
+            sp = r["speedup_per_round"]
+            speed = f"{statistics.median(sp):.2f} ({min(sp):.2f}-{max(sp):.2f})" if sp else "-"
+            print(
+                f"{task:16} {name:22} {fmt(r['decode_tok_s']):>7} {speed:>15} {fmt(r['acceptance'], '.2f'):>7} "
+                f"{fmt(r['tokens_per_verify'], '.2f'):>10} {r['tokens']:>6} {'yes' if r['same_tokens_as_plain'] else 'no'}"
+            )
+
+
 def print_tables(result: dict) -> None:
     if "one" in result:
         print(
             f"\nOne stream, greedy, decode tok/s (median of {result['repeats']}; speedup per round against the plain engine)"
         )
-        print(
-            f"{'task':16} {'engine':22} {'tok/s':>7} {'speedup':>15} {'accept':>7} {'tok/verify':>10} {'tokens':>6} same"
-        )
-        for task, rows in result["one"].items():
-            for name, r in rows.items():
-                sp = r["speedup_per_round"]
-                speed = f"{statistics.median(sp):.2f} ({min(sp):.2f}-{max(sp):.2f})" if sp else "-"
-                print(
-                    f"{task:16} {name:22} {fmt(r['decode_tok_s']):>7} {speed:>15} {fmt(r['acceptance'], '.2f'):>7} "
-                    f"{fmt(r['tokens_per_verify'], '.2f'):>10} {r['tokens']:>6} {'yes' if r['same_tokens_as_plain'] else 'no'}"
-                )
+        print_rows(result["one"])
     if "draft" in result:
         print("\nbf16 target with its int4 copy drafting, one stream, decode tok/s (speedup against bf16 alone)")
-        for task, rows in result["draft"].items():
-            for name, r in rows.items():
-                sp = r["speedup_per_round"]
-                speed = f"{statistics.median(sp):.2f} ({min(sp):.2f}-{max(sp):.2f})" if sp else "-"
-                print(
-                    f"{task:16} {name:22} {fmt(r['decode_tok_s']):>7} {speed:>15} {fmt(r['acceptance'], '.2f'):>7} "
-                    f"{fmt(r['tokens_per_verify'], '.2f'):>10} {r['tokens']:>6}"
-                )
+        print_rows(result["draft"])
     if "batch" in result:
         print("\nMany streams (code edit), output tok/s of the batch, speculation off / on (no cut-off)")
         for n, r in result["batch"].items():

@@ -609,7 +609,7 @@ def build_engine(
     engine = Engine(loaded, Tokenizer(model_dir), Engine.read_generation_config(model_dir), proposer=proposer, **limits)
     if speculative == "draft":
         draft, draft_dir = load(draft_model or model, device, dtype, draft_quant, matmul, kernels)
-        check_draft(draft, loaded)
+        check_draft(draft, loaded, Tokenizer(draft_dir), engine.tokenizer)
         engine.proposer = DraftModelProposer(draft, engine.blocks, Path(draft_dir).name)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name

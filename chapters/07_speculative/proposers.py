@@ -172,13 +172,23 @@ def make_proposer(name: str):
     raise ValueError(f"unknown proposer {name!r}: choose one of {', '.join(PROPOSERS)}")
 
 
-def check_draft(draft: Model, target: Model) -> None:
-    """A draft must speak the target's vocabulary: its token ids are the target's."""
+def check_draft(draft: Model, target: Model, draft_tokenizer=None, target_tokenizer=None) -> None:
+    """A draft must speak the target's vocabulary: its token ids are the target's. The model
+    configs' sizes first, then (given the tokenizers) every id's token string."""
     if draft.config.vocab_size != target.config.vocab_size:
         raise UserError(
             f"the draft model's vocabulary has {draft.config.vocab_size} tokens and the target's "
             f"{target.config.vocab_size}: a draft must use the target's tokenizer"
         )
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        n = min(draft_tokenizer.vocab_size, target_tokenizer.vocab_size)
+        differ = next((i for i in range(n) if draft_tokenizer.id_to_token(i) != target_tokenizer.id_to_token(i)), None)
+        if differ is not None or draft_tokenizer.vocab_size != target_tokenizer.vocab_size:
+            at = f"token {differ} is {draft_tokenizer.id_to_token(differ)!r} against {target_tokenizer.id_to_token(differ)!r}"
+            raise UserError(
+                f"the draft model's tokenizer is not the target's ({at if differ is not None else 'sizes differ'}): "
+                "a draft must use the target's tokenizer"
+            )
 
 
 def add_speculative_args(ap, default: str = "ngram") -> None:
