@@ -1,7 +1,7 @@
 """Which draft tokens to keep: the acceptance rule of speculative decoding.
 
-A sequence that speculates runs its pending token t0 and k draft tokens d0..d(k-1) in one step
-(a chunk of k+1 positions, like a piece of prompt). Row j of that chunk's logits is the target's
+A sequence that speculates runs its pending token t0 and k draft tokens d0..d(k-1) in one step,
+as k+1 rows at consecutive positions (engine._verify_rows). Row j's logits are the target's
 next-token distribution after t0 d0 .. d(j-1): rows 0..k-1 judge the drafts, row k is a free
 extra token when every draft is kept.
 
