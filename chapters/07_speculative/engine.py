@@ -606,10 +606,19 @@ def build_engine(
     and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
     proposer = make_proposer(speculative)  # a bad name fails before the model loads
     loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
-    engine = Engine(loaded, Tokenizer(model_dir), Engine.read_generation_config(model_dir), proposer=proposer, **limits)
+    tokenizer = Tokenizer(model_dir)
     if speculative == "draft":
         draft, draft_dir = load(draft_model or model, device, dtype, draft_quant, matmul, kernels)
-        check_draft(draft, loaded, Tokenizer(draft_dir), engine.tokenizer)
+        check_draft(draft, loaded, Tokenizer(draft_dir), tokenizer)
+        if limits.get("num_blocks") is None:
+            # The draft's pool has a block for every block of the target's: one KV budget pays for
+            # both, shared in proportion to their bytes per token.
+            budget = limits.get("kv_cache_bytes") or default_kv_bytes(loaded.device)
+            if budget is not None:
+                t, d = (m.config.kv_bytes_per_token(m.dtype.itemsize) for m in (loaded, draft))
+                limits["kv_cache_bytes"] = budget * t // (t + d)
+    engine = Engine(loaded, tokenizer, Engine.read_generation_config(model_dir), proposer=proposer, **limits)
+    if speculative == "draft":
         engine.proposer = DraftModelProposer(draft, engine.blocks, Path(draft_dir).name)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name

@@ -330,3 +330,15 @@ def test_speculation_on_each_device(device):
     )
     assert [o[0].token_ids for o in engine.generate(reqs())] == plain
     assert engine.spec.drafted > 0 and engine.spec.accepted == engine.spec.drafted
+
+
+def test_a_draft_model_shares_the_kv_budget():
+    """--speculative draft: the target's pool and the draft's mirror of it fit the one budget."""
+    budget = 64 * 2**20
+    engine, _ = build_engine(
+        str(resolve_model("smollm2-135m")), "cpu", "float32", speculative="draft", kv_cache_bytes=budget
+    )
+    target, draft = engine.cache.nbytes, engine.proposer.cache.nbytes
+    assert draft == target  # the same model's K/V per token, in the same dtype
+    assert 0.9 * budget <= target + draft <= budget
+    assert engine.proposer.blocks is engine.blocks
