@@ -26,6 +26,7 @@ PARAMETERS = {
     "02_kv_cache.ipynb": "n_steps = 8",
     "04_quant.ipynb": "PPL_TOKENS, CONTEXT, STRIDE = 256, 128, 64\nPROMPT_TOKENS, NEW = 32, 8",
     "06_cuda_kernel.ipynb": "CONTEXTS, BATCHES = [128, 1024], [1, 16]",
+    "07_speculative.ipynb": "DRAWS = 3_000",
 }
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
