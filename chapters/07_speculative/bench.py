@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median
+from common.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, summarize
 from common.cli import run_main
 from common.errors import UserError
 from engine import Engine, Request, build_engine
@@ -94,6 +94,13 @@ GROUNDED = ("code edit", "fix typos")
 # --- engines -------------------------------------------------------------------------------------
 
 
+def timing(t0: float, ids: list[int], times: list[float]) -> dict:
+    """A run's tokens, decode tok/s (common.bench's: the tokens after the first over their time;
+    None when they all came at once) and TTFT. times: when each token was ready."""
+    rate = summarize(t0, times, 0)["decode_tok_s"] if times[-1] > times[0] else None
+    return {"tokens": len(ids), "decode_tok_s": rate, "ttft_ms": (times[0] - t0) * 1e3, "ids": ids}
+
+
 def ours(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
     """One greedy request to its end; decode tok/s = tokens after the first / their time."""
     spec0 = (engine.spec.drafted, engine.spec.accepted, engine.spec.verifies)
@@ -109,13 +116,9 @@ def ours(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
         engine.spec.accepted - spec0[1],
         engine.spec.verifies - spec0[2],
     )
-    return {
-        "tokens": len(ids),
-        "decode_tok_s": (len(ids) - 1) / (times[-1] - times[0]) if len(ids) > 1 and times[-1] > times[0] else None,
-        "ttft_ms": (times[0] - t0) * 1e3,
+    return timing(t0, ids, times) | {
         "acceptance": accepted / drafted if drafted else None,
         "tokens_per_verify": 1 + accepted / verifies if verifies else None,
-        "ids": ids,
     }
 
 
@@ -129,12 +132,7 @@ def llama_cpp_run(llm, prompt: list[int], max_tokens: int, eos: set[int]) -> dic
         ids.append(int(token))
         if token in eos or len(ids) >= max_tokens:
             break
-    return {
-        "tokens": len(ids),
-        "decode_tok_s": (len(ids) - 1) / (times[-1] - times[0]) if len(ids) > 1 and times[-1] > times[0] else None,
-        "ttft_ms": (times[0] - t0) * 1e3,
-        "ids": ids,
-    }
+    return timing(t0, ids, times)
 
 
 def llama_cpp_engines(args, n_ctx: int) -> dict:

@@ -204,7 +204,7 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` ([batch, vocab], left unchanged), and its logprobs when the
     row's params ask for them. Parameters are assumed valid (SamplingParams.validate)."""
-    batch, vocab = logits.shape
+    batch = logits.shape[0]
     if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
         raise ValueError(f"sample: {batch} rows of logits need one params, generator, prompt and output each")
     device = logits.device
@@ -222,22 +222,30 @@ def sample(
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if rows:
         r = torch.tensor(rows, device=device)
-        ps = [params[i] for i in rows]
-        temperature = torch.tensor([p.temperature for p in ps], device=device)  # [rows]
-        # softmax(x / T) = softmax((x - max x) / T). Shifted, the max is 0 and the rest <= 0, so a
-        # small T can only push logits to -inf (probability 0), never to +inf (a NaN softmax).
-        shifted = x[r] - x[r].max(dim=-1, keepdim=True).values  # [rows, vocab]
-        probs = torch.softmax(shifted / temperature[:, None], dim=-1)  # [rows, vocab]
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in ps):
-            # Off is top_k = vocab, top_p = 1, min_p = 0: every row goes through the same ops.
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], device=device)
-            top_p = torch.tensor([p.top_p for p in ps], device=device)
-            min_p = torch.tensor([p.min_p for p in ps], device=device)
-            probs = filter_probs(probs, top_k, top_p, min_p)
+        probs = sampled_probs(x[r], [params[i] for i in rows])  # [rows, vocab]
         tokens[r] = draw(probs, [generators[i] for i in rows])
 
     token_list = tokens.tolist()  # the one device-to-host transfer of the tokens
     return token_list, token_logprobs(logits, params, token_list)
+
+
+def sampled_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is drawn from: softmax(x / temperature), then top-k, top-p and
+    min-p. x: [rows, vocab] float32, penalties applied and finite (finite_logits); one params per
+    row, none of them greedy. Chapter 07's acceptance rule needs exactly this p.  -> [rows, vocab]"""
+    vocab = x.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=x.device)  # [rows]
+    # softmax(x / T) = softmax((x - max x) / T). Shifted, the max is 0 and the rest <= 0, so a
+    # small T can only push logits to -inf (probability 0), never to +inf (a NaN softmax).
+    shifted = x - x.max(dim=-1, keepdim=True).values  # [rows, vocab]
+    probs = torch.softmax(shifted / temperature[:, None], dim=-1)  # [rows, vocab]
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        # Off is top_k = vocab, top_p = 1, min_p = 0: every row goes through the same ops.
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=x.device)
+        top_p = torch.tensor([p.top_p for p in params], device=x.device)
+        min_p = torch.tensor([p.min_p for p in params], device=x.device)
+        probs = filter_probs(probs, top_k, top_p, min_p)
+    return probs
 
 
 def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:

@@ -33,8 +33,8 @@ from sampling import (
     SamplingParams,
     apply_penalties,
     check_some_token_possible,
-    filter_probs,
     finite_logits,
+    sampled_probs,
 )
 
 
@@ -68,16 +68,9 @@ def target_logits(
 
 
 def target_probs(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """p_j for every row of target_logits' output: temperature, then top-k / top-p / min-p, as
-    sampling.sample does it.  [rows, vocab] -> [rows, vocab]"""
-    rows, vocab = x.shape
-    shifted = x - x.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(shifted / params.temperature, dim=-1)
-    if params.top_k > 0 or params.top_p < 1 or params.min_p > 0:
-        k = params.top_k if 0 < params.top_k < vocab else vocab
-        full = lambda v, dtype: torch.full((rows,), v, dtype=dtype, device=x.device)
-        probs = filter_probs(probs, full(k, torch.long), full(params.top_p, x.dtype), full(params.min_p, x.dtype))
-    return probs
+    """p_j for every row of target_logits' output, by sampling.py's own temperature and filters.
+    [rows, vocab] -> [rows, vocab]"""
+    return sampled_probs(x, [params] * x.shape[0])
 
 
 def accept(

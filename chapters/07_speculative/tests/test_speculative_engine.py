@@ -85,9 +85,16 @@ def workload(tokenizer) -> tuple[list[Request], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def small():
+    """Float32 SmolLM2, speculation off: its model and tokenizer serve every engine here."""
+    engine, _ = build_engine(str(resolve_model("smollm2-135m")), "cpu", "float32", num_blocks=64, block_size=4)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def runs(small):
     """The workload through one float32 SmolLM2 with each proposer. -> {name: (outputs, engine)}"""
-    base, _ = build_engine(str(resolve_model("smollm2-135m")), "cpu", "float32")
+    base = small
     draft, _ = load(str(resolve_model("smollm2-135m")), "cpu", "float32", QuantSpec(4, 32))
 
     def run(proposer, **kw):
@@ -147,12 +154,6 @@ def test_stats_report_acceptance(runs):
     assert stats["spec_acceptance_rate"] == round(spec.accepted / spec.drafted, 4)
     assert stats["spec_mean_accepted_length"] == round(1 + spec.accepted / spec.verifies, 4)
     assert runs["off"][1].stats()["spec_draft_tokens"] == 0
-
-
-@pytest.fixture(scope="module")
-def small():
-    engine, _ = build_engine(str(resolve_model("smollm2-135m")), "cpu", "float32", num_blocks=64, block_size=4)
-    return engine
 
 
 def real_blocks(tokens: list[int], block_size: int) -> set[tuple[int, ...]]:
