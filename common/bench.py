@@ -219,6 +219,22 @@ def shown(path) -> str:
         return str(path)
 
 
+def save_json(path: Path, record: dict) -> None:
+    """Write `record` to `path` whole or not at all: a temporary file beside it, then renamed over it.
+    A run stopped mid-write (a timeout's SIGTERM between the truncate and the write) keeps the last
+    complete file instead of leaving an empty one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def command_line(script, args: list[str]) -> str:
     """The command that ran `script` with `args`, for the record: command_line(__file__, sys.argv[1:])."""
     return " ".join(["python", shown(script), *args])

@@ -188,3 +188,20 @@ def test_command_line_names_the_script_from_the_repository():
     assert bench.command_line(script, ["--parts", "decode"]) == "python chapters/06_cuda_kernel/bench.py --parts decode"
     outside = "/elsewhere/06_cuda_kernel/bench.py"
     assert bench.command_line(outside, []) == f"python {outside}"
+
+
+def test_save_json_replaces_the_file_whole_or_not_at_all(tmp_path):
+    # chapter 06's kernel part saves after every case and may be stopped mid-write by a timeout:
+    # whoever reads the file then must find the last complete record, never a truncated one.
+    out = tmp_path / "sub" / "k.json"
+    bench.save_json(out, {"complete": False, "cases": [1]})
+    assert json.loads(out.read_text()) == {"complete": False, "cases": [1]}
+
+    half_written = {"complete": False, "cases": [1, 2], "late": object()}  # json.dump fails partway
+    with pytest.raises(TypeError):
+        bench.save_json(out, half_written)
+    assert json.loads(out.read_text()) == {"complete": False, "cases": [1]}
+    assert [p.name for p in out.parent.iterdir()] == ["k.json"], "a temporary file was left behind"
+
+    bench.save_json(out, {"complete": True})
+    assert json.loads(out.read_text()) == {"complete": True}

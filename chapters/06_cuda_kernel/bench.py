@@ -43,7 +43,6 @@ bench/results/ch06_bench.json) and a PNG beside it; tables on stdout, progress o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -64,6 +63,7 @@ from common.bench import (
     int_list,
     machine,
     median,
+    save_json,
     servers,
     summarize,
     throughput_rounds,
@@ -894,8 +894,7 @@ def main() -> int:
 
     def save_partial(kernels_so_far: dict) -> None:
         # Written as it goes: a run cut short by a timeout still leaves what it measured.
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result | {"kernels": kernels_so_far, "complete": False}, indent=2) + "\n")
+        save_json(out, result | {"kernels": kernels_so_far, "complete": False})
 
     if "kernels" in parts:
         result["kernels"] = part_kernels(args, save_partial)
@@ -907,8 +906,7 @@ def main() -> int:
     result["complete"] = True
 
     print_tables(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save_json(out, result)
     png = out.with_suffix(".png")
     saved = plot(result, png)
     print(f"saved {out}" + (f" and {png.name}" if saved else "") + f" ({result['seconds']:.0f} s)")
