@@ -106,13 +106,18 @@ def silu_mul(gate_up) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
-def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
-    """x @ W.T with W[o, i] = min[o, i/G] + scale[o, i/G] * code(o, i); codes two per byte, element
-    2j in the low nibble."""
+def int4_weight(packed, scale, min_, group_size) -> torch.Tensor:
+    """W in float32, [n_out, n_in]: W[o, i] = min[o, i/G] + scale[o, i/G] * code(o, i); codes two
+    per byte, element 2j in the low nibble."""
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).float()  # [n_out, n_in]
     n_out, n_in = codes.shape
     w = min_.float()[..., None] + scale.float()[..., None] * codes.view(n_out, n_in // group_size, group_size)
-    return (x.float() @ w.view(n_out, n_in).T).to(x.dtype)
+    return w.view(n_out, n_in)
+
+
+def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
+    """x @ W.T, W as int4_weight gives it."""
+    return (x.float() @ int4_weight(packed, scale, min_, group_size).T).to(x.dtype)
 
 
 def int8_linear(x, q, scale) -> torch.Tensor:

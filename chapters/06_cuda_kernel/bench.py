@@ -22,7 +22,8 @@ Parts (--parts, comma-separated; all by default):
                 add_rms_norm against x += delta then F.rms_norm; rope_cache_ against apply_rope + cache.write
                 int4_linear and int8_linear against torch's packed ops (qmatmul.Int4PackedLinear,
                   Int8PackedLinear) and a dense F.linear, on SmolLM2's matrices (qkv, o, gate_up,
-                  down; the LM head in int8) at 1, 4 and 16 rows; weight bytes read in GB/s;
+                  down; the LM head in int8) at 1, 4 and 16 rows; weight bytes read in GB/s; on an
+                  AVX512-BF16 CPU in bf16, int4 also kept to AVX512 (its float tiles, without vdpbf16ps);
                   with bf16 activations, bf16_linear against the same dense F.linear
   decode      one sequence, greedy, a --prompt-tokens chat prompt then --decode-tokens new tokens
               (ignore_eos), through Engine.stream: decode tok/s (the tokens after the first / their
@@ -210,6 +211,16 @@ def rope_case(ext, dims, rows: int, device, dtype, timer) -> dict:
     )
 
 
+def on_isa(ext, isa: str, op, x):
+    """op(x) with the library's CPU path set to `isa` for the call."""
+    best = ext.cpu_isa()
+    ext.set_cpu_isa(isa)
+    try:
+        return op(x)
+    finally:
+        ext.set_cpu_isa(best)
+
+
 def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device, dtype, timer) -> list[dict]:
     """x @ W.T for one matrix, quantized as the engine quantizes it (int4 G=32 and int8; the LM head int8
     only), through the kernels, torch's packed ops and a dense matmul. Bytes: the weight tensors each reads."""
@@ -230,6 +241,12 @@ def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device,
         w4 = quantize_int4(w, 32)
         ops["int4 kernel"] = k4 = KernelInt4Linear(w4, ext, device)
         sizes["int4 kernel"] = nbytes(k4.packed, k4.scale, k4.min)
+        if device.type == "cpu" and dtype == torch.bfloat16 and ext.cpu_isa() == "avx512_bf16":
+            # The same kernel kept to AVX512: its float tiles at 2+ rows, against the vdpbf16ps tiles.
+            ops["int4 kernel avx512"], sizes["int4 kernel avx512"] = (
+                (lambda x: on_isa(ext, "avx512", k4, x)),
+                sizes["int4 kernel"],
+            )
         why = fast_path_missing(w4, device, dtype)
         ops["int4 torch"] = t4 = why or Int4PackedLinear(w4, device, dtype)
         if not why:
@@ -682,6 +699,7 @@ COLORS = {
     "ch05 gather+SDPA": "tab:orange",
     "SDPA gathered": "tab:green",
     "int4 kernel": "tab:blue",
+    "int4 kernel avx512": "tab:red",
     "int4 torch": "tab:cyan",
     "int8 kernel": "tab:purple",
     "int8 torch": "tab:pink",

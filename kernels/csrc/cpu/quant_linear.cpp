@@ -29,7 +29,10 @@
 // conversions to float, two FMAs. AVX2 and the portable path use this form for any number of rows.
 //
 // With several rows of x, each weight is worth turning into a float once and multiplying into
-// every row: AVX512 dequantizes through a 16-entry table per group (int4_tile_avx512).
+// every row: AVX512 dequantizes through a 16-entry table per group (int4_tile_avx512), and with
+// bf16 x, AVX512-BF16 looks up pairs of bf16 weights and multiplies them with vdpbf16ps, 8 rows
+// of x to one pass over the weights (int4_dot_tile_bf16): what a verify step of speculative
+// decoding (chapter 07) and a decode step of a few sequences spend most of their time in.
 #include <omp.h>
 
 #include <algorithm>
@@ -452,6 +455,92 @@ KERNELS_AVX512 void int4_range_avx512(const LinearArgs& a, int o0, int o1) {
     for (; o < o1; ++o) int4_rows_avx512<1>(a, o, widen_tile<Avx512, 1>(a, o));
 }
 
+// AVX512-BF16, several rows of bf16 x: a byte of codes holds weights 2j (low nibble) and 2j + 1
+// (high), the very pair that vdpbf16ps multiplies with x[2j], x[2j + 1] as stored. So per group
+// and weight row a table of its 16 values as bf16 (min + scale * c, in float, rounded once), and
+// per byte a 32-bit index, low nibble in its low half and high nibble in its high half: vpermw
+// turns it into the pair of weights, and each row of x then costs one vdpbf16ps per 32 weights,
+// half the multiply-adds of the float tile above, with x read as stored (no deinterleaving). Up
+// to 8 rows of x share each dequantized vector, and the weights are read once for all of them.
+// (The weights are rounded to bf16, as a dense bf16 copy of them is: the kernel is used only for
+// bf16 activations, whose products vdpbf16ps computes exactly, summed in float.)
+template <int NO, int R>
+KERNELS_AVX512_BF16 inline void int4_dot_tile_bf16(const LinearArgs& a, int o, int r0, Widened t) {
+    const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
+    const uint8_t* w[NO];
+    const float *scale[NO], *min[NO];
+    for (int n = 0; n < NO; ++n) {
+        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
+        scale[n] = t.scale + n * groups;
+        min[n] = t.min + n * groups;
+    }
+    const uint16_t* x = a.x_bf16 + int64_t(r0) * n_in;
+    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
+    const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
+    const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
+    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low_nibble = _mm512_set1_epi32(0x0000000f), high_nibble = _mm512_set1_epi32(0x000f0000);
+    __m512 acc[NO][R];
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
+
+    for (int g = 0; g < groups; ++g) {
+        prefetch(scale_front + NO * g);
+        prefetch(min_front + NO * g);
+        __m512i table[NO];  // 16 bf16 values in the low half (vpermw indexes 32 words; ours are < 16)
+        for (int n = 0; n < NO; ++n) {
+            const __m512 values =
+                _mm512_fmadd_ps(nibble_values, _mm512_set1_ps(scale[n][g]), _mm512_set1_ps(min[n][g]));
+            table[n] = _mm512_castsi256_si512(__m256i(_mm512_cvtneps_pbh(values)));
+        }
+        for (int i = g * G; i < (g + 1) * G; i += 32) {
+            prefetch(front + NO * (i / 2));
+            __m512bh xv[R];
+            for (int r = 0; r < R; ++r) xv[r] = __m512bh(_mm512_loadu_si512(x + int64_t(r) * n_in + i));
+            for (int n = 0; n < NO; ++n) {
+                const __m512i bytes =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
+                const __m512i index = _mm512_or_si512(_mm512_and_si512(bytes, low_nibble),
+                                                      _mm512_and_si512(_mm512_slli_epi32(bytes, 12), high_nibble));
+                const __m512bh pairs = __m512bh(_mm512_permutexvar_epi16(index, table[n]));
+                for (int r = 0; r < R; ++r) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], pairs, xv[r]);
+            }
+        }
+    }
+    for (int n = 0; n < NO; ++n)
+        for (int r = 0; r < R; ++r)
+            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, Avx512::reduce_add(acc[n][r]), a.dtype);
+}
+
+// All rows of x for output rows o .. o + NO - 1, in tiles of up to 8 rows (NO * R accumulators
+// and R vectors of x within the 32 registers). Each accumulator sums one row in the same order
+// whatever the tile and NO: batch-invariant as it stands, one row included.
+template <int NO>
+KERNELS_AVX512_BF16 inline void int4_dot_rows_bf16(const LinearArgs& a, int o, Widened t) {
+    int r0 = 0;
+    for (; r0 + 8 <= a.rows; r0 += 8) int4_dot_tile_bf16<NO, 8>(a, o, r0, t);
+    switch (a.rows - r0) {
+        case 7: int4_dot_tile_bf16<NO, 7>(a, o, r0, t); break;
+        case 6: int4_dot_tile_bf16<NO, 6>(a, o, r0, t); break;
+        case 5: int4_dot_tile_bf16<NO, 5>(a, o, r0, t); break;
+        case 4: int4_dot_tile_bf16<NO, 4>(a, o, r0, t); break;
+        case 3: int4_dot_tile_bf16<NO, 3>(a, o, r0, t); break;
+        case 2: int4_dot_tile_bf16<NO, 2>(a, o, r0, t); break;
+        case 1: int4_dot_tile_bf16<NO, 1>(a, o, r0, t); break;
+        default: break;
+    }
+}
+
+KERNELS_AVX512_BF16 void int4_dot_range_bf16(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    // Up to 4 rows of x, 4 weight rows a tile: 16 chains of vdpbf16ps, and each table and vector of
+    // x serves 4 (measured 1.0-1.2x the 2-weight-row tile at 2-4 rows); more rows of x, 2 at a time.
+    if (a.rows <= 4)
+        for (; o + 4 <= o1; o += 4) int4_dot_rows_bf16<4>(a, o, widen_tile<Avx512, 4>(a, o));
+    for (; o + 2 <= o1; o += 2) int4_dot_rows_bf16<2>(a, o, widen_tile<Avx512, 2>(a, o));
+    for (; o < o1; ++o) int4_dot_rows_bf16<1>(a, o, widen_tile<Avx512, 1>(a, o));
+}
+
 #endif  // KERNELS_X86
 
 // --- int8 and bf16: one weight per element, read as stored ------------------------------------
@@ -750,6 +839,16 @@ void rows_linear(void* y, const void* x, const typename F::T* w, const float* sc
 void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                  int n_in, int n_out, int group_size, DType dtype) {
     const Isa level = isa();
+#ifdef KERNELS_X86
+    // bf16 x with AVX512-BF16: several rows (or, batch-invariant, any) take the bf16 dot kernel,
+    // which reads x as stored; one row keeps the float factored form, the fastest at one row.
+    if (level == Isa::avx512_bf16 && dtype == DType::bf16 && (rows > 1 || batch_invariant())) {
+        const auto* x_bf16 = static_cast<const uint16_t*>(x);
+        const LinearArgs args{y,   nullptr, x_bf16, nullptr, packed,     nullptr, scale,
+                              min, rows,    n_in,   n_out,   group_size, dtype};
+        return run_linear(int4_dot_range_bf16, args);
+    }
+#endif
     const int lanes = level >= Isa::avx512 ? 16 : level == Isa::avx2 ? 8 : kScalarLanes;
     const int64_t n = int64_t(rows) * n_in;
     float* xs = x_scratch(n + int64_t(rows) * (n_in / group_size));
