@@ -460,8 +460,9 @@ KERNELS_AVX512 void int4_range_avx512(const LinearArgs& a, int o0, int o1) {
 // and weight row a table of its 16 values as bf16 (min + scale * c, in float, rounded once), and
 // per byte a 32-bit index, low nibble in its low half and high nibble in its high half: vpermw
 // turns it into the pair of weights, and each row of x then costs one vdpbf16ps per 32 weights,
-// half the multiply-adds of the float tile above, with x read as stored (no deinterleaving). Up
-// to 8 rows of x share each dequantized vector, and the weights are read once for all of them.
+// half the multiply-adds of the float tile above, with x's pairs as stored (no deinterleaving;
+// x is only regrouped by steps of 32, int4_linear). Up to 8 rows of x share each dequantized
+// vector, and the weights are read once for all of them.
 // (The weights are rounded to bf16, as a dense bf16 copy of them is: the kernel is used only for
 // bf16 activations, whose products vdpbf16ps computes exactly, summed in float.)
 template <int NO, int R>
@@ -474,7 +475,8 @@ KERNELS_AVX512_BF16 inline void int4_dot_tile_bf16(const LinearArgs& a, int o, i
         scale[n] = t.scale + n * groups;
         min[n] = t.min + n * groups;
     }
-    const uint16_t* x = a.x_bf16 + int64_t(r0) * n_in;
+    const uint16_t* x = a.x_bf16 + int64_t(r0) * 32;  // x in steps (int4_linear): rows r0.. of step 0
+    const int64_t x_step = int64_t(a.rows) * 32;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
     const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
@@ -496,7 +498,8 @@ KERNELS_AVX512_BF16 inline void int4_dot_tile_bf16(const LinearArgs& a, int o, i
         for (int i = g * G; i < (g + 1) * G; i += 32) {
             prefetch(front + NO * (i / 2));
             __m512bh xv[R];
-            for (int r = 0; r < R; ++r) xv[r] = __m512bh(_mm512_loadu_si512(x + int64_t(r) * n_in + i));
+            const uint16_t* x_i = x + (i / 32) * x_step;
+            for (int r = 0; r < R; ++r) xv[r] = __m512bh(_mm512_loadu_si512(x_i + r * 32));
             for (int n = 0; n < NO; ++n) {
                 const __m512i bytes =
                     _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
@@ -841,11 +844,17 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
     const Isa level = isa();
 #ifdef KERNELS_X86
     // bf16 x with AVX512-BF16: several rows (or, batch-invariant, any) take the bf16 dot kernel,
-    // which reads x as stored; one row keeps the float factored form, the fastest at one row.
+    // on x's bf16 pairs as they come; one row keeps the float factored form, the fastest at one row.
     if (level == Isa::avx512_bf16 && dtype == DType::bf16 && (rows > 1 || batch_invariant())) {
+        // x rearranged by steps of 32 inputs, [n_in / 32][rows][32]: a tile's rows of one step are
+        // one contiguous run, addressed from one pointer (8 row pointers crowded the registers).
+        uint16_t* x_steps = reinterpret_cast<uint16_t*>(x_scratch((int64_t(rows) * n_in + 1) / 2));
         const auto* x_bf16 = static_cast<const uint16_t*>(x);
-        const LinearArgs args{y,   nullptr, x_bf16, nullptr, packed,     nullptr, scale,
-                              min, rows,    n_in,   n_out,   group_size, dtype};
+        for (int r = 0; r < rows; ++r)
+            for (int i = 0; i < n_in; i += 32)
+                std::copy_n(x_bf16 + int64_t(r) * n_in + i, 32, x_steps + (int64_t(i / 32) * rows + r) * 32);
+        const LinearArgs args{y,   nullptr, x_steps, nullptr, packed,     nullptr, scale,
+                              min, rows,    n_in,    n_out,   group_size, dtype};
         return run_linear(int4_dot_range_bf16, args);
     }
 #endif
