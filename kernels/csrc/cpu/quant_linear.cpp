@@ -223,6 +223,17 @@ float* tile_scratch(int64_t n) {
 
 #ifdef KERNELS_X86
 
+// Where a tile's weight rows o .. o + NO - 1 start: their codes, and their widened scales and mins.
+template <int NO>
+KERNELS_INLINE void tile_rows(const LinearArgs& a, int o, Widened t, const uint8_t* (&w)[NO], const float* (&scale)[NO],
+                              const float* (&min)[NO]) {
+    for (int n = 0; n < NO; ++n) {
+        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (a.n_in / 2);
+        scale[n] = t.scale + n * t.groups;
+        min[n] = t.min + n * t.groups;
+    }
+}
+
 // The float16 scales and mins of output rows o .. o + NO - 1, widened once into float, before any
 // tile of them runs (a tile is these rows times up to 4 rows of x). The loops below then read
 // floats, as when the halves were widened at load time; widening each half where it is used would
@@ -247,11 +258,7 @@ KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0, Wide
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    for (int n = 0; n < NO; ++n) {
-        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = t.scale + n * groups;
-        min[n] = t.min + n * groups;
-    }
+    tile_rows(a, o, t, w, scale, min);
     const float* x = a.xs + int64_t(r0) * n_in;
     const float* xsum = a.xsum + int64_t(r0) * groups;
     // The tile's codes are one contiguous run (its rows are consecutive), read at NO * 8 bytes a
@@ -336,11 +343,7 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o, Wide
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    for (int n = 0; n < NO; ++n) {
-        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = t.scale + n * groups;
-        min[n] = t.min + n * groups;
-    }
+    tile_rows(a, o, t, w, scale, min);
     const float* x = a.xs;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
     const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
@@ -388,11 +391,7 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0, 
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    for (int n = 0; n < NO; ++n) {
-        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = t.scale + n * groups;
-        min[n] = t.min + n * groups;
-    }
+    tile_rows(a, o, t, w, scale, min);
     const float* x = a.xs + int64_t(r0) * n_in;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
     const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
@@ -470,11 +469,7 @@ KERNELS_AVX512_BF16 inline void int4_dot_tile_bf16(const LinearArgs& a, int o, i
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
-    for (int n = 0; n < NO; ++n) {
-        w[n] = static_cast<const uint8_t*>(a.w) + int64_t(o + n) * (n_in / 2);
-        scale[n] = t.scale + n * groups;
-        min[n] = t.min + n * groups;
-    }
+    tile_rows(a, o, t, w, scale, min);
     const uint16_t* x = a.x_bf16 + int64_t(r0) * 32;  // x in steps (int4_linear): rows r0.. of step 0
     const int64_t x_step = int64_t(a.rows) * 32;
     const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
