@@ -531,8 +531,9 @@ KERNELS_AVX512_BF16 inline void int4_dot_rows_bf16(const LinearArgs& a, int o, W
 
 KERNELS_AVX512_BF16 void int4_dot_range_bf16(const LinearArgs& a, int o0, int o1) {
     int o = o0;
-    // Up to 4 rows of x, 4 weight rows a tile: 16 chains of vdpbf16ps, and each table and vector of
-    // x serves 4 (measured 1.0-1.2x the 2-weight-row tile at 2-4 rows); more rows of x, 2 at a time.
+    // Up to 4 rows of x, 4 weight rows a tile: 16 chains of vdpbf16ps, and each vector of x serves
+    // 4 (measured at 2-4 rows: 1.0-1.2x the float tiles, where 2 weight rows a tile made 0.8-1.1x);
+    // more rows of x, 2 weight rows a tile, to keep 8 rows' accumulators in registers.
     if (a.rows <= 4)
         for (; o + 4 <= o1; o += 4) int4_dot_rows_bf16<4>(a, o, widen_tile<Avx512, 4>(a, o));
     for (; o + 2 <= o1; o += 2) int4_dot_rows_bf16<2>(a, o, widen_tile<Avx512, 2>(a, o));
