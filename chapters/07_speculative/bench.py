@@ -31,7 +31,6 @@ against k per task; batch throughput on and off); tables on stdout, progress on 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, summarize
+from common.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, save_json, summarize
 from common.cli import run_main
 from common.errors import UserError
 from engine import Engine, Request, build_engine
@@ -413,13 +412,9 @@ def main() -> int:
     if "draft" in parts:
         result["draft"] = part_draft(args)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    for rows in result.get("one", {}).values():
-        for r in rows.values():
-            r.pop("ids", None)
     print_tables(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save_json(out, result)
     png = out.with_suffix(".png")
     saved = plot(result, png)
     print(f"saved {out}" + (f" and {png.name}" if saved else "") + f" ({result['seconds']:.0f} s)")
