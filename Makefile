@@ -16,13 +16,13 @@ NPROC := $(shell nproc 2>/dev/null || echo 1)
 # make test runs its suites (each chapter's tests/, kernels/tests, tests/, the -Werror compile) as
 # separate processes, TEST_JOBS at a time, each with NPROC/TEST_JOBS cores: side by side, no suite's
 # start-up or last slow file leaves a core idle. Within a suite, TEST_WORKERS pytest-xdist workers
-# (at most 8) split its cores, each worker's torch taking its share of threads (common/testing.py).
+# (at most 8) split its cores, each worker's torch taking its share of threads (common/tools/testing.py).
 # On 2 cores two suites of one process each measured fastest. TEST_JOBS=1 TEST_WORKERS=1: one process.
 TEST_JOBS ?= $(if $(filter 1,$(NPROC)),1,2)
 SUITE_CORES = $(shell n=$$(( $(NPROC) / $(TEST_JOBS) )); echo $$(( n > 0 ? n : 1 )))
 TEST_WORKERS ?= $(shell n=$(NPROC); echo $$(( n < 8 ? n : 8 )))
 XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
-# Carried tests that reach only code identical to the previous chapter's skip (common/carried.py);
+# Carried tests that reach only code identical to the previous chapter's skip (common/tools/carried.py);
 # RUN_CARRIED_TESTS=1 runs them too.
 
 export PYTHONUNBUFFERED := 1
@@ -156,7 +156,7 @@ test-chapter%: setup
 # The lesson of chapter N: its engine code against chapter N-1's (new files in full), code first;
 # ALL=1 adds README, tests, benches and figures. Needs only the standard library.
 diff-chapter%:
-	@python3 -m common.diff_chapters $* $(if $(ALL),--all)
+	@python3 -m common.tools.diff_chapters $* $(if $(ALL),--all)
 
 # One formatter configuration: ruff (pyproject.toml) for the Python, clang-format (kernels/csrc/.clang-format)
 # for the C++ and CUDA. Neither is a requirement: install them where you write code.

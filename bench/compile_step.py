@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from common.bench import decoding_engine, machine, time_steps
+from common.tools.bench import machine
+from common.tools.decoding import decoding_engine, time_steps
 
 
 def chapter_module(name: str):

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from common.bench import decoding_engine, machine, time_steps
+from common.tools.bench import machine
+from common.tools.decoding import decoding_engine, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
 

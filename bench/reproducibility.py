@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.bench import PROMPTS, machine
-from common.chapters import load_chapter
+from common.tools.bench import PROMPTS, machine
+from common.tools.chapters import load_chapter
 
 
 def generate(

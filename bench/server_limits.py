@@ -22,8 +22,8 @@ import time
 
 import httpx
 
-from common.bench import servers
-from common.chapters import chapter_dir
+from common.tools.chapters import chapter_dir
+from common.tools.serving import servers
 
 
 @contextlib.contextmanager

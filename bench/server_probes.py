@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from common.bench import free_port, idle_flood, wait_until_healthy
-from common.chapters import chapter_dir
+from common.tools.chapters import chapter_dir
+from common.tools.serving import free_port, idle_flood, wait_until_healthy
 
 
 def rss_mb(pid: int) -> float:

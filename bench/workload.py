@@ -34,8 +34,8 @@ from types import SimpleNamespace
 
 import torch
 
-from common.bench import fmt, machine
-from common.chapters import load_chapter
+from common.tools.bench import fmt, machine
+from common.tools.chapters import load_chapter
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("ch06", "ch05", "llama.cpp", "hf")

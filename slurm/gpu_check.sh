@@ -81,7 +81,7 @@ fi
 
 # --- 2. the CUDA tests, the suites side by side -------------------------------------------------
 # -k cuda: the device-parametrised cases ([cuda]) and the tests named for CUDA. A test module that
-# needs a package this machine lacks skips itself and names it (common.testing.require).
+# needs a package this machine lacks skips itself and names it (common.tools.testing.require).
 select="cuda"
 [ -f "$MODELS_DIR/smollm2-135m/config.json" ] || { select="cuda and not smollm2"; echo "SmolLM2's weights are absent: its cases skip"; }
 logs=$(mktemp -d)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 try:
-    from common.chapters import load_chapter
+    from common.tools.chapters import load_chapter
 except ModuleNotFoundError:
     sys.exit(
         "error: the package `common` is not importable: use .venv/bin/python after `make setup`, "

@@ -1,9 +1,9 @@
 """Repo-wide tests import `common` as an installed package (pyproject.toml; `make setup` installs
-it editable) and chapters through common.chapters."""
+it editable) and chapters through common.tools.chapters."""
 
 import pytest
 
-from common.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
+from common.tools.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
 
 # Imported as a child interpreter starts (its folder first on PYTHONPATH): every import of a
 # hidden package fails as it would where the package was never installed.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-CONFTEST = "from common.carried import pytest_collection_modifyitems  # noqa: F401\n"
+CONFTEST = "from common.tools.carried import pytest_collection_modifyitems  # noqa: F401\n"
 FILES = {
     "conftest.py": CONFTEST,
     "util.py": "def one():\n    return 1\n",
@@ -31,7 +31,7 @@ FILES = {
     ),
     # comparing with a chapter chosen by a computed number: never skipped
     "tests/test_neighbour.py": (
-        "from common.testing import load_neighbour\n\n\n"
+        "from common.tools.testing import load_neighbour\n\n\n"
         "def previous(number):\n    return load_neighbour(number - 1, 'util')\n\n\n"
         "def test_neighbour():\n    assert callable(previous)\n"
     ),

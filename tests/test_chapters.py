@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.chapters import chapter_dir, load_chapter
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from common.tools.chapters import chapter_dir, load_chapter
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
-"""common.bench's serving harness, without a model: the SSE client on canned streams, and servers,
-rounds of concurrent clients and their figures against a stand-in server.py that streams canned
-tokens."""
+"""The benches' shared tools, without a model: common.tools.serving's SSE client on canned streams,
+its servers, rounds of concurrent clients and their figures against a stand-in server.py that
+streams canned tokens; common.tools.bench's figures, arguments and records."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import textwrap
 import httpx
 import pytest
 
-from common import bench
 from common.errors import UserError
+from common.tools import bench, serving
 
 # A stand-in for a chapter's server.py: /health with KV figures, and chat completions streamed
 # as the chapters' servers stream them (a role chunk, one chunk per token, the usage, [DONE]).
@@ -80,7 +80,7 @@ def run_stream(content: bytes, status: int = 200, **kwargs) -> dict:
     async def go():
         transport = httpx.MockTransport(lambda request: httpx.Response(status, content=content))
         async with httpx.AsyncClient(transport=transport) as client:
-            return await bench.stream(client, "http://test", "/v1/chat/completions", {}, **kwargs)
+            return await serving.stream(client, "http://test", "/v1/chat/completions", {}, **kwargs)
 
     return asyncio.run(go())
 
@@ -115,7 +115,7 @@ def test_stream_hangs_up_when_told_to_stop():
             )
         )
         async with httpx.AsyncClient(transport=transport) as client:
-            return await bench.stream(client, "http://test", "/v1/completions", {}, stop=stop)
+            return await serving.stream(client, "http://test", "/v1/completions", {}, stop=stop)
 
     assert len(asyncio.run(go())["times"]) == 1
 
@@ -128,18 +128,18 @@ def test_stream_raises_on_an_http_error_and_on_an_error_in_the_stream():
 
 
 def test_chat_body_is_greedy_streamed_and_ignores_eos():
-    body = bench.chat_body("Why?", 8, system="Be brief.")
+    body = serving.chat_body("Why?", 8, system="Be brief.")
     assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
     assert body["temperature"] == 0 and body["max_tokens"] == 8 and body["ignore_eos"] and body["stream"]
-    assert bench.chat_body("Why?", 8)["messages"] == [{"role": "user", "content": "Why?"}]
+    assert serving.chat_body("Why?", 8)["messages"] == [{"role": "user", "content": "Why?"}]
 
 
 def test_servers_start_answer_and_record_then_stop(folder):
     record = {}
-    with bench.servers({"fake": (folder, [])}, record, threads=1, timeout=60) as urls:
+    with serving.servers({"fake": (folder, [])}, record, threads=1, timeout=60) as urls:
         assert httpx.get(urls["fake"] + "/health").json()["kv_blocks_total"] == 64
         pid = int((folder / "pid").read_text())
-        runs = bench.throughput_rounds(urls, [("fake", 1), ("fake", 3)], repeats=2, max_tokens=4, health_interval=0.01)
+        runs = serving.throughput_rounds(urls, [("fake", 1), ("fake", 3)], repeats=2, max_tokens=4, health_interval=0.01)
     with pytest.raises(ProcessLookupError):  # stopped and reaped on the way out
         os.kill(pid, 0)
     assert record["fake"]["banner"].startswith("serving a stand-in on port")
@@ -152,7 +152,7 @@ def test_servers_start_answer_and_record_then_stop(folder):
     assert one["tok_s"] > 0 and one["ttft_ms_p50"] > 0 and one["itl_ms_p50"] >= 0
     assert one["peak_kv_blocks_used"] == 3 and one["peak_running"] == 2 and one["kv_blocks_total"] == 64
 
-    rows = bench.combine_rounds(runs[("fake", 3)])
+    rows = serving.combine_rounds(runs[("fake", 3)])
     assert rows["tok_s"] == bench.median([r["tok_s"] for r in runs[("fake", 3)]])
     assert rows["tok_s_runs"] == [r["tok_s"] for r in runs[("fake", 3)]] and rows["tokens_per_round"] == [12, 12]
     assert rows["peak_kv_blocks_used"] == 3 and rows["finish"] == ["length"]
@@ -160,7 +160,7 @@ def test_servers_start_answer_and_record_then_stop(folder):
 
 def test_servers_stop_when_the_body_fails(folder):
     with pytest.raises(ZeroDivisionError):
-        with bench.servers({"fake": (folder, [])}, timeout=60):
+        with serving.servers({"fake": (folder, [])}, timeout=60):
             pid = int((folder / "pid").read_text())
             1 / 0
     with pytest.raises(ProcessLookupError):
@@ -169,7 +169,7 @@ def test_servers_stop_when_the_body_fails(folder):
 
 def test_a_server_that_exits_is_reported_with_its_log(folder):
     with pytest.raises(RuntimeError, match=r"(?s)bad server exited with status 1:.*no model here"):
-        with bench.servers({"bad": (folder, ["--fail"])}, timeout=60):
+        with serving.servers({"bad": (folder, ["--fail"])}, timeout=60):
             pass
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""common.warm_python: a script run in a fork of the warm helper behaves as `python script.py` does."""
+"""common.tools.warm_python: a script run in a fork of the warm helper behaves as `python script.py` does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.warm_python import WarmProcess, run_python, start_python
+from common.tools.warm_python import WarmProcess, run_python, start_python
 
 SCRIPT = """\
 import atexit, os, random, sys, threading, time

@@ -7,5 +7,5 @@ a conftest.py that is not inside a package first on sys.path before importing it
 nothing: it is an installed package (pyproject.toml).
 """
 
-from common.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
-from common.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)
+from common.tools.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
+from common.tools.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bench import RESULTS_DIR
 from common.cli import run_main
 from common.models import resolve_model
+from common.tools.bench import RESULTS_DIR
 from model import forward, load_model
 
 

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, machine, peak_memory_bytes, summarize
-from common.chapters import chapter_exists, load_chapter
 from common.checkpoint import expected_shapes
 from common.cli import run_main
 from common.config import load_config
 from common.device import pick_device, pick_dtype, synchronize
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from common.tools.bench import RESULTS_DIR, machine, peak_memory_bytes, summarize
+from common.tools.chapters import chapter_exists, load_chapter
 
 TEXT = (
     "The history of computing is a story of abstractions stacked on abstractions. Early machines were "

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bench import RESULTS_DIR, machine
 from common.cli import run_main
+from common.tools.bench import RESULTS_DIR, machine
 
 HERE = Path(__file__).resolve().parent
 

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, command_line, machine, peak_memory_bytes, summarize
-from common.chapters import chapter_exists, load_chapter
 from common.cli import run_main
 from common.errors import UserError
 from common.models import resolve_model
 from common.prepare_models import find_gguf
 from common.tokenizer import Tokenizer
+from common.tools.bench import RESULTS_DIR, command_line, machine, peak_memory_bytes, summarize
+from common.tools.chapters import chapter_exists, load_chapter
 from kv_cache import KVCache
 from loading import load
 from model import forward

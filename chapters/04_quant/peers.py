@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bench import summarize
 from common.models import MODELS_DIR
 from common.prepare_models import find_gguf
+from common.tools.bench import summarize
 
 # GGML_NATIVE: compile for this CPU's instruction set (AVX512, AVX512-BF16...), as a local
 # llama.cpp build does; LLAVA_BUILD=OFF skips the image-model library we do not use.

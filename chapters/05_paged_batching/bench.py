@@ -55,29 +55,21 @@ from types import SimpleNamespace
 
 import torch
 
-from common.bench import (
-    LONG_TEXT,
-    PROMPTS,
-    RESULTS_DIR,
-    chat_body,
-    combine_rounds,
-    command_line,
-    concurrent_round,
-    fmt,
-    int_list,
-    machine,
-    median,
-    new_client,
-    pct,
-    servers,
-    stream,
-    throughput_rounds,
-)
-from common.chapters import chapter_dir, chapter_exists
 from common.cli import run_main
 from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from common.tools.bench import LONG_TEXT, PROMPTS, RESULTS_DIR, command_line, fmt, int_list, machine, median, pct
+from common.tools.chapters import chapter_dir, chapter_exists
+from common.tools.serving import (
+    chat_body,
+    combine_rounds,
+    concurrent_round,
+    new_client,
+    servers,
+    stream,
+    throughput_rounds,
+)
 
 HERE = Path(__file__).resolve().parent
 CH = f"ch{HERE.name[:2]}"  # this chapter's label, from its folder's name: ch05

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from common.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
-from common.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
+from common.tools.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
+from common.tools.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
 
 
 def _available(device: str) -> str | None:

@@ -55,23 +55,21 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from common.bench import (
+from common.cli import run_main
+from common.errors import UserError
+from common.tools.bench import (
     LONG_TEXT,
     RESULTS_DIR,
-    combine_rounds,
     command_line,
     fmt,
     int_list,
     machine,
     median,
     save_json,
-    servers,
     summarize,
-    throughput_rounds,
 )
-from common.chapters import chapter_dir, chapter_exists, load_chapter
-from common.cli import run_main
-from common.errors import UserError
+from common.tools.chapters import chapter_dir, chapter_exists, load_chapter
+from common.tools.serving import combine_rounds, servers, throughput_rounds
 
 HERE = Path(__file__).resolve().parent
 CH = f"ch{HERE.name[:2]}"  # this chapter's label, from its folder's name: ch06

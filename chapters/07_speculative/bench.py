@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from common.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, save_json, summarize
 from common.cli import run_main
 from common.errors import UserError
+from common.tools.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, save_json, summarize
 from engine import Engine, Request, build_engine
 from loading import quant_spec
 from peers import gguf_path, llama_cpp_available

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from common.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
+from common.tools.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 from common.config import load_config
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 from inspect_model import CONTEXTS, kv_cache_table, parameter_counts, weight_bytes_by_dtype
 
 MODELS = ["smollm2-135m", "tiny-llama3"]

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from common.models import resolve_model
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 
 SCRIPTS = {
     "ch00": ["chapters/00_setup/inspect_model.py"],
@@ -103,7 +103,7 @@ def test_inspect_model_reports_a_bad_config(tmp_path):
 # A subprocess, so that its peak memory is its own: load a chapter's model and run one step.
 _MEMORY_SCRIPT = """
 import resource, sys, torch
-from common.chapters import load_chapter
+from common.tools.chapters import load_chapter
 ch = load_chapter({chapter}, "model", "kv_cache")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model = ch.model.load_model(sys.argv[1], "cpu", getattr(torch, sys.argv[2]))

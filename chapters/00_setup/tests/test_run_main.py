@@ -4,7 +4,7 @@ import pytest
 
 from common.cli import run_main
 from common.errors import UserError
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 
 
 def test_a_user_error_is_one_line_and_exit_2(capsys):

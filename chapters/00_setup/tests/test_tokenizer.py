@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from common.models import resolve_model
 from common.tokenizer import Tokenizer, TokenizerError
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

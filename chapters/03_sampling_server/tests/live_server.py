@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.warm_python import start_python
+from common.tools.warm_python import start_python
 
 CHAPTER = Path(__file__).resolve().parents[1]
 

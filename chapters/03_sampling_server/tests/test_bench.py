@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 
 CHAPTER = Path(__file__).resolve().parents[1]
 

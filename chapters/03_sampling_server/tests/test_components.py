@@ -61,7 +61,7 @@ def test_apply_rope_matches_hf(tiny, hf):
 
 
 def test_rope_matches_chapter_01():
-    from common.testing import load_neighbour
+    from common.tools.testing import load_neighbour
 
     ch01 = load_neighbour(1, "rope")
     config = load_config(resolve_model("tiny-llama3"))

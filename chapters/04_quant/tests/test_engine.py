@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.testing import load_neighbour
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from common.tools.testing import load_neighbour
 from engine import Engine, Request
 from model import load_model
 from sampling import SamplingParams

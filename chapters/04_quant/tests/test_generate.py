@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 
 CHAPTER = Path(__file__).resolve().parents[1]
 

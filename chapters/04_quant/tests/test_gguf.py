@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.testing import require
+from common.tools.testing import require
 
 require("gguf")  # before the imports that need them: without them, this module skips
 
@@ -15,7 +15,7 @@ from common.checkpoint import CheckpointError, load_checkpoint_torch
 from common.config import load_config
 from common.models import resolve_model
 from common.prepare_models import find_gguf
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 from gguf_file import read_gguf, unpermute_rows
 from quant import Int4Weight, Int8Weight, quantize_int4
 

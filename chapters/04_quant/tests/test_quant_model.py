@@ -9,9 +9,9 @@ import torch
 
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
-from common.testing import SERVER_STACK, require
 from common.tokenizer import Tokenizer
-from common.warm_python import run_python
+from common.tools.testing import SERVER_STACK, require
+from common.tools.warm_python import run_python
 from kv_cache import KVCache
 from model import forward, load_model
 from parity import DEFAULT_TEXT

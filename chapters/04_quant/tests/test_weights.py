@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common.checkpoint import CheckpointError
 from common.models import resolve_model
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 from kv_cache import KVCache
 from model import forward, load_model
 from quant import QuantSpec

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 from sampling import SamplingParams
 
 CHAPTER = Path(__file__).resolve().parents[1]

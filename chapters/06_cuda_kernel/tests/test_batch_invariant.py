@@ -164,7 +164,7 @@ def test_refused_where_it_cannot_hold():
 def test_the_cli_says_it_runs_batch_invariant_and_refuses_it_without_the_kernels():
     from pathlib import Path
 
-    from common.warm_python import run_python
+    from common.tools.warm_python import run_python
 
     cli = [str(Path(__file__).resolve().parents[1] / "cli.py"), "--quant", "int4", "--batch-invariant"]
     prompt = ["--prompt", "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "8"]

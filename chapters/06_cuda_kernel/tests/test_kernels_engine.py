@@ -10,9 +10,9 @@ import torch
 
 from common.errors import UserError
 from common.models import resolve_model
-from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
-from common.warm_python import run_python
+from common.tools.testing import load_neighbour
+from common.tools.warm_python import run_python
 from cuda_graphs import DecodeGraphs
 from engine import Engine, Request, build_engine
 from model import forward_sequence, load_model

@@ -12,7 +12,7 @@ import torch
 from common.hf_reference import load_hf_model
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
-from common.warm_python import run_python
+from common.tools.warm_python import run_python
 from model import forward_sequence, load_model
 from perplexity import (
     Window,

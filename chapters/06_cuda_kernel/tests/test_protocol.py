@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.testing import require
+from common.tools.testing import require
 
 require("pydantic")  # before the imports that need them: without them, this module skips
 

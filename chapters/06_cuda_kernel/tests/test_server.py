@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from common.testing import SERVER_STACK, require
+from common.tools.testing import SERVER_STACK, require
 
 require(*SERVER_STACK)  # before the imports that need them: without them, this module skips
 
@@ -92,7 +92,7 @@ def test_completions_streaming_equals_non_streaming(client):
 
 
 def test_greedy_equals_chapter_04(client):
-    from common.testing import load_neighbour
+    from common.tools.testing import load_neighbour
     from common.models import resolve_model
     from common.tokenizer import Tokenizer
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from common.testing import SERVER_STACK, require
+from common.tools.testing import SERVER_STACK, require
 
 require(*SERVER_STACK)  # before the imports that need them: without them, this module skips
 
 import httpx
 from fastapi.testclient import TestClient
 
-from common.bench import connect_from, idle_flood
-from common.warm_python import run_python
+from common.tools.serving import connect_from, idle_flood
+from common.tools.warm_python import run_python
 from live_server import serve
 
 CHAPTER = Path(__file__).resolve().parents[1]

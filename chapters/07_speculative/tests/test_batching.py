@@ -7,8 +7,8 @@ import random
 import pytest
 
 from common.models import resolve_model
-from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
+from common.tools.testing import load_neighbour
 from engine import Engine, Request
 from model import load_model
 from sampling import SamplingParams

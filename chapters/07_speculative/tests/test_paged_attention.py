@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from batch import Work, build_step
 from common.models import resolve_model
-from common.testing import load_neighbour
+from common.tools.testing import load_neighbour
 from model import forward, forward_sequence, load_model
 from paged_attention import gather, paged_attention, reference_attention
 from paged_cache import PagedKVCache

@@ -10,8 +10,8 @@ import torch
 from common.hf_reference import hf_greedy, hf_hidden_states
 from common.models import resolve_model
 from common.parity import assert_parity, compare, format_table
-from common.testing import load_neighbour
 from common.tokenizer import Tokenizer
+from common.tools.testing import load_neighbour
 from batch import Work, build_step
 from generate import generate_all
 from model import forward, forward_sequence, load_model

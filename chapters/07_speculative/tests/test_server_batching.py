@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from common.testing import SERVER_STACK, require
+from common.tools.testing import SERVER_STACK, require
 
 require(*SERVER_STACK)  # before the imports that need them: without them, this module skips
 

@@ -6,7 +6,7 @@ renames them in sys.modules (`ch02.model`) and removes the plain names, so that 
 3 next imports chapter 3's files rather than reusing chapter 2's.
 
 Chapters are found in the `chapters/` folder beside this package: in a clone, the repository's.
-A chapter copied on its own has no neighbours; tests that compare with one skip (common.testing).
+A chapter copied on its own has no neighbours; tests that compare with one skip (common.tools.testing).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import types
 from pathlib import Path
 
-CHAPTERS_DIR = Path(__file__).resolve().parent.parent / "chapters"
+CHAPTERS_DIR = Path(__file__).resolve().parents[2] / "chapters"
 
 
 class ChapterNotFoundError(FileNotFoundError):

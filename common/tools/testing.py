@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from common.chapters import ChapterNotFoundError, load_chapter
+from common.tools.chapters import ChapterNotFoundError, load_chapter
 
 
 def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:

@@ -1,7 +1,7 @@
 """What chapter N adds to chapter N-1: the lesson, new code first.
 
-    python -m common.diff_chapters 3          # make diff-chapter3
-    python -m common.diff_chapters 3 --all    # then the benchmark, README and tests too
+    python -m common.tools.diff_chapters 3          # make diff-chapter3
+    python -m common.tools.diff_chapters 3 --all    # then the benchmark, README and tests too
 
 Chapter N starts as a copy of chapter N-1, so a diff between the two folders is exactly what
 the chapter teaches. A summary of which files are new, changed and unchanged comes first, then
@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS_DIR = REPO_ROOT / "chapters"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
 # bench.py's helpers measure the engine rather than teach it, so they are read with the benchmark.

@@ -17,7 +17,7 @@ with interpreter flags, or anything but `script.py ...`, `-m module ...` or `-c 
 every run with WARM_PYTHON=0. The helper never runs torch code itself, so no thread pool exists
 when it forks.
 
-    from common.warm_python import run_python, start_python
+    from common.tools.warm_python import run_python, start_python
     r = run_python(["generate.py", "--prompt", "hi"], cwd=CHAPTER, timeout=300)  # a CompletedProcess
     server = start_python(["server.py", "--port", "8000"], stderr=log_path)      # Popen's poll/wait/terminate
 """
@@ -181,11 +181,11 @@ def _start(env: dict[str, str]) -> None:
     _helper_env = env
     try:
         _helper = subprocess.Popen(
-            [sys.executable, "-c", "from common.warm_python import serve; serve()"],
+            [sys.executable, "-c", "from common.tools.warm_python import serve; serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
-            cwd=Path(__file__).resolve().parents[1],  # `common` importable even from a copied chapter
+            cwd=Path(__file__).resolve().parents[2],  # `common` importable even from a copied chapter
         )
         ready = _read_reply(_helper, timeout=120)
     except (OSError, TimeoutError, ValueError):

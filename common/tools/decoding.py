@@ -1,0 +1,52 @@
+"""A chapter's engine set up in the middle of decoding, for the benches that time its steps
+(bench/profile_step.py, bench/compile_step.py). Unlike the rest of common.tools, this builds an
+engine: one of a chapter loaded by number (common.tools.chapters), never one of its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def decoding_engine(
+    chapter: int,
+    model: str,
+    quant: str,
+    dtype: str,
+    kernels: str,
+    prompt_tokens: int,
+    steps: int,
+    warmup: int,
+    sequences: int = 1,
+):
+    """A chapter's engine (05 on) on the CPU, decoding `sequences` greedy sequences together, each
+    a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken (the prompts and a
+    few decodes); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
+    decodes the next token of every sequence."""
+    from types import SimpleNamespace
+
+    from common.tools.chapters import load_chapter
+
+    ch = load_chapter(chapter, "engine", "loading", "sampling")
+    spec = ch.loading.quant_spec(
+        SimpleNamespace(quant=None if quant == "none" else quant, group_size=32, symmetric=False, lm_head="int8")
+    )
+    blocks = 64 * sequences
+    engine, _ = ch.engine.build_engine(
+        model, "cpu", dtype, spec, kernels=kernels, num_blocks=blocks, prefix_caching=False
+    )
+    greedy = ch.sampling.SamplingParams(temperature=0)
+    for s in range(sequences):
+        prompt = list(range(1000 + 7 * s, 1000 + 7 * s + prompt_tokens))
+        engine.add(ch.engine.Request(prompt, greedy, max_tokens=warmup + steps + 8, ignore_eos=True), f"r{s}")
+    for _ in range(warmup):
+        engine.step()
+    return engine
+
+
+def time_steps(engine, n: int) -> float:
+    """Seconds per engine step, over n steps."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return (time.perf_counter() - t0) / n
