@@ -1,41 +1,42 @@
-"""common.carried: a carried test skips only where it cannot find anything new, and runs again as
-soon as one byte of anything it reaches changes. Checked on small chapters made here, so each case
-says exactly which file differs."""
+"""common.tools.carried: a carried test file skips only when it and everything it reaches are the
+same bytes as in the previous chapter, and runs again as soon as one of them changes. Checked on
+small chapters made here, so each case says exactly which file differs."""
 
 from __future__ import annotations
 
+import ast
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-CONFTEST = "from common.tools.carried import pytest_collection_modifyitems  # noqa: F401\n"
+from common.tools import carried
+
+REPO = Path(__file__).resolve().parents[1]
+
 FILES = {
-    "conftest.py": CONFTEST,
+    "conftest.py": "from common.tools.carried import pytest_collection_modifyitems  # noqa: F401\n",
     "util.py": "def one():\n    return 1\n",
     "engine.py": "import util\n\n\ndef two():\n    return util.one() + 1\n",
-    "script.py": "print('hello from the script')\n",
-    "notes.md": "a data file a test reads\n",
+    "server.py": "import engine\n\nprint(engine.two())\n",  # a script: no test imports it
     "tests/test_util.py": "import util\n\n\ndef test_one():\n    assert util.one() == 1\n",
-    "tests/test_engine.py": "import engine\n\n\ndef test_two():\n    assert engine.two() == 2\n",
-    # a script run as a subprocess and a data file, both named only in strings
-    "tests/test_script.py": (
-        "import subprocess, sys\nfrom pathlib import Path\n\n\n"
-        "def test_script_runs():\n"
-        "    here = Path(__file__).parent.parent\n"
-        "    out = subprocess.run([sys.executable, 'script.py'], cwd=here, capture_output=True, text=True).stdout\n"
-        "    assert 'hello' in out and (here / 'notes.md').read_text()\n"
+    "tests/test_engine.py": "def test_two():\n    from engine import two\n\n    assert two() == 2\n",
+    # a test that runs server.py as a subprocess says so
+    "tests/test_server.py": (
+        "import subprocess, sys\nfrom pathlib import Path\n\n"
+        'REACHES = ["server.py"]\n\n\n'
+        "def test_server_prints_two():\n"
+        "    here = Path(__file__).parents[1]\n"
+        "    out = subprocess.run([sys.executable, 'server.py'], cwd=here, capture_output=True, text=True)\n"
+        "    assert out.stdout == '2\\n', out.stderr\n"
     ),
-    # comparing with a chapter chosen by a computed number: never skipped
-    "tests/test_neighbour.py": (
-        "from common.tools.testing import load_neighbour\n\n\n"
-        "def previous(number):\n    return load_neighbour(number - 1, 'util')\n\n\n"
-        "def test_neighbour():\n    assert callable(previous)\n"
-    ),
+    # ... or imports a helper that says so (as tests/live_server.py does)
+    "tests/live.py": 'REACHES = ["server.py"]\n',
+    "tests/test_live.py": "import live\n\n\ndef test_live():\n    assert live.REACHES\n",
 }
+TESTS = ("test_util", "test_engine", "test_server", "test_live")
 
 
 def make_chapter(folder: Path, changes: dict[str, str] | None = None) -> Path:
@@ -45,29 +46,15 @@ def make_chapter(folder: Path, changes: dict[str, str] | None = None) -> Path:
     return folder
 
 
-def pytest_report(chapter: Path, **env) -> str:
-    """The -rA report of a passing pytest run of the chapter's tests."""
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=chapter.parent,
-        env={**__import__("os").environ, **env},
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    return r.stdout
+def edit(path: Path) -> None:
+    path.write_text(path.read_text() + "\n")  # one byte
 
 
-def outcomes(chapter: Path, **env) -> dict[str, str]:
-    """test file stem -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
-    found = {}
-    for line in pytest_report(chapter, **env).splitlines():
-        if m := re.match(r"PASSED .*?(test_\w+)\.py", line):
-            found[m[1]] = "passed"
-        elif m := re.match(r"SKIPPED \[\d+\] .*?(test_\w+)\.py(?::\d+)?: (.*)", line):
-            found[m[1]] = m[2]
-    return found
+def verdicts(chapter: Path) -> dict[str, str | None]:
+    """test file stem -> the chapter it ran in (it skips here), or None (it runs here)."""
+    carried.reached.cache_clear()  # the cases edit files between calls
+    carried.ran_in.cache_clear()
+    return {t: carried.ran_in(chapter, f"tests/{t}.py") for t in TESTS}
 
 
 @pytest.fixture
@@ -78,114 +65,114 @@ def chapters(tmp_path) -> Path:
     return root
 
 
-def test_identical_chapter_skips_every_carried_test_but_a_computed_neighbour(chapters):
-    first, second = outcomes(chapters / "01_first"), outcomes(chapters / "02_second")
-    assert set(first.values()) == {"passed"} and len(first) == 4, first
-    carried = "carried unchanged: ran in chapter 01"
-    assert second == {
-        "test_util": carried,
-        "test_engine": carried,
-        "test_script": carried,
-        "test_neighbour": "passed",
-    }, second
+def test_an_identical_chapter_skips_every_carried_test_file(chapters):
+    assert verdicts(chapters / "01_first") == dict.fromkeys(TESTS)  # no chapter before it
+    assert verdicts(chapters / "02_second") == dict.fromkeys(TESTS, "01")
 
 
-def test_one_changed_byte_runs_again_every_test_that_reaches_it(chapters):
-    util = chapters / "02_second" / "util.py"
-    util.write_text(util.read_text() + " ")  # one byte
-    second = outcomes(chapters / "02_second")
-    # engine imports util, so both run; the script test reaches neither
-    assert second["test_util"] == second["test_engine"] == "passed", second
-    assert second["test_script"].startswith("carried unchanged"), second
+def test_a_changed_module_reruns_the_files_that_import_it_even_through_another_module(chapters):
+    edit(chapters / "02_second" / "util.py")
+    assert verdicts(chapters / "02_second") == dict.fromkeys(TESTS)  # engine and server.py import util
 
 
-def test_a_change_reaches_only_its_importers(chapters):
-    engine = chapters / "02_second" / "engine.py"
-    engine.write_text(engine.read_text() + "\n")
-    second = outcomes(chapters / "02_second")
-    assert second["test_engine"] == "passed" and second["test_util"].startswith("carried unchanged"), second
+def test_a_change_reaches_only_the_files_that_import_it(chapters):
+    edit(chapters / "02_second" / "engine.py")
+    expected = {"test_util": "01", "test_engine": None, "test_server": None, "test_live": None}
+    assert verdicts(chapters / "02_second") == expected
 
 
-@pytest.mark.parametrize("changed", ["script.py", "notes.md", "conftest.py", "tests/test_script.py"])
-def test_files_named_in_strings_and_the_conftest_count(chapters, changed):
-    path = chapters / "02_second" / changed
-    path.write_text(path.read_text() + "\n# changed\n" if path.suffix == ".py" else "changed\n")
-    second = outcomes(chapters / "02_second")
-    assert second["test_script"] == "passed", second
-    if changed == "conftest.py":  # every test uses the conftest
-        assert set(second.values()) == {"passed"}, second
+def test_a_script_counts_only_for_the_files_that_declare_it(chapters):
+    edit(chapters / "02_second" / "server.py")
+    # test_server declares it, test_live's helper does; nothing imports it
+    expected = {"test_util": "01", "test_engine": "01", "test_server": None, "test_live": None}
+    assert verdicts(chapters / "02_second") == expected
 
 
-def test_a_removed_module_is_a_difference(chapters):
-    # 02 drops util.py: test_util now fails to import there, so it must not be skipped as carried
-    (chapters / "02_second" / "util.py").unlink()
+def test_the_conftest_and_the_test_file_itself_count(chapters):
+    edit(chapters / "02_second" / "tests" / "test_util.py")
+    assert verdicts(chapters / "02_second")["test_util"] is None
+    edit(chapters / "02_second" / "conftest.py")
+    assert verdicts(chapters / "02_second") == dict.fromkeys(TESTS)
+
+
+def test_a_module_the_previous_chapter_lacks_counts_as_changed(chapters):
+    # the same test file in both chapters, but `extra` is a chapter module only in the second
+    optional = "try:\n    import extra\nexcept ImportError:\n    extra = None\n\n\ndef test_extra():\n    pass\n"
+    for chapter in ("01_first", "02_second"):
+        (chapters / chapter / "tests" / "test_optional.py").write_text(optional)
+    assert carried.ran_in(chapters / "02_second", "tests/test_optional.py") == "01"
+    (chapters / "02_second" / "extra.py").write_text("")
+    verdicts(chapters / "02_second")  # clears the caches
+    assert carried.ran_in(chapters / "02_second", "tests/test_optional.py") is None
+    # and so does a declared file it lacks (a name missing from both chapters, a typo, always runs)
+    for chapter in ("01_first", "02_second"):
+        (chapters / chapter / "tests" / "test_tool.py").write_text('REACHES = ["tool.py"]\n')
+    assert carried.ran_in(chapters / "02_second", "tests/test_tool.py") is None
+    (chapters / "02_second" / "tool.py").write_text("")
+    verdicts(chapters / "02_second")
+    assert carried.ran_in(chapters / "02_second", "tests/test_tool.py") is None
+
+
+def test_the_skip_names_the_chapter_where_the_file_last_ran(chapters):
+    make_chapter(chapters / "03_third")
+    assert verdicts(chapters / "03_third") == dict.fromkeys(TESTS, "01")
+    for chapter in ("02_second", "03_third"):
+        edit(chapters / chapter / "util.py")
+    assert verdicts(chapters / "03_third")["test_util"] == "02"
+
+
+def test_a_chapter_copied_out_alone_runs_everything(chapters, tmp_path):
+    alone = make_chapter(tmp_path / "my_engine" / "02_second")
+    assert verdicts(alone) == dict.fromkeys(TESTS)
+
+
+def outcomes(chapter: Path, **env) -> dict[str, str]:
+    """test file stem -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            str(chapters / "02_second" / "tests" / "test_util.py"),
-        ],
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=chapter.parent,
+        env={**__import__("os").environ, "RUN_CARRIED_TESTS": "", **env},
     )
-    assert r.returncode != 0 and "ModuleNotFoundError" in r.stdout, r.stdout[-2000:]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    found = {}
+    for line in r.stdout.splitlines():
+        if m := re.match(r"PASSED .*?(test_\w+)\.py", line):
+            found[m[1]] = "passed"
+        elif m := re.match(r"SKIPPED \[\d+\] .*?(test_\w+)\.py(?::\d+)?: (.*)", line):
+            found[m[1]] = m[2]
+    return found
 
 
-def test_skip_names_the_chapter_where_it_last_ran(chapters):
-    make_chapter(chapters / "03_third")
-    assert outcomes(chapters / "03_third")["test_util"] == "carried unchanged: ran in chapter 01"
-    util = chapters / "02_second" / "util.py"
-    util.write_text(util.read_text() + "\n")
-    (chapters / "03_third" / "util.py").write_text(util.read_text())
-    assert outcomes(chapters / "03_third")["test_util"] == "carried unchanged: ran in chapter 02"
-
-
-def test_a_chapter_copied_out_alone_or_a_forced_run_runs_everything(chapters, tmp_path):
-    alone = tmp_path / "my_engine" / "02_second"
-    shutil.copytree(chapters / "02_second", alone)
-    assert set(outcomes(alone).values()) == {"passed"}
+def test_pytest_skips_with_the_reason_and_runs_everything_when_asked(chapters):
+    # the hook as a chapter's conftest.py takes it, in a real pytest run: the changed script's
+    # tests run (and pass: the subprocess really runs it), the others skip
+    edit(chapters / "02_second" / "server.py")
+    carried_unchanged = "carried unchanged: ran in chapter 01"
+    assert outcomes(chapters / "02_second") == {
+        "test_util": carried_unchanged,
+        "test_engine": carried_unchanged,
+        "test_server": "passed",
+        "test_live": "passed",
+    }
     assert set(outcomes(chapters / "02_second", RUN_CARRIED_TESTS="1").values()) == {"passed"}
 
 
-def passed_tests(chapter: Path) -> set[str]:
-    """The names of the test functions that ran and passed."""
-    return set(re.findall(r"^PASSED \S*?::(\w+)", pytest_report(chapter), re.M))
+def declares_reaches(path: Path) -> bool:
+    assignments = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Assign)]
+    return any(getattr(t, "id", None) == "REACHES" for n in assignments for t in n.targets)
 
 
-def test_a_test_reaches_what_it_uses_not_what_its_file_neighbours_use(chapters):
-    # One file, two tests: a change to the script one of them runs reruns that one only.
-    mixed = (
-        "import subprocess, sys\nfrom pathlib import Path\n\nimport util\n\n\n"
-        "def test_runs_the_script():\n"
-        "    here = Path(__file__).parent.parent\n"
-        "    assert subprocess.run([sys.executable, 'script.py'], cwd=here).returncode == 0\n\n\n"
-        "def test_uses_util():\n    assert util.one() == 1\n"
-    )
-    for chapter in ("01_first", "02_second"):
-        (chapters / chapter / "tests" / "test_mixed.py").write_text(mixed)
-    script = chapters / "02_second" / "script.py"
-    script.write_text(script.read_text() + "\n")
-    ran = passed_tests(chapters / "02_second")
-    assert "test_runs_the_script" in ran and "test_uses_util" not in ran, ran
-
-
-def test_a_module_reaches_a_script_it_names_whole_not_one_its_messages_mention(chapters):
-    # hints.py only mentions script.py in a message and has a field called "script"; runner.py
-    # names it on its own, as a run does
-    files = {
-        "hints.py": "ROW = {'script': 0}\n\n\ndef hint():\n    return 'quantize the model with script.py first'\n",
-        "runner.py": "COMMAND = ['python', 'script.py']\n",
-        "tests/test_hints.py": "import hints\n\n\ndef test_hint():\n    assert hints.hint().endswith('first')\n",
-        "tests/test_runner.py": "import runner\n\n\ndef test_runner():\n    assert runner.COMMAND\n",
-    }
-    for chapter in ("01_first", "02_second"):
-        make_chapter(chapters / chapter, files)
-    script = chapters / "02_second" / "script.py"
-    script.write_text(script.read_text() + "\n")
-    second = outcomes(chapters / "02_second")
-    assert second["test_runner"] == "passed" and second["test_hints"].startswith("carried unchanged"), second
+def test_every_carried_test_file_that_starts_a_subprocess_declares_what_it_reaches():
+    # Without REACHES a script that only a subprocess runs is invisible to the rule: a change to it
+    # would leave its test skipped. A file that runs nothing of its chapter declares REACHES = [].
+    missing = []
+    for test in sorted(REPO.glob("chapters/*/tests/*.py")):
+        previous = carried.previous_chapter(test.parents[1])
+        if previous is None or not (previous / "tests" / test.name).exists():
+            continue  # not carried: it always runs
+        if re.search(r"\b(run_python|start_python|subprocess)\b", test.read_text()) and not declares_reaches(test):
+            missing.append(str(test.relative_to(REPO)))
+    assert not missing, f"declare REACHES = [the chapter files they run] in {missing}"

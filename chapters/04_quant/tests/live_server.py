@@ -13,6 +13,8 @@ import pytest
 
 from common.tools.warm_python import start_python
 
+REACHES = ["server.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 
 

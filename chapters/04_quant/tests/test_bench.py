@@ -5,6 +5,8 @@ from pathlib import Path
 
 from common.tools.warm_python import run_python
 
+REACHES = ["bench.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 
 

@@ -26,6 +26,8 @@ from perplexity import (
     window_plan,
 )
 
+REACHES = ["perplexity.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 
 

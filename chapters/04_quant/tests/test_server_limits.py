@@ -25,6 +25,8 @@ from common.tools.serving import connect_from, idle_flood
 from common.tools.warm_python import run_python
 from live_server import serve
 
+REACHES = ["limits.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama3"
 HI = [{"role": "user", "content": "hi"}]

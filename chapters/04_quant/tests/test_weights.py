@@ -16,6 +16,8 @@ from kv_cache import KVCache
 from model import forward, load_model
 from quant import QuantSpec
 
+REACHES = ["generate.py", "quantize.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 TOKENS = torch.tensor([[1, 17, 230, 5, 99, 411, 7]])
 

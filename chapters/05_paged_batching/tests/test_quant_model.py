@@ -16,6 +16,8 @@ from model import forward_sequence, load_model
 from parity import DEFAULT_TEXT
 from quant import QuantSpec
 
+REACHES = ["generate.py", "parity.py", "quantize.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 PROMPT = "What is the capital of France? Answer in one sentence."
 

@@ -15,6 +15,8 @@ from common.tools.warm_python import run_python
 from model import forward_sequence, load_model
 from quant import QuantSpec
 
+REACHES = ["generate.py", "quantize.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 TOKENS = [1, 17, 230, 5, 99, 411, 7]
 

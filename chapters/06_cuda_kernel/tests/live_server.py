@@ -13,6 +13,8 @@ import pytest
 
 from common.tools.warm_python import start_python
 
+REACHES = ["server.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 # The KV block pool of a test server, unless its flags size it: the server's default is a quarter
 # of the free memory, gigabytes for tiny-llama3's 131072-token context.

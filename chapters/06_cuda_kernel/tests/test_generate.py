@@ -6,6 +6,8 @@ import pytest
 
 from common.tools.warm_python import run_python
 
+REACHES = ["generate.py", "parity.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,8 @@ from common.tools.warm_python import run_python
 from gguf_file import read_gguf, unpermute_rows
 from quant import Int4Weight, Int8Weight, quantize_int4
 
+REACHES = ["generate.py", "quantize.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 CHAPTER = Path(__file__).resolve().parents[1]
 
 

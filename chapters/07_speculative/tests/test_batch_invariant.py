@@ -11,6 +11,8 @@ from sampling import SamplingParams
 from common.errors import UserError
 from common.models import resolve_model
 
+REACHES = ["cli.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 GREEDY = SamplingParams(temperature=0)
 TOPICS = ["the sea", "a KV cache", "prime numbers", "Paris", "a compiler", "bread", "the moon", "rivers"]
 QUESTIONS = [f"Write one sentence about {t}." for t in TOPICS] + [f"Name three facts about {t}." for t in TOPICS]

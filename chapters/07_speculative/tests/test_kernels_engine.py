@@ -21,6 +21,8 @@ from paged_cache import PagedKVCache
 from quant import QuantSpec
 from sampling import SamplingParams
 
+REACHES = ["generate.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
 HERE = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0)
