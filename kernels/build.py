@@ -125,7 +125,7 @@ def gpu_not_covered(module, device) -> str | None:
 
 
 def sources(with_cuda: bool) -> list[Path]:
-    files = [CSRC / "bindings.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    files = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]  # torch glue, CPU half
     return files + (sorted((CSRC / "cuda").glob("*.cu")) if with_cuda else [])
 
 

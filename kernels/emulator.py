@@ -158,7 +158,7 @@ def _ptr(t):
 class Emulated:
     """The kernel library's calls (as kernels.load() gives them), each running the CUDA kernel in
     the emulator, on CPU tensors. Shapes are checked by the launchers' own checks only: this is a
-    test tool, and the extension (bindings.cpp) is where the user-facing checks live."""
+    test tool, and the extension (csrc/ops.cpp) is where the user-facing checks live."""
 
     def __init__(self, path: Path):
         self.path = path

@@ -2,8 +2,9 @@
 //
 // Every kernel in this library comes twice, as the same algorithm: a C++ function for the CPU
 // (cpu/) and a CUDA kernel with its launcher (cuda/). Both take raw pointers, sizes and strides;
-// neither includes a torch header. bindings.cpp is the only file that knows about at::Tensor:
-// it checks the tensors, takes their pointers (and the current CUDA stream) and calls one half.
+// neither includes a torch header. The torch glue in csrc/ (ops.cpp, the decoder layer, and
+// bindings.cpp, which registers them) is the only code that knows about at::Tensor: it checks
+// the tensors, takes their pointers (and the current CUDA stream) and calls one half.
 #pragma once
 
 #include <cstdint>

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Compiles every C++ source of the kernel library's host half, csrc/cpu/*.cpp and csrc/bindings.cpp,
-# as kernels/build.py does (torch's include directories and defines, -O3 -std=c++17 -fopenmp, for
-# baseline x86-64), with -Wall -Wextra -Werror: the CPU twin of ../cuda/check_compile.sh. Prints one
-# line per file; exits nonzero if a file fails or warns. Run by `make kernels-check`. Needs the
-# compiler and the Python with torch that build the kernels, not a GPU. Where torch is a CUDA build
-# and nvcc is found, bindings.cpp is compiled a second time with -DWITH_CUDA, as the build does.
+# Compiles every C++ source of the kernel library's host half, csrc/cpu/*.cpp and the torch glue
+# csrc/*.cpp, as kernels/build.py does (torch's include directories and defines, -O3 -std=c++17
+# -fopenmp, for baseline x86-64), with -Wall -Wextra -Werror: the CPU twin of
+# ../cuda/check_compile.sh. Prints one line per file; exits nonzero if a file fails or warns. Run by
+# `make kernels-check`. Needs the compiler and the Python with torch that build the kernels, not a
+# GPU. Where torch is a CUDA build and nvcc is found, the torch glue is compiled a second time with
+# -DWITH_CUDA, as the build does.
 #
 #   bash kernels/csrc/cpu/check_compile.sh                         with python3 and c++ from PATH
 #   PYTHON=.venv/bin/python CXX=g++-13 bash kernels/csrc/cpu/check_compile.sh
@@ -41,8 +42,9 @@ for dir in "${paths[@]:1}"; do flags+=(-isystem "$dir"); done
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-# One compile per file, side by side (bindings.cpp, with all of torch, takes longest), then a report in order.
-jobs=("$here"/*.cpp "$csrc/bindings.cpp")
+# One compile per file, side by side (the torch glue, with all of ATen, takes longest), then a report in order.
+glue=("$csrc"/*.cpp)
+jobs=("$here"/*.cpp "${glue[@]}")
 compile() {
     local src="$1" stem="$2"
     shift 2
@@ -59,8 +61,11 @@ for src in "${jobs[@]}"; do
     compile "$src" "$tmp/$name" &
 done
 if [ "$variant" = cuda ]; then
-    names+=("bindings.cpp -DWITH_CUDA")
-    compile "$csrc/bindings.cpp" "$tmp/bindings.cpp -DWITH_CUDA" -DWITH_CUDA &
+    for src in "${glue[@]}"; do
+        name="$(basename "$src") -DWITH_CUDA"
+        names+=("$name")
+        compile "$src" "$tmp/$name" -DWITH_CUDA &
+    done
 fi
 wait
 

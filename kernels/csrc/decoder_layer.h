@@ -1,0 +1,50 @@
+// A decoder layer's decode step in one call: what chapter 06's forward pass does for one layer of
+// a step of decodes, the same operators (ops.h) in the same order, with no Python between them.
+// On a GPU, CUDA graphs already take the per-call overhead away; on a CPU this is what does (a
+// decode step of a small model is some 300 library calls, each tens of microseconds of Python
+// where the C++ side spends one or two).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kernels::ops {
+
+// A linear layer as the decode step multiplies by it: one of the library's matmuls, and for calls
+// of more rows than `max_rows` torch's GEMM on `dense` (chapter 06's qmatmul.PerStepLinear); a
+// plain weight with no kernel is `dense` alone.
+struct Linear {
+    enum class Kind { int4, int8, bf16, dense };
+    Kind kind;
+    std::vector<at::Tensor> weight;  // int4: packed, scale, min; int8: q, scale; bf16: w; dense: none
+    int64_t group_size;              // int4's
+    std::optional<at::Tensor> dense;
+    int64_t max_rows;
+
+    Linear(const std::string& kind_name, std::vector<at::Tensor> weight_, int64_t group_size_,
+           std::optional<at::Tensor> dense_, int64_t max_rows_);
+
+    static constexpr const char* kKindNames[] = {"int4", "int8", "bf16", "dense"};  // in Kind's order
+    static Kind kind_of(const std::string& name);
+
+    at::Tensor operator()(const at::Tensor& x) const;  // x [rows, n_in] contiguous -> [rows, n_out]
+};
+
+struct DecoderLayer {
+    Linear wqkv, wo, w_gate_up, w_down;  // [out, in] each: q, k, v stacked; o; gate, up stacked; down
+    at::Tensor mlp_norm;
+    int64_t n_heads, n_kv_heads, head_dim;
+    double eps;
+
+    // x: the residual stream [B, hidden], updated in place; h: rms_norm(x) * this layer's input norm.
+    // -> rms_norm(x) * next_norm, x having taken this layer's attention and MLP outputs.
+    at::Tensor decode(at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, const at::Tensor& next_norm, int64_t partition_size) const;
+};
+
+}  // namespace kernels::ops

@@ -1,0 +1,241 @@
+// The operators of ops.h: each checks its tensors (device, dtype, shape, layout), allocates its
+// output (and any workspace) through torch's allocator, and hands raw pointers to run_kernel
+// (dispatch.h), which calls the CPU function or the CUDA launcher.
+#include "ops.h"
+
+#include <string>
+
+#include "dispatch.h"
+
+namespace kernels::ops {
+
+namespace {
+
+std::string head_dims_text() {  // "32, 64, ...": kernels.h's list, for an error message
+    std::string text;
+    for (int d : kHeadDims) text += (text.empty() ? "" : ", ") + std::to_string(d);
+    return text;
+}
+
+void check_x(const at::Tensor& x, int64_t n_in) {
+    check_supported_device(x);
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, n_in] expected, got ", x.sizes());
+    TORCH_CHECK(x.size(1) == n_in, "x has ", x.size(1), " inputs, the weight ", n_in);
+}
+
+// A float16 or bfloat16 tensor's elements as the raw bits the kernels take (cpu_kernels.h).
+const uint16_t* half_bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
+
+}  // namespace
+
+// --- paged decode attention ------------------------------------------------------------------
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t partition_size) {
+    check_supported_device(q);
+    TORCH_CHECK(q.dim() == 3, "q: [batch, n_heads, head_dim] expected, got ", q.sizes());
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
+                "k_pool, v_pool: the same [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
+                k_pool.sizes(), " and ", v_pool.sizes());
+    const int64_t batch = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
+    const int64_t block_size = k_pool.size(1), n_kv_heads = k_pool.size(2);
+    TORCH_CHECK(k_pool.size(3) == head_dim, "k_pool's head_dim ", k_pool.size(3), " differs from q's ", head_dim);
+    TORCH_CHECK(supported_head_dim(static_cast<int>(head_dim)), "head_dim ", head_dim,
+                " is not one the kernels are built for (", head_dims_text(), ": kernels.head_dims())");
+    TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ",
+                n_kv_heads);
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim,
+                "q: heads must be contiguous (a token's heads side by side)");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "k_pool and v_pool must be contiguous");
+    const DType dtype = dtype_of(q, "q");
+    TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
+                "q, k_pool and v_pool must share a dtype");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                    block_tables.is_contiguous(),
+                "block_tables: contiguous int32 [batch, max_blocks] expected");
+    TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == batch &&
+                    context_lens.is_contiguous(),
+                "context_lens: contiguous int32 [batch] expected");
+    for (const at::Tensor* t : {&k_pool, &v_pool, &block_tables, &context_lens})
+        check_same_device(q, *t, "an argument");
+    TORCH_CHECK(partition_size > 0 && partition_size % block_size == 0, "partition_size ", partition_size,
+                " must be a positive multiple of block_size ", block_size);
+    const int64_t max_blocks = block_tables.size(1);
+    const int64_t n_partitions = (max_blocks * block_size + partition_size - 1) / partition_size;
+
+    at::Tensor out = at::empty({batch, n_heads, head_dim}, q.options());
+    if (batch == 0) return out;
+    TORCH_CHECK(max_blocks > 0, "block_tables has no blocks");
+    // partial outputs, then partial maxima and sums (cpu_kernels.h)
+    at::Tensor workspace = at::empty({batch * n_heads * n_partitions * (head_dim + 2)}, q.options().dtype(at::kFloat));
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    if (q.is_cpu()) {
+        // Lengths are checked on the CPU only: on CUDA it would cost a device-to-host copy, a wait.
+        for (int64_t b = 0; b < batch; ++b)
+            TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context_lens[", b, "] = ", lens[b],
+                        " is outside 1..", max_blocks * block_size, " (the block table's slots)");
+    }
+    run_kernel("paged_decode_attention", q, cpu::paged_decode_attention, KERNELS_LAUNCHER(paged_decode_attention),
+               out.data_ptr(), q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+               block_tables.data_ptr<int32_t>(), lens, workspace.data_ptr<float>(), batch, n_heads, n_kv_heads,
+               head_dim, block_size, max_blocks, partition_size, static_cast<float>(scale), dtype);
+    return out;
+}
+
+// --- RMSNorm (+ residual) and RoPE -------------------------------------------------------------
+
+at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+    check_supported_device(x);
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [rows, hidden] expected, got ", x.sizes());
+    const DType dtype = dtype_of(x, "x");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                    weight.scalar_type() == x.scalar_type(),
+                "weight: contiguous [hidden] of x's dtype expected");
+    check_same_device(x, weight, "weight");
+    if (delta) {
+        TORCH_CHECK(delta->sizes() == x.sizes() && delta->is_contiguous() && delta->scalar_type() == x.scalar_type(),
+                    "delta: contiguous, of x's shape and dtype expected");
+        check_same_device(x, *delta, "delta");
+    }
+    at::Tensor out = at::empty_like(x);
+    const void* d = delta ? delta->data_ptr() : nullptr;
+    if (x.numel() == 0) return out;
+    run_kernel("add_rms_norm", x, cpu::add_rms_norm, KERNELS_LAUNCHER(add_rms_norm), out.data_ptr(), x.data_ptr(), d,
+               weight.data_ptr(), x.size(0), x.size(1), static_cast<float>(eps), dtype);
+    return out;
+}
+
+void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+    check_supported_device(qk);
+    TORCH_CHECK(qk.dim() == 3, "qk: [tokens, heads, head_dim] expected, got ", qk.sizes());
+    const int64_t tokens = qk.size(0), heads = qk.size(1), head_dim = qk.size(2);
+    TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+    TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == head_dim, "qk: heads must be contiguous");
+    for (const at::Tensor* t : {&cos, &sin}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens &&
+                        t->size(1) == head_dim / 2,
+                    "cos, sin: contiguous float32 [tokens, head_dim / 2] expected, got ", t->sizes());
+        check_same_device(qk, *t, "cos/sin");
+    }
+    const DType dtype = dtype_of(qk, "qk");
+    if (qk.numel() == 0) return;
+    run_kernel("rope", qk, cpu::rope, KERNELS_LAUNCHER(rope), qk.data_ptr(), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), tokens, heads, head_dim, qk.stride(0), dtype);
+}
+
+void rope_cache_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool, at::Tensor& v_pool,
+                 const at::Tensor& slots) {
+    check_supported_device(qkv);
+    TORCH_CHECK(
+        k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+        "k_pool, v_pool: the same contiguous [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
+        k_pool.sizes(), " and ", v_pool.sizes());
+    const int64_t n_kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
+    const int64_t slots_total = k_pool.size(0) * k_pool.size(1);
+    TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) == head_dim && qkv.size(1) > 2 * n_kv_heads,
+                "qkv: contiguous [tokens, n_heads + 2 * n_kv_heads, head_dim] expected (q, k, v heads), with the "
+                "pool's n_kv_heads ",
+                n_kv_heads, " and head_dim ", head_dim, ", got ", qkv.sizes());
+    TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+    const int64_t tokens = qkv.size(0), n_heads = qkv.size(1) - 2 * n_kv_heads;
+    for (const at::Tensor* t : {&cos, &sin}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens &&
+                        t->size(1) == head_dim / 2,
+                    "cos, sin: contiguous float32 [tokens, head_dim / 2] expected, got ", t->sizes());
+    }
+    TORCH_CHECK(
+        slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens && slots.is_contiguous(),
+        "slots: contiguous int64 [tokens] expected, got ", slots.scalar_type(), " ", slots.sizes());
+    const at::Tensor* others[] = {&cos, &sin, &k_pool, &v_pool, &slots};
+    for (const at::Tensor* t : others) check_same_device(qkv, *t, "an argument");
+    const DType dtype = dtype_of(qkv, "qkv");
+    TORCH_CHECK(k_pool.scalar_type() == qkv.scalar_type() && v_pool.scalar_type() == qkv.scalar_type(),
+                "qkv, k_pool and v_pool must share a dtype");
+    if (tokens == 0) return;
+    const int64_t* s = slots.data_ptr<int64_t>();
+    if (qkv.is_cpu()) {
+        // Slots are checked on the CPU only (on CUDA it would cost a device-to-host copy, a wait).
+        for (int64_t t = 0; t < tokens; ++t)
+            TORCH_CHECK(s[t] >= 0 && s[t] < slots_total, "slots[", t, "] = ", s[t], " is outside the pool's 0..",
+                        slots_total - 1);
+    }
+    run_kernel("rope_cache", qkv, cpu::rope_cache, KERNELS_LAUNCHER(rope_cache), qkv.data_ptr(), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), k_pool.data_ptr(), v_pool.data_ptr(), s, tokens, n_heads, n_kv_heads, head_dim,
+               dtype);
+}
+
+// --- quantized and bf16 linear layers ----------------------------------------------------------
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
+                       int64_t group_size) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+                "packed: contiguous uint8 [n_out, n_in / 2] expected");
+    const int64_t n_out = packed.size(0), n_in = packed.size(1) * 2;
+    check_x(x, n_in);
+    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && n_in % group_size == 0, "group_size ", group_size,
+                " must be a multiple of 32 that divides n_in ", n_in);
+    for (const at::Tensor* t : {&scale, &min}) {
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == n_out &&
+                        t->size(1) == n_in / group_size,
+                    "scale, min: contiguous float16 [n_out, n_in / group_size] expected, got ", t->scalar_type(), " ",
+                    t->sizes());
+        check_same_device(x, *t, "scale/min");
+    }
+    check_same_device(x, packed, "packed");
+    const DType dtype = dtype_of(x, "x");
+    at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+    if (y.numel() == 0) return y;
+    run_kernel("int4_linear", x, cpu::int4_linear, KERNELS_LAUNCHER(int4_linear), y.data_ptr(), x.data_ptr(),
+               packed.data_ptr<uint8_t>(), half_bits(scale), half_bits(min), x.size(0), n_in, n_out, group_size, dtype);
+    return y;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+                "q: contiguous int8 [n_out, n_in] expected");
+    const int64_t n_out = q.size(0), n_in = q.size(1);
+    check_x(x, n_in);
+    TORCH_CHECK(
+        scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 && scale.size(0) == n_out,
+        "scale: contiguous float32 [n_out] expected");
+    check_same_device(x, q, "q");
+    check_same_device(x, scale, "scale");
+    const DType dtype = dtype_of(x, "x");
+    at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+    if (y.numel() == 0) return y;
+    run_kernel("int8_linear", x, cpu::int8_linear, KERNELS_LAUNCHER(int8_linear), y.data_ptr(), x.data_ptr(),
+               q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0), n_in, n_out, dtype);
+    return y;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+                "w: contiguous bfloat16 [n_out, n_in] expected, got ", w.scalar_type(), " ", w.sizes());
+    const int64_t n_out = w.size(0), n_in = w.size(1);
+    check_x(x, n_in);
+    check_same_device(x, w, "w");
+    const DType dtype = dtype_of(x, "x");
+    at::Tensor y = at::empty({x.size(0), n_out}, x.options());
+    if (y.numel() == 0) return y;
+    run_kernel("bf16_linear", x, cpu::bf16_linear, KERNELS_LAUNCHER(bf16_linear), y.data_ptr(), x.data_ptr(),
+               half_bits(w), x.size(0), n_in, n_out, dtype);
+    return y;
+}
+
+// --- silu_mul ------------------------------------------------------------------------------------
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+    check_supported_device(gate_up);
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.is_contiguous(),
+                "gate_up: contiguous [rows, 2 * inter] expected (gate, then up), got ", gate_up.sizes());
+    const DType dtype = dtype_of(gate_up, "gate_up");
+    const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor out = at::empty({rows, inter}, gate_up.options());
+    if (out.numel() == 0) return out;
+    run_kernel("silu_mul", gate_up, cpu::silu_mul, KERNELS_LAUNCHER(silu_mul), out.data_ptr(), gate_up.data_ptr(), rows,
+               inter, dtype);
+    return out;
+}
+
+}  // namespace kernels::ops

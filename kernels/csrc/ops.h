@@ -1,0 +1,38 @@
+// The library's operators on torch tensors (ops.cpp): what bindings.cpp registers, as torch ops
+// and as the pybind module's functions, and what the decoder layer (decoder_layer.cpp) chains.
+// Each checks its tensors so that a wrong call is a Python error naming the argument, never a
+// wild read, then runs the CPU function or the CUDA launcher of its tensors' device.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace kernels::ops {
+
+// flash-decoding over a paged KV cache -> [batch, n_heads, head_dim]
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t partition_size);
+
+// x += delta (in place, if given); -> rms_norm(x) * weight
+at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
+
+// q and k heads rotated in place (rotate-half)
+void rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
+
+// q heads rotated in place, k heads rotated into k_pool at slots, v heads copied into v_pool at slots
+void rope_cache_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool, at::Tensor& v_pool,
+                 const at::Tensor& slots);
+
+// silu(gate) * up for gate_up = [gate | up] -> [rows, inter]
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// x @ W.T for group-wise int4, per-row int8 and plain bfloat16 W
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
+                       int64_t group_size);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
+
+}  // namespace kernels::ops
