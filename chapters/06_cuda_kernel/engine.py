@@ -3,17 +3,19 @@
 Requests come and go; the engine never runs "a request". Each `step()`:
 
     plan    = scheduler.schedule()                       # scheduler.py: who runs, how many tokens each
-    logits  = forward(model, plan's tokens, pool)         # model.py: one pass for every scheduled sequence
+    logits  = runner.run(plan's tokens)                   # runner.py: one forward pass over the pool
     for each sequence whose tokens are all computed now:  # prefill done, or a decode step
         token = sample(its logits row, its params, ...)   # sampling.py, one batched call
-        stop on EOS / stop_token_ids / stop string / max_tokens, as in chapter 03
+        stop on EOS / stop_token_ids / stop string / max_tokens, as in chapter 03  (request.py)
         an Event for its request                          # text, token ids, logprobs, finish_reason
 
-A request with n choices is n sequences (sequence.py) that share the prompt's blocks. The KV
-cache is one pool of blocks allocated at start (paged_cache.py, block_manager.py); a request
-that could never fit it is refused in `validate`. Operator limits: `max_model_len` caps the
-context, `max_tokens_default` bounds a request that sets no max_tokens, `max_num_seqs` and
-`max_num_batched_tokens` shape each step.
+The engine is the step and the bookkeeping around it; the request side (what a client may ask,
+how a token becomes text or ends a choice) is request.py, the model and its KV pool are the model
+runner's (runner.py). A request with n choices is n sequences (sequence.py) that share the
+prompt's blocks. The KV cache is one pool of blocks allocated at start (paged_cache.py,
+block_manager.py); a request that could never fit it is refused in `validate`. Operator limits:
+`max_model_len` caps the context, `max_tokens_default` bounds a request that sets no max_tokens,
+`max_num_seqs` and `max_num_batched_tokens` shape each step.
 
 `add`, `abort` and `step` are all a server needs (worker.py drives them from one thread);
 `stream` runs a single request to the end and `generate` a list of them, for scripts and tests.
@@ -23,81 +25,31 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from batch import Work, build_step
+from batch import Work
 from block_manager import BlockManager
 from common.errors import UserError
 from common.tokenizer import Tokenizer
-from cuda_graphs import DecodeGraphs
 from detokenizer import IncrementalDetokenizer
 from loading import load
-from memory import GiB, default_kv_bytes
-from model import Model, forward
-from ops import Kernels
-from paged_cache import PagedKVCache
+from memory import GiB
+from model import Model
+from ops import KernelFlags
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
-from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample
+from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_token
+from runner import ModelRunner, pool_size
+from sampling import SamplingParams, choice_seed, make_generator, sample
 from scheduler import Scheduler
 from sequence import Sequence
-from stopping import MAX_STOP_CHARS, StopStringMatcher
+from stopping import StopStringMatcher
 
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None  # None: the engine's max_tokens_default, within the context
-    min_tokens: int = 0  # EOS and stop_token_ids are blocked until this many tokens exist
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-
-@dataclass
-class Event:
-    """What one step adds to one choice."""
-
-    index: int  # which of the n choices
-    text: str  # new text (may be "")
-    token_ids: list[int]  # tokens this event accounts for
-    logprobs: list[TokenLogprob]  # one per token in token_ids, when requested
-    finish_reason: str | None = None  # "stop" or "length" on the last event of a choice
-
-
-# What a request that sets no max_tokens may generate. Up to the end of the context would let one
-# chat without max_tokens hold the worker for 8192 tokens (minutes on a CPU) when most replies
-# end far sooner; a client that wants more says so.
-DEFAULT_MAX_TOKENS = 1024
-
-
-@dataclass
-class Output:
-    """A finished choice, for `generate`."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class RequestState:
-    request: Request
-    seqs: list[Sequence]
-    stop_ids: set[int]  # EOS (unless ignore_eos) and the request's stop_token_ids
-    n_finished: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.n_finished == len(self.seqs)
+# (sequence, its new tokens, their logprobs or Nones): what a step decided for each sequence
+NewTokens = tuple[Sequence, list[int], list]
 
 
 class Engine:
@@ -123,17 +75,13 @@ class Engine:
         (default: memory.default_kv_bytes), never more than max_num_seqs full contexts.
         Steps: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens each;
         without chunked prefill a prompt runs whole, so the token budget becomes the context.
-        cuda_graphs: replay decode steps as CUDA graphs (cuda_graphs.py) where the model's ops can
-        (on CUDA, with the kernels); False: every step eagerly."""
+        cuda_graphs: replay decode steps as CUDA graphs (runner.py) where the model's ops can."""
         self.model = model
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = _context(model.config.max_position_embeddings, max_model_len)
-        if max_tokens_default < 1:
-            raise UserError(f"max_tokens_default must be at least 1, got {max_tokens_default}")
-        self.max_tokens_default = max_tokens_default
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -141,28 +89,16 @@ class Engine:
         ):
             if value < 1:
                 raise UserError(f"{name} must be at least 1, got {value}")
-        model.ops.check_block_size(block_size)
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
-            budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)
-            num_blocks = (
-                most
-                if budget is None
-                else min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
-            )
-        if num_blocks < 1:
-            raise UserError(f"the KV cache budget holds no block of {block_size} tokens: raise --kv-cache-memory-gb")
-        graphs = cuda_graphs and model.ops.can_capture_graphs
-        # With graphs, one block more than the block manager knows: padding sequences write there.
-        self.cache = PagedKVCache(
-            model.config, num_blocks + 1 if graphs else num_blocks, block_size, model.device, model.dtype
-        )
-        self.graphs = (
-            DecodeGraphs(model, self.cache, max_num_seqs, -(-self.context // block_size), num_blocks, capture=True)
-            if graphs
-            else None
-        )
+            num_blocks = pool_size(model, block_size, most, kv_cache_bytes)
+        max_blocks = -(-self.context // block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_blocks, cuda_graphs)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.limits = RequestLimits(
+            self.context, max_tokens_default, model.config.vocab_size, self.eos_ids, self.blocks
+        )
+        self.max_tokens_default = max_tokens_default
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs,
@@ -173,7 +109,6 @@ class Engine:
         self._ids = itertools.count()
         self.n_steps = 0
         self.last_plan = None
-        self._masks: dict = {}  # (stop ids, device) -> [vocab] bool mask, for min_tokens
 
     @staticmethod
     def read_generation_config(model_dir: str | Path) -> dict:
@@ -184,74 +119,15 @@ class Engine:
         """What a request gets for every value it leaves out: the model's generation_config.json."""
         return SamplingParams.from_generation_config(self.generation_config)
 
-    def max_tokens_for(self, req: Request) -> int:
-        """How many tokens `req` may generate: its max_tokens, or the default within the context and
-        within what the KV pool holds for all its choices at once (see pool_blocks_for)."""
-        if req.max_tokens is not None:
-            return req.max_tokens
-        n_prompt, bs = len(req.prompt_ids), self.blocks.block_size
-        shared = n_prompt // bs
-        fits = (shared + (self.blocks.num_blocks - shared) // max(req.n, 1)) * bs - n_prompt
-        return max(1, min(self.max_tokens_default, self.context - n_prompt, fits))
-
-    def pool_blocks_for(self, req: Request) -> int:
-        """KV blocks `req` holds when all its choices are at their longest: the prompt's full blocks
-        are shared (the choices fork from one prefill), the rest is each choice's own."""
-        n_prompt = len(req.prompt_ids)
-        shared = n_prompt // self.blocks.block_size
-        return shared + req.n * (self.blocks.blocks_for(n_prompt + self.max_tokens_for(req)) - shared)
-
     def describe_pool(self) -> str:
         return (
             f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = "
-            f"{self.blocks.num_blocks * self.blocks.block_size} tokens in {self.cache.nbytes / GiB:.2f} GiB"
+            f"{self.blocks.num_blocks * self.blocks.block_size} tokens in {self.runner.cache.nbytes / GiB:.2f} GiB"
         )
 
     def validate(self, req: Request) -> None:
-        """Raises UserError with a message fit for the client."""
-        req.params.validate(self.model.config.vocab_size)
-        n_prompt = len(req.prompt_ids)
-        if n_prompt == 0:
-            raise UserError("the prompt is empty")
-        if req.n < 1 or req.n > 16:
-            raise UserError(f"n must be between 1 and 16, got {req.n}")
-        if req.max_tokens is not None and req.max_tokens < 1:
-            raise UserError(f"max_tokens must be at least 1, got {req.max_tokens}")
-        if req.min_tokens < 0 or (req.max_tokens is not None and req.min_tokens > req.max_tokens):
-            raise UserError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
-        if any(not isinstance(s, str) or not s for s in req.stop) or len(req.stop) > 16:
-            raise UserError("stop must be a string or a list of at most 16 non-empty strings")
-        if any(len(s) > MAX_STOP_CHARS for s in req.stop):
-            longest = max(len(s) for s in req.stop)
-            raise UserError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}")
-        bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
-        if req.min_tokens > 0 and len(self._stop_ids(req)) >= self.model.config.vocab_size:
-            raise UserError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
-        if n_prompt >= self.context:
-            raise UserError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
-        if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:
-            raise UserError(
-                f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
-                f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
-            )
-        # The whole request must fit the pool at once: a choice that fits alone while all n do not
-        # would be preempted again and again, and the requests behind it starve.
-        n_tokens = n_prompt + self.max_tokens_for(req)
-        slots = self.blocks.num_blocks * self.blocks.block_size
-        if self.blocks.blocks_for(n_tokens) > self.blocks.num_blocks:
-            raise UserError(
-                f"this request needs room for {n_tokens} tokens ({n_prompt} in the prompt, "
-                f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {slots} "
-                f"tokens: lower max_tokens or the prompt's length"
-            )
-        if self.pool_blocks_for(req) > self.blocks.num_blocks:
-            raise UserError(
-                f"this request's {req.n} choices need {self.pool_blocks_for(req)} blocks of {self.blocks.block_size} "
-                f"tokens at once ({n_prompt} prompt tokens shared, up to {self.max_tokens_for(req)} each to "
-                f"generate), but this server's KV cache holds {self.blocks.num_blocks}: lower n or max_tokens"
-            )
+        """Raises UserError with a message fit for the client (request.RequestLimits)."""
+        self.limits.validate(req)
 
     # --- the server's interface -----------------------------------------------------------------
 
@@ -261,8 +137,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already running")
-        device = self.model.device
-        max_tokens = self.max_tokens_for(req)
+        max_tokens = self.limits.max_tokens_for(req)
         seqs = []
         for i in range(req.n):
             seqs.append(
@@ -274,13 +149,13 @@ class Engine:
                     max_tokens=max_tokens,
                     params=req.params,
                     # n>1 with a seed: each choice gets its own stream, reproducibly.
-                    generator=make_generator(choice_seed(req.params.seed, i), device),
+                    generator=make_generator(choice_seed(req.params.seed, i), self.model.device),
                     detokenizer=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, req.prompt_ids),
                     matcher=StopStringMatcher(req.stop, req.include_stop_str_in_output),
                     parent=seqs[0] if seqs else None,
                 )
             )
-        self.requests[rid] = RequestState(req, seqs, self._stop_ids(req))
+        self.requests[rid] = RequestState(req, seqs, self.limits.stop_ids(req))
         for seq in seqs:
             self.scheduler.add(seq)
         return rid
@@ -297,54 +172,60 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[str, list[Event], bool]]:
-        """One forward pass over the scheduled sequences. -> per request with news:
-        (request id, its events, whether it is finished)."""
+        """schedule -> run -> sample -> update. -> per request with news: (request id, its events,
+        whether it is finished)."""
         plan = self.scheduler.schedule()
-        for src, dst in plan.copies:
-            self.cache.copy_block(src, dst)
+        self.runner.copy_blocks(plan.copies)
         if not plan.work:
             return []
         self.n_steps += 1
         self.last_plan = plan  # for the notebook and the bench: who ran what in the latest step
-        bs = self.blocks.block_size
-        work = [
-            Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table)
-            for seq, n in plan.work
-        ]
-        if self.graphs is not None and all(n == 1 for _, n in plan.work):
-            logits = self.graphs.run(work)  # a decode step: one replay
-        else:
-            logits = forward(self.model, build_step(work, bs, self.model.device), self.cache)  # [sequences, vocab]
-        ready = []  # (logits row, sequence) of the sequences that sample a token now
-        for row, (seq, n) in enumerate(plan.work):
-            seq.n_computed += n
-            if seq.n_computed // bs > (seq.n_computed - n) // bs:  # a block filled up: share it
-                self.blocks.register(seq.block_table, seq.tokens, seq.n_computed)
-            if seq.n_uncomputed == 0:
-                ready.append((row, seq))
-        return self._sample(logits, ready) if ready else []
+        work = [Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table) for seq, n in plan.work]
+        logits = self.runner.run(work)  # [rows, vocab]
+        ready = [(row, seq) for row, (seq, n) in enumerate(plan.work) if self._computed(seq, n)]
+        return self._emit(self._sample(logits, ready))
 
-    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> list[tuple[str, list[Event], bool]]:
-        rows = torch.tensor([row for row, _ in ready], device=logits.device)
-        x = logits[rows].float()  # [ready, vocab]
-        for i, (_, seq) in enumerate(ready):
-            state = self.requests[seq.request_id]
-            if len(seq.output) < state.request.min_tokens and state.stop_ids:
-                # Too early to stop: make the stop tokens impossible for this choice.
-                x[i].masked_fill_(self._id_mask(state.stop_ids, x.device)[0], float("-inf"))
+    def _computed(self, seq: Sequence, n: int) -> bool:
+        """`seq`'s n tokens of this step have K/V now. -> whether it samples its next token."""
+        seq.n_computed += n
+        if seq.n_computed // self.blocks.block_size > (seq.n_computed - n) // self.blocks.block_size:
+            self.blocks.register(seq.block_table, seq.tokens, seq.n_computed)  # a block filled up: share it
+        return seq.n_uncomputed == 0
+
+    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> list[NewTokens]:
+        """One token for each ready sequence, from its logits row."""
+        if not ready:
+            return []
+        x = logits[torch.tensor([row for row, _ in ready], device=logits.device)].float()  # [ready, vocab]
         seqs = [seq for _, seq in ready]
+        for i, seq in enumerate(seqs):
+            state = self.requests[seq.request_id]
+            if state.too_early_to_stop(seq):  # min_tokens: make the stop tokens impossible for now
+                x[i].masked_fill_(state.stop_mask(x.shape[-1], x.device), float("-inf"))
         tokens, logprobs = sample(
             x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
         )
+        return [(seq, [token], [logprob]) for seq, token, logprob in zip(seqs, tokens, logprobs)]
+
+    def _emit(self, new_tokens: list[NewTokens]) -> list[tuple[str, list[Event], bool]]:
+        """Each sequence's new tokens through the stop rules, one Event per sequence and step (as a
+        server streams it: one chunk per step); a stop ends the choice there and drops the tokens
+        after it. -> per request with news: (request id, its events, whether it is finished)."""
         news: dict[str, list[Event]] = {}
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
+        for seq, tokens, logprobs in new_tokens:
             state = self.requests[seq.request_id]
-            event = self._advance(seq, token, logprob, state.stop_ids)
-            if event.finish_reason is not None:
-                self.scheduler.finish(seq)
-                state.n_finished += 1
-            if event.text or event.finish_reason or event.token_ids:
-                news.setdefault(seq.request_id, []).append(event)
+            step = Event(seq.index, "", [], [])
+            for token, logprob in zip(tokens, logprobs):
+                event = append_token(seq, token, logprob, state.stop_ids)
+                step.text += event.text
+                step.token_ids += event.token_ids
+                step.logprobs += event.logprobs
+                step.finish_reason = event.finish_reason
+                if event.finish_reason is not None:
+                    self.scheduler.finish(seq)
+                    state.n_finished += 1
+                    break
+            news.setdefault(seq.request_id, []).append(step)
         out = []
         for rid, events in news.items():
             done = self.requests[rid].done
@@ -352,32 +233,6 @@ class Engine:
                 del self.requests[rid]
             out.append((rid, events, done))
         return out
-
-    def _advance(self, seq: Sequence, token: int, logprob, stop_ids: set[int]) -> Event:
-        lps = [logprob] if logprob is not None else []
-        if token in stop_ids:
-            # The stop token is not part of the text; what the matcher held back is.
-            return Event(seq.index, _remaining_text(seq.detokenizer, seq.matcher), [token], lps, "stop")
-        seq.append(token)
-        text, hit = seq.matcher.feed(seq.detokenizer.add(token))
-        if hit:
-            return Event(seq.index, text, [token], lps, "stop")
-        if len(seq.output) >= seq.max_tokens:
-            text += _remaining_text(seq.detokenizer, seq.matcher)
-            # flush() may still find a stop string that only the end of the text could confirm
-            return Event(seq.index, text, [token], lps, "stop" if seq.matcher.stopped else "length")
-        return Event(seq.index, text, [token], lps)
-
-    def _stop_ids(self, req: Request) -> set[int]:
-        return set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
-
-    def _id_mask(self, ids: set[int], device) -> torch.Tensor:
-        key = (frozenset(ids), str(device))
-        if key not in self._masks:
-            mask = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=device)
-            mask[list(ids)] = True
-            self._masks[key] = mask
-        return self._masks[key][None, :]
 
     # --- for scripts and tests ------------------------------------------------------------------
 
@@ -439,7 +294,7 @@ def build_engine(
     dtype: str = "auto",
     quant: QuantSpec | None = None,
     matmul: str = DEFAULT_PATH,
-    kernels: Kernels | str = Kernels(),
+    kernels: KernelFlags | str = KernelFlags(),
     **limits,
 ) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
@@ -460,10 +315,3 @@ def _context(model_context: int, max_model_len: int | None) -> int:
             f"max_model_len must be between 2 and the model's context of {model_context} tokens, got {max_model_len}"
         )
     return max_model_len
-
-
-def _remaining_text(detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> str:
-    """At the end of a choice: what the detokenizer still holds (an unfinished character), passed
-    through the stop-string matcher like any other text, then what the matcher held back."""
-    text, hit = matcher.feed(detok.flush())
-    return text if hit else text + matcher.flush()
