@@ -7,7 +7,7 @@ Usage, from this chapter's folder:
     python bench.py --peers llama.cpp        # every part: the README's figures
     python bench.py --parts one --ks 2,4,6,8 # one stream only, speedup against k
 
-Parts (--parts, comma-separated; both by default):
+Parts (--parts, comma-separated; all three by default):
 
   one      one sequence at a time, greedy, each task's chat prompt to its natural end (at most
            --max-tokens): a code edit and a passage to correct (input-grounded: the reply copies
@@ -87,7 +87,6 @@ TASKS = {
     "chat: history": "Tell me about the history of Lisbon in a few sentences.",
     "chat: cooking": "Give me three tips for cooking rice.",
 }
-GROUNDED = ("code edit", "fix typos")
 
 
 # --- engines -------------------------------------------------------------------------------------
@@ -102,7 +101,7 @@ def timing(t0: float, ids: list[int], times: list[float]) -> dict:
 
 def ours(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
     """One greedy request to its end; decode tok/s = tokens after the first / their time."""
-    spec0 = (engine.spec.drafted, engine.spec.accepted, engine.spec.verifies)
+    spec0 = (engine.speculator.stats.drafted, engine.speculator.stats.accepted, engine.speculator.stats.verifies)
     ids, times = [], []
     t0 = time.perf_counter()
     for events in engine.stream(Request(list(prompt), SamplingParams(temperature=0), max_tokens=max_tokens)):
@@ -111,9 +110,9 @@ def ours(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
             ids += ev.token_ids
             times += [now] * len(ev.token_ids)
     drafted, accepted, verifies = (
-        engine.spec.drafted - spec0[0],
-        engine.spec.accepted - spec0[1],
-        engine.spec.verifies - spec0[2],
+        engine.speculator.stats.drafted - spec0[0],
+        engine.speculator.stats.accepted - spec0[1],
+        engine.speculator.stats.verifies - spec0[2],
     )
     return timing(t0, ids, times) | {
         "acceptance": accepted / drafted if drafted else None,
@@ -235,9 +234,9 @@ def part_draft(args) -> dict:
             bf16.generation_config,
             max_num_seqs=1,
             prefix_caching=False,
+            proposer=DraftModelProposer(int4.model, "int4 self"),
             num_speculative_tokens=k,
         )
-        e.proposer = DraftModelProposer(int4.model, e.blocks, "int4 self")
         engines[f"bf16 + int4 draft k={k}"] = e
     prompts = {name: bf16.tokenizer.encode_chat([{"role": "user", "content": text}]) for name, text in TASKS.items()}
     for engine in engines.values():  # warm-up

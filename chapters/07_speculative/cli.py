@@ -61,7 +61,7 @@ def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
     req = Request(prompt_ids, request_params(args, engine), max_tokens=args.max_new_tokens, stop=args.stop)
     # Fit max_tokens into what is left of the context, so a long chat ends its reply instead of failing.
     req.max_tokens = min(req.max_tokens, engine.context - len(prompt_ids)) if len(prompt_ids) < engine.context else 1
-    drafted, accepted = engine.spec.drafted, engine.spec.accepted
+    drafted, accepted = engine.speculator.stats.drafted, engine.speculator.stats.accepted
     t0 = time.perf_counter()
     first = None
     text, n_tokens, finish = "", 0, None
@@ -75,7 +75,7 @@ def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
     print()
     elapsed = time.perf_counter() - (first or t0)
     rate = (n_tokens - 1) / elapsed if n_tokens > 1 and elapsed > 0 else float("nan")
-    drafted, accepted = engine.spec.drafted - drafted, engine.spec.accepted - accepted
+    drafted, accepted = engine.speculator.stats.drafted - drafted, engine.speculator.stats.accepted - accepted
     kept = f", drafts kept {accepted}/{drafted}" if drafted else ""
     print(
         f"[{len(prompt_ids)} prompt tokens, {n_tokens} generated, TTFT {((first or t0) - t0) * 1e3:.0f} ms, "
@@ -135,7 +135,7 @@ def main() -> int:
     dense = f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies" if m.dense_copy_bytes else ""
     print(
         f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
-        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}; {engine.describe_speculation()}]",
+        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}; {engine.speculator.describe()}]",
         file=sys.stderr,
         flush=True,
     )

@@ -22,15 +22,19 @@ A draft may be shorter, or empty (that sequence then decodes one token as in cha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from batch import Work, build_step
+from batch import Work
 from block_manager import BlockManager
 from common.errors import UserError
-from model import Model, forward
-from paged_cache import PagedKVCache
+from common.tokenizer import Tokenizer
+from loading import load
+from memory import default_kv_bytes
+from model import Model
 from quant import QuantSpec
+from runner import ModelRunner
 from sampling import GREEDY_BELOW, draw
 from sequence import Sequence
 from speculative import target_probs
@@ -104,15 +108,31 @@ class DraftModelProposer:
     min(draft_computed, n_computed) on in one chunk (the prompt, at first; after a verify, the
     target's new token and perhaps the last kept guess), whose last row gives the first guess."""
 
-    def __init__(self, model: Model, blocks: BlockManager, name: str):
+    def __init__(self, model: Model, name: str):
         self.model = model
-        self.blocks = blocks
         self.name = name
-        self.cache = PagedKVCache(model.config, blocks.num_blocks, blocks.block_size, model.device, model.dtype)
+        self.blocks: BlockManager | None = None
+        self.runner: ModelRunner | None = None
+
+    def start(self, blocks: BlockManager) -> None:
+        """The target's block manager, built with the engine: the draft's pool gets a block for
+        each of the target's, and a runner of its own (eager: a draft's steps vary in shape)."""
+        self.blocks = blocks
+        self.runner = ModelRunner(self.model, blocks.num_blocks, blocks.block_size, 1, 1, cuda_graphs=False)
+
+    def target_share(self, kv_cache_bytes: int | None, target: Model) -> int | None:
+        """The part of a KV budget (default: memory.default_kv_bytes) left to the target's pool when
+        this draft mirrors it: the two split it in proportion to their bytes per token."""
+        budget = kv_cache_bytes or default_kv_bytes(target.device)
+        if budget is None:
+            return None
+        t, d = (m.config.kv_bytes_per_token(m.dtype.itemsize) for m in (target, self.model))
+        return budget * t // (t + d)
 
     def describe(self) -> str:
         quant = self.model.quant.name if self.model.quant else "unquantized"
-        return f"draft model {self.name} ({quant} weights, {self.cache.nbytes / 2**30:.2f} GiB KV pool of its own)"
+        gib = self.runner.cache.nbytes / 2**30 if self.runner else 0.0
+        return f"draft model {self.name} ({quant} weights, {gib:.2f} GiB KV pool of its own)"
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -133,7 +153,7 @@ class DraftModelProposer:
         pending = live
         rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in live}
         while pending:
-            logits = forward(self.model, build_step(work, self.blocks.block_size, self.model.device), self.cache)
+            logits = self.runner.run(work)
             # what each sequence has run now, and its next guess
             next_pending, next_work = [], []
             for (i, seq, k), w, row in zip(pending, work, logits):
@@ -162,14 +182,29 @@ class DraftModelProposer:
 PROPOSERS = ("off", "ngram", "draft")
 
 
-def make_proposer(name: str):
-    """A proposer by its --speculative name; None for "off" (and for "draft", which needs the
-    engine's block manager: build_engine makes it, load_draft loads its model)."""
-    if name in ("off", "draft"):
-        return None
+def check_proposer_name(name: str) -> str:
+    """`name` if it is a --speculative choice, else a ValueError that lists them."""
+    if name not in PROPOSERS:
+        raise ValueError(f"unknown proposer {name!r}: choose one of {', '.join(PROPOSERS)}")
+    return name
+
+
+def make_proposer(name: str, draft: DraftModelProposer | None = None):
+    """A proposer by its --speculative name: None for "off", prompt lookup for "ngram", and for
+    "draft" `draft`, built on a draft model the caller loaded and checked (build_engine does)."""
+    if check_proposer_name(name) == "draft" and draft is None:
+        raise ValueError("--speculative draft needs its draft model")
     if name == "ngram":
         return NgramProposer()
-    raise ValueError(f"unknown proposer {name!r}: choose one of {', '.join(PROPOSERS)}")
+    return draft
+
+
+def load_draft(name: str, target: Model, target_tokenizer: Tokenizer, device, dtype, quant, matmul, kernels) -> DraftModelProposer:
+    """The draft model `name` loaded like any model (loading.load, quantized with `quant`), checked
+    against the target's vocabulary, as a proposer."""
+    draft, draft_dir = load(name, device, dtype, quant, matmul, kernels)
+    check_draft(draft, target, Tokenizer(draft_dir), target_tokenizer)
+    return DraftModelProposer(draft, Path(draft_dir).name)
 
 
 def check_draft(draft: Model, target: Model, draft_tokenizer=None, target_tokenizer=None) -> None:

@@ -1,7 +1,7 @@
 """Which draft tokens to keep: the acceptance rule of speculative decoding.
 
 A sequence that speculates runs its pending token t0 and k draft tokens d0..d(k-1) in one step,
-as k+1 rows at consecutive positions (engine._verify_rows). Row j's logits are the target's
+as k+1 rows at consecutive positions (Speculator.verify_rows). Row j's logits are the target's
 next-token distribution after t0 d0 .. d(j-1): rows 0..k-1 judge the drafts, row k is a free
 extra token when every draft is kept.
 
@@ -18,6 +18,10 @@ rule becomes "keep d_j with probability p_j(d_j), else draw from p_j without d_j
 al. (2023) and Chen et al. (2023) prove the emitted tokens are then distributed exactly as if
 drawn from p one at a time: a kept draft and a residual draw together give p_j(x) for every x.
 
+The Speculator below is the engine's one hook for all of it: it asks the proposer for drafts
+before a step is scheduled, lays out the verify rows, and after the forward pass applies this rule,
+rolls back the K/V of rejected drafts and adapts each sequence's k.
+
 The draws come from the sequence's own generator, so a seeded request gives the same text every
 time with the same proposer and k (not the same text as without speculation: the coin flips are
 spent differently).
@@ -28,6 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from batch import Work
+from block_manager import BlockManager
+from common.errors import UserError
+from request import RequestState
 from sampling import (
     GREEDY_BELOW,
     SamplingParams,
@@ -35,7 +44,9 @@ from sampling import (
     check_some_token_possible,
     finite_logits,
     sampled_probs,
+    token_logprobs,
 )
+from sequence import Sequence
 
 
 @dataclass
@@ -112,3 +123,133 @@ def accept(
             residual = p[m]
     token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
     return Verdict(draft[:m] + [token], m)
+
+
+@dataclass
+class SpeculationStats:
+    """How well the drafts fared, for /health and the bench."""
+
+    verifies: int = 0  # (sequence, step) pairs that ran a draft
+    drafted: int = 0  # draft tokens run
+    accepted: int = 0  # ... and kept
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.verifies += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def report(self) -> dict:
+        return {
+            "spec_acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            # tokens a verifying sequence gains per step: the kept drafts and the target's own
+            "spec_mean_accepted_length": round(1 + self.accepted / self.verifies, 4) if self.verifies else 0.0,
+            "spec_draft_tokens": self.drafted,
+            "spec_accepted_tokens": self.accepted,
+        }
+
+
+class Speculator:
+    """Speculative decoding as the engine sees it, one call per phase of a step:
+
+        propose(running)            before scheduling: a draft for each decoding sequence (seq.draft)
+        verify_rows(seqs)           the forward pass's rows for the sequences whose draft was scheduled
+        verify(logits, seqs, ...)   after it: kept drafts + one token each; rejected K/V given up
+
+    proposer: proposers.py (None: speculation off). Each sequence asks for at most `max_k` drafts
+    and adapts below it; above `max_batch` running sequences nobody speculates: a batch already
+    reads each weight once for many tokens, and the rejected guesses would only add work."""
+
+    def __init__(self, proposer, blocks: BlockManager, max_k: int = 6, max_batch: int = 2):
+        """blocks: the engine's block manager. Rolled-back drafts give their blocks back to it, and
+        a draft model's own pool mirrors its blocks (proposers.DraftModelProposer.start)."""
+        if max_k < 1 or max_batch < 1:
+            raise UserError(
+                f"num_speculative_tokens and speculative_max_batch must be at least 1, got {max_k} and {max_batch}"
+            )
+        self.proposer = proposer
+        self.max_k = max_k
+        self.max_batch = max_batch
+        self.stats = SpeculationStats()
+        self.blocks = blocks
+        if hasattr(proposer, "start"):
+            proposer.start(blocks)
+
+    def describe(self) -> str:
+        if self.proposer is None:
+            return "speculative decoding off"
+        return (
+            f"speculative decoding: {self.proposer.describe()}, up to {self.max_k} draft tokens "
+            f"per sequence while at most {self.max_batch} sequences run"
+        )
+
+    def propose(self, running: list[Sequence]) -> None:
+        """A draft for each decoding sequence, unless the batch is too large to gain."""
+        speculate = self.proposer is not None and len(running) <= self.max_batch
+        seqs, ks = [], []
+        for seq in running:
+            seq.draft, seq.draft_probs = [], None
+            if not speculate or seq.n_uncomputed != 1:
+                continue  # still in its prompt, or recomputing after a preemption
+            # The pending token and the drafts all become output if every draft is kept, plus one
+            # more: the drafts may take what max_tokens leaves, less one.
+            k = min(seq.spec_k or self.max_k, seq.max_tokens - len(seq.output) - 1)
+            if k > 0:
+                seqs.append(seq)
+                ks.append(k)
+        if seqs:
+            for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
+                seq.draft = list(draft.tokens[:k])
+                seq.draft_probs = None if draft.probs is None else draft.probs[:k]
+
+    @staticmethod
+    def verify_rows(seqs: list[Sequence]) -> list[Work]:
+        """Each sequence's pending token and its k drafts as k + 1 rows of one token each, at
+        consecutive positions of its block table. Each row attends to the keys up to its own
+        position, which the step writes before any layer reads them: the causal mask of a chunk,
+        but as decodes, so the step stays on the decode path (the paged decode kernel, one C++
+        call per layer, CUDA graphs) and each row's logits are what a plain decode step at that
+        position computes: bit for bit with --batch-invariant, else up to the rounding that the
+        number of rows in a step moves (chapter 06)."""
+        rows = []
+        for seq in seqs:
+            tokens = [seq.tokens[seq.n_computed]] + seq.draft
+            rows += [Work([t], seq.n_computed + j, seq.block_table) for j, t in enumerate(tokens)]
+        return rows
+
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], requests: dict[str, RequestState]) -> list[tuple]:
+        """logits: [rows, vocab], verify_rows' rows; requests: the engine's, by id. For each sequence, the drafts the target keeps
+        and one token of its own; the K/V of the rest is given up, and its k adapts.
+        -> (sequence, new tokens, their logprobs or Nones) each"""
+        out, row = [], 0
+        bs = self.blocks.block_size
+        for seq in seqs:
+            state = requests[seq.request_id]
+            k, draft = len(seq.draft), seq.draft
+            rows = logits[row : row + k + 1]  # [k + 1, vocab]
+            row += k + 1
+            banned = None
+            too_early = state.too_early_to_stop(seq)  # rows whose token may not stop
+            if too_early > 0:
+                banned = state.stop_mask(rows.shape[-1], rows.device).expand(k + 1, -1).clone()
+                banned[too_early:] = False
+            x = target_logits(rows, seq.params, seq.prompt, seq.output, draft, banned)
+            q = None if seq.draft_probs is None else seq.draft_probs[:k]  # the scheduler may have cut the draft
+            verdict = accept(x, draft, seq.params, seq.generator, q)
+            self.stats.count(k, verdict.accepted)
+            # The pending token and the kept drafts now have K/V in the cache; the rejected drafts'
+            # slots are past n_computed (run again, so overwritten, when their positions come).
+            before = seq.n_computed
+            seq.n_computed += 1 + verdict.accepted
+            if seq.n_computed // bs > before // bs:
+                self.blocks.register(seq.block_table, seq.tokens + draft[: verdict.accepted], seq.n_computed)
+            self.blocks.truncate(seq.block_table, seq.n_computed + 1)
+            # Fewer guesses after a miss, more after a full hit (the schedule of HF transformers'
+            # assisted generation): k follows how far this sequence's guesses tend to hold.
+            if verdict.accepted == k:
+                seq.spec_k = min(self.max_k, (seq.spec_k or self.max_k) + 2)
+            else:
+                seq.spec_k = max(1, (seq.spec_k or self.max_k) - 1)
+            seq.draft, seq.draft_probs = [], None
+            logprobs = token_logprobs(rows[: len(verdict.tokens)], [seq.params] * len(verdict.tokens), verdict.tokens)
+            out.append((seq, verdict.tokens, logprobs))
+        return out

@@ -206,15 +206,15 @@ def test_blocks_are_taken_as_the_sequence_grows_without_changing_the_tokens(engi
 
 
 def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
-    import engine as engine_module
+    import runner as runner_module
 
     prompt = chat(engine, "Name a colour.")
     one = run(engine, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
     fresh = limited(engine)  # an empty prefix cache: the prompt's blocks are not found there
     steps = []  # (new tokens, sequences) of each forward pass
-    real_forward = engine_module.forward
+    real_forward = runner_module.forward
     monkeypatch.setattr(
-        engine_module,
+        runner_module,
         "forward",
         lambda m, step, *a, **k: steps.append((len(step.tokens), len(step.last))) or real_forward(m, step, *a, **k),
     )
@@ -229,7 +229,7 @@ def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
 def test_the_pool_holds_what_kv_cache_bytes_buy_and_at_most_max_num_seqs_contexts(engine):
     per_block = block_bytes(engine)
     sized = limited(engine, kv_cache_bytes=10 * per_block + per_block // 2)  # a part of a block buys nothing
-    assert sized.blocks.num_blocks == 10 and sized.cache.nbytes == 10 * per_block
+    assert sized.blocks.num_blocks == 10 and sized.runner.cache.nbytes == 10 * per_block
     assert sized.describe_pool() == f"KV cache: 10 blocks of 16 tokens = 160 tokens in {10 * per_block / 2**30:.2f} GiB"
     assert limited(engine, kv_cache_bytes=10 * per_block, block_size=8).blocks.num_blocks == 20
     # no more than max_num_seqs sequences of a whole context each could ever use: 3 x ceil(100 / 16)
@@ -241,16 +241,16 @@ def test_the_pool_holds_what_kv_cache_bytes_buy_and_at_most_max_num_seqs_context
 
 
 def test_without_a_size_the_pool_takes_the_default_share_of_free_memory(engine, monkeypatch):
-    import engine as engine_module
+    import runner as runner_module
 
     asked = []
     monkeypatch.setattr(
-        engine_module, "default_kv_bytes", lambda device: asked.append(device) or 7 * block_bytes(engine)
+        runner_module, "default_kv_bytes", lambda device: asked.append(device) or 7 * block_bytes(engine)
     )
     default = Engine(engine.model, engine.tokenizer, engine.generation_config)
     assert asked == [engine.model.device] and default.blocks.num_blocks == 7
     # memory unknown (an MPS device): max_num_seqs full contexts
-    monkeypatch.setattr(engine_module, "default_kv_bytes", lambda device: None)
+    monkeypatch.setattr(runner_module, "default_kv_bytes", lambda device: None)
     assert Engine(engine.model, engine.tokenizer, max_model_len=64, max_num_seqs=2).blocks.num_blocks == 8
 
 
@@ -269,7 +269,7 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine)
     # A request that sets no max_tokens gets the default (1024) within the context and the pool:
     # 28 tokens here, not a 400 telling it to lower a max_tokens it never set.
     small.validate(Request([5] * 100))
-    assert small.max_tokens_for(Request([5] * 100)) == 28
+    assert small.limits.max_tokens_for(Request([5] * 100)) == 28
     small.validate(Request([5] * 100, max_tokens=28))
     # All n choices must fit at once (6 shared prompt blocks + 2 of its own each): else one would
     # be preempted over and over, and the requests behind it starve.
@@ -278,7 +278,7 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine)
     ):
         small.validate(Request([5] * 100, max_tokens=28, n=16))
     small.validate(Request([5] * 100, max_tokens=12, n=2))  # 6 + 2 x 1 = 8 blocks
-    assert small.max_tokens_for(Request([5] * 100, n=2)) == 12  # the default, for two choices
+    assert small.limits.max_tokens_for(Request([5] * 100, n=2)) == 12  # the default, for two choices
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable (Linux)")

@@ -16,7 +16,7 @@ from common.tools.warm_python import run_python
 from cuda_graphs import DecodeGraphs
 from engine import Engine, Request, build_engine
 from model import forward_sequence, load_model
-from ops import Kernels, KernelOps, TorchOps, resolve
+from ops import KernelFlags, KernelOps, TorchOps, resolve
 from paged_cache import PagedKVCache
 from quant import QuantSpec
 from sampling import SamplingParams
@@ -77,7 +77,8 @@ def test_bf16_weights_decode_through_the_bf16_kernel_as_accurately_as_torch(smol
     # A bf16 model with the kernels on: every matrix (the tied head too) is the bf16 matvec for
     # steps of up to KERNEL_MAX_ROWS_BF16 rows, on the weight tensor itself (no copy). A 6-token
     # step runs it in every layer: its logits are as close to float32's as torch's bf16 GEMM's are.
-    from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, PerStepLinear
+    from ops import KERNEL_MAX_ROWS_BF16, KernelBf16Linear
+    from qmatmul import PerStepLinear
 
     on = load_model(smollm2_dir, "cpu", torch.bfloat16, None, "fast", resolve("on", CPU))
     off = load_model(smollm2_dir, "cpu", torch.bfloat16, None, "fast", resolve("off", CPU))
@@ -110,16 +111,17 @@ def test_padded_static_decode_steps_equal_the_eager_engine():
     arrivals = [rng.randrange(0, 12) for _ in reqs]
     eager = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
     padded = Engine(model, tok, {}, num_blocks=128, max_num_seqs=16)
-    assert eager.graphs is None and padded.graphs is None  # no graphs on a CPU
-    # As the engine sets them up on CUDA: one block more than the block manager hands out, for padding rows.
-    padded.cache = PagedKVCache(model.config, 129, 16, model.device, model.dtype)
-    padded.graphs = DecodeGraphs(model, padded.cache, 16, -(-padded.context // 16), 128, capture=False)
-    assert padded.graphs.buckets[:4] == [1, 2, 4, 8]
+    assert eager.runner.graphs is None and padded.runner.graphs is None  # no graphs on a CPU
+    # As the runner sets them up on CUDA: one block more than the block manager hands out, for padding rows.
+    runner = padded.runner
+    runner.cache = PagedKVCache(model.config, 129, 16, model.device, model.dtype)
+    runner.graphs = DecodeGraphs(model, runner.cache, 16, -(-padded.context // 16), 128, capture=False)
+    assert runner.graphs.buckets[:4] == [1, 2, 4, 8]
     ran = []
-    run = padded.graphs.run
-    padded.graphs.run = lambda work: ran.append(len(work)) or run(work)
+    run = runner.graphs.run
+    runner.graphs.run = lambda work: ran.append(len(work)) or run(work)
     assert padded.generate(reqs, arrivals) == eager.generate(reqs, arrivals)
-    assert any(n not in padded.graphs.buckets for n in ran)  # some steps were padded to a larger bucket
+    assert any(n not in runner.graphs.buckets for n in ran)  # some steps were padded to a larger bucket
 
 
 def test_decode_graphs_only_where_the_ops_can_capture_them():
@@ -130,7 +132,7 @@ def test_decode_graphs_only_where_the_ops_can_capture_them():
     d = resolve_model("tiny-llama3")
     for ops in (resolve("on", CPU), resolve("off", CPU)):
         engine = Engine(load_model(d, ops=ops), Tokenizer(d), {}, num_blocks=8)
-        assert engine.graphs is None and engine.cache.num_blocks == 8  # no spare block for padding either
+        assert engine.runner.graphs is None and engine.runner.cache.num_blocks == 8  # no spare block for padding either
 
 
 def test_kernels_where_they_cannot_run(capsys):
@@ -142,13 +144,13 @@ def test_kernels_where_they_cannot_run(capsys):
     with pytest.raises(ValueError, match="kernels must be 'auto', 'on' or 'off'"):
         resolve("yes", CPU)
     # What the entry points get: --kernels auto says why it falls back, --kernels off does not.
-    assert isinstance(Kernels("auto").ops(mps), TorchOps)
+    assert isinstance(KernelFlags("auto").ops(mps), TorchOps)
     assert (
         "note: kernels off (kernels/ has no mps implementation): chapter 05's PyTorch path runs"
         in capsys.readouterr().err
     )
-    assert Kernels("off").ops(mps).describe() == "kernels: off (--kernels off)" and capsys.readouterr().err == ""
-    assert Kernels("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
+    assert KernelFlags("off").ops(mps).describe() == "kernels: off (--kernels off)" and capsys.readouterr().err == ""
+    assert KernelFlags("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
 
 
 def test_a_head_size_the_kernels_do_not_serve_falls_back_to_pytorch_and_says_why(tmp_path, capsys):

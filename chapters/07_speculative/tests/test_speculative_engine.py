@@ -107,13 +107,12 @@ def runs(small):
             block_size=8,
             max_num_seqs=12,
             max_num_batched_tokens=64,
-            proposer=proposer,
+            # "draft": the int4 copy drafting for the float32 model, in a pool of its own
+            proposer=DraftModelProposer(draft, "int4 self") if proposer == "draft" else proposer,
             num_speculative_tokens=5,
             speculative_max_batch=12,
             **kw,
         )
-        if proposer == "draft":  # the int4 copy drafting for the float32 model, in a pool of its own
-            engine.proposer = DraftModelProposer(draft, engine.blocks, "int4 self")
         reqs, arrivals = workload(base.tokenizer)
         return engine.generate(reqs, arrivals), engine
 
@@ -138,7 +137,7 @@ def test_greedy_output_equals_speculation_off(runs, proposer):
     # the workload did exercise what it is meant to
     assert off_engine.scheduler.n_preemptions > 0 and off_engine.blocks.hit_rate > 0
     assert any(c.finish_reason == "stop" and c.token_ids and c.text for choices in off for c in choices)
-    spec = engine.spec
+    spec = engine.speculator.stats
     assert spec.verifies > 0
     if proposer in ("ngram", "draft"):  # some guesses kept, some not, fewer steps
         assert 0 < spec.accepted < spec.drafted
@@ -150,7 +149,7 @@ def test_greedy_output_equals_speculation_off(runs, proposer):
 
 def test_stats_report_acceptance(runs):
     stats = runs["ngram"][1].stats()
-    spec = runs["ngram"][1].spec
+    spec = runs["ngram"][1].speculator.stats
     assert stats["spec_acceptance_rate"] == round(spec.accepted / spec.drafted, 4)
     assert stats["spec_mean_accepted_length"] == round(1 + spec.accepted / spec.verifies, 4)
     assert runs["off"][1].stats()["spec_draft_tokens"] == 0
@@ -176,7 +175,7 @@ def test_rejected_drafts_hold_no_blocks_and_are_never_cached(small):
             assert len(seq.block_table) <= engine.blocks.blocks_for(len(seq.tokens))
         b = engine.blocks
         assert b.num_used + b.num_free == b.num_blocks
-    assert steps_after_prefill > 5 and engine.spec.drafted > 0 and engine.spec.accepted == 0
+    assert steps_after_prefill > 5 and engine.speculator.stats.drafted > 0 and engine.speculator.stats.accepted == 0
     plain = small.generate([Request(prompt, GREEDY, max_tokens=24, ignore_eos=True)])[0][0].token_ids
     assert seq.output == plain  # every guess rejected, every token still plain decoding's
     assert engine.blocks.num_used == 0
@@ -208,7 +207,7 @@ def test_seeded_sampling_is_reproducible_with_speculation(small):
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Repeat: red, green, red, green, red."}])
         params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
         out = engine.generate([Request(prompt, params, max_tokens=24, n=2)])[0]
-        return [c.token_ids for c in out], engine.spec.verifies
+        return [c.token_ids for c in out], engine.speculator.stats.verifies
 
     first, verifies = sample_once()
     assert verifies > 0
@@ -251,7 +250,7 @@ def test_verify_rows_are_decodes_at_consecutive_positions(small):
     seq = engine.requests[rid].seqs[0]
     engine.step()
     seq.draft = [7, 8, 9]
-    rows = engine._verify_rows(seq)
+    rows = engine.speculator.verify_rows([seq])
     assert [w.tokens for w in rows] == [[seq.tokens[-1]], [7], [8], [9]]
     assert [w.start for w in rows] == [5, 6, 7, 8]
     assert all(w.block_table is seq.block_table for w in rows)
@@ -260,12 +259,12 @@ def test_verify_rows_are_decodes_at_consecutive_positions(small):
 def test_a_draft_model_equal_to_the_target_has_every_guess_kept(small):
     """The model drafting for itself: greedy drafts are the target's own picks (its K/V in the
     draft's pool follow each verify), unless a near tie flips between a chunk and a decode row."""
-    engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, num_speculative_tokens=4)
-    engine.proposer = DraftModelProposer(small.model, engine.blocks, "itself")
+    itself = DraftModelProposer(small.model, "itself")
+    engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=itself, num_speculative_tokens=4)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Name the planets of the solar system."}])
     out = engine.generate([Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)])[0][0]
     assert out.token_ids == small.generate([Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)])[0][0].token_ids
-    assert engine.spec.drafted > 20 and engine.spec.accepted >= 0.95 * engine.spec.drafted
+    assert engine.speculator.stats.drafted > 20 and engine.speculator.stats.accepted >= 0.95 * engine.speculator.stats.drafted
     assert engine.blocks.num_used == 0
 
 
@@ -304,7 +303,7 @@ def test_speculation_with_the_kernels_on_and_off(kernels):
     oracle = Oracle([p + o for p, o in zip(prompts, plain)])
     engine = Engine(model, base.tokenizer, {}, num_blocks=64, proposer=oracle)
     assert [o[0].token_ids for o in engine.generate(reqs())] == plain
-    assert engine.spec.drafted > 0 and engine.spec.accepted == engine.spec.drafted
+    assert engine.speculator.stats.drafted > 0 and engine.speculator.stats.accepted == engine.speculator.stats.drafted
 
 
 def test_speculation_on_each_device(device):
@@ -330,7 +329,7 @@ def test_speculation_on_each_device(device):
         proposer=Oracle([p + o for p, o in zip(prompts, plain)]),
     )
     assert [o[0].token_ids for o in engine.generate(reqs())] == plain
-    assert engine.spec.drafted > 0 and engine.spec.accepted == engine.spec.drafted
+    assert engine.speculator.stats.drafted > 0 and engine.speculator.stats.accepted == engine.speculator.stats.drafted
 
 
 def test_a_draft_model_shares_the_kv_budget():
@@ -339,7 +338,7 @@ def test_a_draft_model_shares_the_kv_budget():
     engine, _ = build_engine(
         str(resolve_model("smollm2-135m")), "cpu", "float32", speculative="draft", kv_cache_bytes=budget
     )
-    target, draft = engine.cache.nbytes, engine.proposer.cache.nbytes
+    target, draft = engine.runner.cache.nbytes, engine.speculator.proposer.runner.cache.nbytes
     assert draft == target  # the same model's K/V per token, in the same dtype
     assert 0.9 * budget <= target + draft <= budget
-    assert engine.proposer.blocks is engine.blocks
+    assert engine.speculator.proposer.blocks is engine.blocks
