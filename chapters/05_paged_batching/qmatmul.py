@@ -110,14 +110,10 @@ class Int4PackedLinear:
         return y.view(*x.shape[:-1], -1)
 
 
-# Chapter 05: up to how many rows (tokens in a step) the packed kernels beat a dense GEMM. They
-# are matrix-vector kernels: their time grows with the rows, where a dense GEMM reuses each weight
-# it reads across rows (and at a few rows is bound by reading 2 bytes per weight from memory).
-# Whole SmolLM2 decode steps, 2 AVX512 cores, bf16 activations, ms per step (packed | dense):
-#   sequences        1           4           8           16          24          32
-#   int4 (int8 head) 14.2|31.7   20.7|37.9   30.9|41.1   57.5|60.1   83.8|73.4   108|90.2
-#   int8             -           24.4|34.5   39.6|38.0   63.1|51.3
-# The int8 kernel loses from 8 rows on, the int4 one from about 20.
+# Up to how many rows (tokens in a step) the packed kernels beat a dense GEMM: they are
+# matrix-vector kernels, whose time grows with the rows, where a dense GEMM reads each weight once
+# for all rows. Measured on whole SmolLM2 decode steps on a 2-core AVX512 CPU (chapter 05's README,
+# "Which matmul wins at which batch size").
 PACKED_MAX_ROWS = {Int4Weight: 16, Int8Weight: 6}
 
 
