@@ -222,14 +222,8 @@ def on_isa(ext, isa: str, op, x):
 def linear_cases(ext, name: str, n_out: int, n_in: int, rows: list[int], device, dtype, timer) -> list[dict]:
     """x @ W.T for one matrix, quantized as the engine quantizes it (int4 G=32 and int8; the LM head int8
     only), through the kernels, torch's packed ops and a dense matmul. Bytes: the weight tensors each reads."""
-    from qmatmul import (
-        Int4PackedLinear,
-        Int8PackedLinear,
-        KernelBf16Linear,
-        KernelInt4Linear,
-        KernelInt8Linear,
-        fast_path_missing,
-    )
+    from ops import KernelBf16Linear, KernelInt4Linear, KernelInt8Linear
+    from qmatmul import Int4PackedLinear, Int8PackedLinear, fast_path_missing
     from quant import quantize_int4, quantize_int8
 
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731

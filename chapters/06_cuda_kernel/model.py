@@ -6,29 +6,29 @@
         x = x + mlp(rms_norm(x))
     logits = rms_norm(x[last of each sequence]) @ lm_head.T    # [sequences, vocab]
 
-Chapter 05: one forward runs one engine step for many sequences at once. Their new tokens
-(a prompt chunk for some, one decoded token for others) are laid end to end, [tokens, hidden],
-so every matmul serves the whole batch; only attention needs to know which token belongs to
-which sequence, and reads each one's K/V through its block table (batch.py, paged_attention.py).
+One forward runs one engine step for many sequences at once. Their new tokens (a prompt chunk
+for some, one decoded token for others) are laid end to end, [tokens, hidden], so every matmul
+serves the whole batch; only attention needs to know which token belongs to which sequence, and
+reads each one's K/V through its block table (batch.py, paged_attention.py).
 
-Chapter 04: a linear weight is either a tensor or a quantized weight prepared for its device
-(qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
-dequantizing only the rows of the tokens.
-
-Chapter 06: the residual add, the norms, RoPE with the KV cache write, decode attention, SwiGLU's
-silu(gate) * up, the quantized matmuls and bf16 matmuls of a few rows run through `model.ops`,
-kernels/' CUDA or C++ kernels or chapter 05's PyTorch (ops.py). The residual stream x is updated
-in place, and each add is fused with the norm that follows it:
+The residual add, the norms, RoPE with the KV cache write, decode attention and SwiGLU's
+silu(gate) * up run through `model.ops` (ops.py): kernels/' CUDA or C++ kernels, or PyTorch. The
+residual stream x is updated in place, and each add is fused with the norm that follows it:
 
     h = norm(x)
     for each layer:
         h = norm(x += attention(h))      # one kernel: add, then normalise
         h = norm(x += mlp(h))            # with the next layer's norm (the final norm after the last)
 
+A linear weight is a tensor or a quantized weight, made ready for its device by the same ops when
+the model is loaded (`dense_linear`, `quant_linear`: a kernel of the library, torch's packed ops of
+qmatmul.py, or per step the faster of one and a dense GEMM), and `linear` multiplies by any of them.
+A quantized tied embedding is looked up by dequantizing only the rows of the tokens.
+
 A step of decodes only, with the kernels on a CPU, runs each layer's two lines as one C++ call
-(Layer.one_call, ops.KernelOps.decoder_layer): the same kernels in the same order, bit for bit the
-same result, without the Python between them. Prompt chunks, `--kernels off` and CUDA (where CUDA
-graphs replay the whole step) run the loop as written.
+(Layer.one_call, built by ops.KernelOps.build_one_call_layer): the same kernels in the same order,
+bit for bit the same result, without the Python between them. Prompt chunks, `--kernels off` and
+CUDA (where CUDA graphs replay the whole step) run the loop as written.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from common.config import LlamaConfig, load_config
 from batch import StepBatch, Work, build_step
 from ops import Ops, TorchOps, resolve
 from paged_cache import PagedKVCache
-from qmatmul import DEFAULT_PATH, PerStepLinear, linear, prepare
+from qmatmul import DEFAULT_PATH, PerStepLinear, linear
 from quant import QuantSpec, QuantWeight, cat_rows
 from rope import inv_frequencies
 from weights import read_weights, weight_bytes
@@ -51,14 +51,14 @@ from weights import read_weights, weight_bytes
 @dataclass
 class Layer:
     # Linear weights keep the checkpoint's [out_features, in_features] layout: linear(x, W) = x @ W.T.
-    # Each is a tensor, or a quantized weight prepared for the matmul (qmatmul.prepare).
+    # Each is a tensor, or a weight made ready for the matmul by the model's ops (ops.py).
     attn_norm: torch.Tensor  # [hidden]
     wqkv: torch.Tensor  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]: q, k, v stacked
     wo: torch.Tensor  # [hidden, n_heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
     w_gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
     w_down: torch.Tensor  # [hidden, intermediate]
-    one_call: object | None = None  # ops.decoder_layer: the layer's decode steps in one C++ call, or None
+    one_call: object | None = None  # ops.build_one_call_layer: the layer's decode steps in one C++ call, or None
 
 
 @dataclass
@@ -110,7 +110,7 @@ def load_model(
         if isinstance(parts[0], torch.Tensor):
             tensor = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(device)
             return ops.dense_linear(tensor) if tensor.dim() == 2 else tensor  # a matrix, or a norm's vector
-        return prepare(cat_rows(parts) if len(parts) > 1 else parts[0], device, dtype, matmul, ops)
+        return ops.quant_linear(cat_rows(parts) if len(parts) > 1 else parts[0], device, dtype, matmul)
 
     layers = []
     for i in range(config.num_hidden_layers):
@@ -126,13 +126,13 @@ def load_model(
             )
         )
     for layer in layers:
-        layer.one_call = ops.decoder_layer(layer, config)
+        layer.one_call = ops.build_one_call_layer(layer, config)
     embed = w.pop("model.embed_tokens.weight")
     if isinstance(embed, torch.Tensor):
         embed = embed.to(device)
         lm_head = ops.dense_linear(embed) if config.tie_word_embeddings else t("lm_head.weight")
     else:  # quantized and tied: the lookup reads our codes, the head multiplies by its prepared form
-        lm_head = prepare(embed, device, dtype, matmul, ops)
+        lm_head = ops.quant_linear(embed, device, dtype, matmul)
         embed = embed.to(device)
     norm = t("model.norm.weight")
     prepared = [lm_head] + [getattr(layer, f) for layer in layers for f in ("wqkv", "wo", "w_gate_up", "w_down")]
@@ -189,7 +189,7 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     for i, layer in enumerate(layers):
         next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
         if one_call:  # the two lines below, in C++ (kernels/csrc/bindings.cpp, DecoderLayer::decode)
-            h = ops.decode_layer(layer, i, x, h, cos, sin, cache, step, next_norm)
+            h = ops.run_one_call_layer(layer, i, x, h, cos, sin, cache, step, next_norm)
             continue
         h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)
         h = ops.add_rms_norm(x, mlp(h, layer, ops), next_norm, eps)

@@ -17,26 +17,16 @@ dtype, the reference runs and `fast_path_missing` says why.
 The int4 kernels define a weight as (code - 8) * scale + zero, so zero is our group min moved to
 the middle code: zero = min + 8 * scale. On CPU they are fast only for bfloat16/float16
 activations (float32 runs a slow generic loop), which is why quantized models default to bfloat16.
-
-Chapter 06: with the kernels on (ops.KernelOps), "fast" means kernels/' own int4 and int8
-matrix-vector products (csrc/cpu/quant_linear.cpp, csrc/cuda/quant_linear.cu), which the model's
-ops build (`ops.quant_linear`). They read our codes as stored, two per byte, with the float16 scales
-and mins of the checkpoint (0.625 bytes a weight, as Q4_1): no repacking into a private tile
-layout, and no private torch op whose signature may change.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from quant import Int4Weight, Int8Weight, QuantWeight
-
-if TYPE_CHECKING:
-    from ops import Ops
 
 OPS = torch.ops.aten
 # --matmul when not told otherwise (loading.py, load_model, build_engine): see prepare
@@ -120,70 +110,11 @@ class Int4PackedLinear:
         return y.view(*x.shape[:-1], -1)
 
 
-class KernelInt4Linear:
-    """kernels/' int4 matmul, as ops.KernelOps.quant_linear builds it; of the library `lib` it keeps int4_linear."""
-
-    def __init__(self, w: Int4Weight, lib, device: torch.device):
-        self.matmul, self.group_size = lib.int4_linear, w.group_size
-        self.packed = aligned(w.packed.to(device).contiguous())  # uint8 [out, in / 2]
-        self.scale, self.min = w.scale.to(device).contiguous(), w.min.to(device).contiguous()  # float16 [out, in / G]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min, self.group_size)
-        return y.view(*x.shape[:-1], -1)
-
-    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
-        """(kind, weight tensors, group size) as the library's Linear takes them (ops.KernelOps.decoder_layer)."""
-        return "int4", [self.packed, self.scale, self.min], self.group_size
-
-
-class KernelBf16Linear:
-    """kernels/' bf16 matrix-vector product for a plain bf16 weight (ops.KernelOps.dense_linear); of
-    the library `lib` it keeps bf16_linear. It reads the weight tensor as it is: no copy."""
-
-    def __init__(self, w: torch.Tensor, lib):
-        self.matmul, self.weight = lib.bf16_linear, w.contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)
-        return y.view(*x.shape[:-1], -1)
-
-    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
-        return "bf16", [self.weight], 0
-
-
-class KernelInt8Linear:
-    """kernels/' int8 matmul, as ops.KernelOps.quant_linear builds it; of the library `lib` it keeps int8_linear."""
-
-    def __init__(self, w: Int8Weight, lib, device: torch.device):
-        self.matmul = lib.int8_linear
-        self.q, self.scale = aligned(w.q.to(device).contiguous()), w.scale.float().to(device)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
-        return y.view(*x.shape[:-1], -1)
-
-    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
-        return "int8", [self.q, self.scale], 0
-
-
-# Chapter 05: up to how many rows (tokens in a step) the packed kernels beat a dense GEMM. They
-# are matrix-vector kernels: their time grows with the rows, where a dense GEMM reuses each weight
-# it reads across rows (and at a few rows is bound by reading 2 bytes per weight from memory).
-# Whole SmolLM2 decode steps, 2 AVX512 cores, bf16 activations, ms per step (packed | dense):
-#   sequences        1           4           8           16          24          32
-#   int4 (int8 head) 14.2|31.7   20.7|37.9   30.9|41.1   57.5|60.1   83.8|73.4   108|90.2
-#   int8             -           24.4|34.5   39.6|38.0   63.1|51.3
-# The int8 kernel loses from 8 rows on, the int4 one from about 20.
+# Up to how many rows (tokens in a step) the packed kernels beat a dense GEMM: they are
+# matrix-vector kernels, whose time grows with the rows, where a dense GEMM reads each weight once
+# for all rows. Measured on whole SmolLM2 decode steps on a 2-core AVX512 CPU (chapter 05's README,
+# "Which matmul wins at which batch size").
 PACKED_MAX_ROWS = {Int4Weight: 16, Int8Weight: 6}
-# kernels/' matmuls (chapter 06), per call against the dense bf16 GEMM (bench.py --parts kernels, 2 AVX512
-# cores): they win at 4 rows on every SmolLM2 layer (qkv 33 vs 47 us, head 1786 vs 5393) and lose at 16
-# (qkv 120 vs 76 us; head 6680 vs 6730): the crossover lies between, taken as 8.
-KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
-# kernels/' bf16 matvec against torch's bf16 GEMM on the same weight, per call, 2 AVX512 cores: 3-9x
-# faster at 1 row (LM head 1.4-1.8 ms against 6.5; qkv 16 us against 150), 1.1-3x at 4 rows, even
-# at 8 (LM head 5.0-5.8 ms against 8.0, the others within 10%), 1.3-2x slower at 16.
-KERNEL_MAX_ROWS_BF16 = 8
 
 
 class PerStepLinear:
@@ -205,23 +136,16 @@ class PerStepLinear:
 _warned: set[str] = set()
 
 
-def prepare(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str, ops: Ops | None = None):
+def prepare(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str = "fast"):
     """A quantized weight -> a callable x -> x @ W.T on `device`. path: "fast" (falls back to the
     reference, with one warning per reason, where no kernel serves), "reference", or "auto" (fast
-    for steps of up to PACKED_MAX_ROWS tokens, a dense copy beyond: PerStepLinear). ops: the
-    model's operations (ops.py), whose own int matmul, where they have one, is the fast path."""
+    for steps of up to PACKED_MAX_ROWS tokens, a dense copy beyond: PerStepLinear)."""
     if path not in ("fast", "reference", "auto"):
         raise ValueError(f"matmul path must be 'fast', 'reference' or 'auto', got {path!r}")
-    if path == "auto" and getattr(ops, "batch_invariant", False):
-        path = "fast"  # the kernel at every row count: no dense copy (ops.KernelOps)
     if path == "auto":
-        fast = prepare(w, device, dtype, "fast", ops)
-        kernel = isinstance(fast, (KernelInt4Linear, KernelInt8Linear))
-        max_rows = (KERNEL_MAX_ROWS if kernel else PACKED_MAX_ROWS)[type(w)]
-        return PerStepLinear(fast, w.dequantize(dtype).to(device), max_rows)
-    kernel = ops.quant_linear(w) if path == "fast" and ops is not None else None
-    if kernel is not None:
-        return kernel
+        return PerStepLinear(
+            prepare(w, device, dtype, "fast"), w.dequantize(dtype).to(device), PACKED_MAX_ROWS[type(w)]
+        )
     missing = fast_path_missing(w, device, dtype) if path == "fast" else "reference path chosen"
     if missing:
         if path == "fast" and missing not in _warned:

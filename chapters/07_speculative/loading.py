@@ -20,7 +20,7 @@ from common.device import pick_device, pick_dtype
 from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
 from gguf_file import convert_gguf
 from model import load_model
-from ops import Kernels, add_arguments
+from ops import KernelFlags, add_arguments
 from qmatmul import DEFAULT_PATH
 from quant import INT4_GROUP_SIZES, QuantSpec
 from weights import spec_of
@@ -90,15 +90,16 @@ def load(
     dtype: str | None,
     spec: QuantSpec | None = None,
     matmul: str = DEFAULT_PATH,
-    kernels: Kernels | str = Kernels(),
+    kernel_flags: KernelFlags | str = KernelFlags(),
 ):
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
-    int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernels: the kernel
-    flags (ops.from_args), or a --kernels choice."""
+    int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
+    ops.from_args parses them, or only a --kernels choice."""
     model_dir = resolve(name_or_path)
     dev = pick_device(device)
     quantized = spec is not None or spec_of(model_dir) is not None
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
-    ops = (Kernels(kernels) if isinstance(kernels, str) else kernels).ops(dev, load_config(model_dir).head_dim)
+    flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
+    ops = flags.ops(dev, load_config(model_dir).head_dim)
     return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

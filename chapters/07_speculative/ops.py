@@ -1,13 +1,13 @@
 """The hot operations of a decoder layer, from the kernel library or from PyTorch.
 
-Chapter 06 runs chapter 05's engine with its inner loops replaced by the kernels of kernels/
-(a CUDA kernel on a GPU, its C++ twin on a CPU). The forward pass (model.py) calls the five
-operations below through one of two objects with the same methods:
+The engine's inner loops run on the kernels of kernels/ (a CUDA kernel on a GPU, its C++ twin on
+a CPU) where they can, and on chapter 05's PyTorch elsewhere. The forward pass (model.py) calls the
+five operations below through one of two objects with the same methods:
 
     KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged
                 decode attention (flash-decoding, reading K/V where they lie in the pool), SwiGLU's
-                silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU
-                (qmatmul.py), and on a CPU each layer of a decode step as one call (DecoderLayer)
+                silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU,
+                and on a CPU each layer of a decode step as one call (DecoderLayer)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
 
 Both compute the same maths; what differs is how many passes over memory it takes. Per layer
@@ -15,11 +15,19 @@ and decode token, chapter 05 launches about 25 small PyTorch operations (each re
 its whole input); the kernels make that about 10, and attention stops copying each sequence's
 context out of the pool.
 
+The library's int4 and int8 matmuls (csrc/cpu/quant_linear.cpp, csrc/cuda/quant_linear.cu) read
+our codes as stored, two per byte, with the float16 scales and mins of the checkpoint (0.625 bytes
+a weight, as Q4_1): no repacking into a private tile layout, and no private torch op whose
+signature may change. They are this file's linears (KernelInt4Linear, KernelInt8Linear, and
+KernelBf16Linear for plain bf16 weights), built where the model is loaded (`quant_linear`,
+`dense_linear`); qmatmul.py keeps torch's packed ops, which TorchOps uses.
+
 The choice is made once, where the model is loaded: `--kernels` (add_arguments) becomes a
-`Kernels` value that the entry points hand on unread, and loading.load turns it into one of the two
-objects for its device. Past that point nothing asks which it got: qmatmul.py takes its int
-matmuls from `quant_linear`, the engine asks `can_capture_graphs`, the startup line `describe()`.
-Only this file holds the compiled library; the int matmuls it builds keep the one function they call.
+`KernelFlags` value that the entry points hand on unread, and loading.load turns it into one of the
+two objects for its device. Past that point nothing asks which it got: the model builds its weights
+through `quant_linear` and `dense_linear`, the engine asks `can_capture_graphs`, the startup line
+`describe()`. Only this file holds the compiled library; the linears it builds keep the one function
+they call.
 """
 
 from __future__ import annotations
@@ -34,13 +42,13 @@ from batch import AttentionGroup, DecodeGroup, one_query_each
 from common.errors import UserError
 from paged_attention import paged_attention
 from paged_cache import PagedKVCache
-from qmatmul import KERNEL_MAX_ROWS_BF16, KernelBf16Linear, KernelInt4Linear, KernelInt8Linear, PerStepLinear
-from quant import Int8Weight, QuantWeight
+from qmatmul import PerStepLinear, aligned, prepare
+from quant import Int4Weight, Int8Weight, QuantWeight
 from rope import apply_rope, cos_sin
 
 
 class Ops(Protocol):
-    """What the forward pass, qmatmul.prepare and the engine ask of either implementation."""
+    """What the forward pass, load_model and the engine ask of either implementation."""
 
     @property
     def can_capture_graphs(self) -> bool:
@@ -57,18 +65,21 @@ class Ops(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
 
-    def quant_linear(self, w: QuantWeight) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """x -> x @ W.T through this implementation's own int matmul, or None: qmatmul's torch path."""
+    def quant_linear(
+        self, w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A quantized weight as the forward pass will multiply by it (x -> x @ W.T on `device`), for
+        the matmul path `path` ("auto", "fast" or "reference": --matmul, see qmatmul.prepare)."""
 
     def dense_linear(self, w: torch.Tensor) -> torch.Tensor | Callable[[torch.Tensor], torch.Tensor]:
         """A plain weight as the forward pass will multiply by it: the tensor (torch's GEMM), or a
         callable that picks per step between this implementation's matvec and that GEMM."""
 
-    def decoder_layer(self, layer, config) -> object | None:
-        """A model.Layer's weights in the form that runs its decode steps in one call (decode_layer),
-        or None: each operation is then called from Python."""
+    def build_one_call_layer(self, layer, config) -> object | None:
+        """A model.Layer's weights in the form that runs its decode steps in one call
+        (run_one_call_layer), or None: each operation is then called from Python."""
 
-    def decode_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+    def run_one_call_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
         """Layer i of a step of decodes (model.forward's loop body) in one call; layer.one_call is set."""
 
     def check_block_size(self, block_size: int) -> None:
@@ -119,15 +130,16 @@ class TorchOps:
         return paged_attention(q, k_pool, v_pool, groups)
 
     @staticmethod
-    def quant_linear(w: QuantWeight) -> None:
-        return None
+    def quant_linear(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str):
+        """torch's packed int ops where they serve (qmatmul.py)."""
+        return prepare(w, device, dtype, path)
 
     @staticmethod
     def dense_linear(w: torch.Tensor) -> torch.Tensor:
         return w
 
     @staticmethod
-    def decoder_layer(layer, config) -> None:
+    def build_one_call_layer(layer, config) -> None:
         return None
 
     @staticmethod
@@ -207,9 +219,18 @@ class KernelOps:
             q, k_pool, v_pool, g.block_tables, g.context_lens, q.shape[-1] ** -0.5, self.partition_size(k_pool.shape[1])
         )
 
-    def quant_linear(self, w: QuantWeight):
+    def quant_linear(self, w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str):
+        """The library's int4 or int8 matmul: alone for "fast", up to KERNEL_MAX_ROWS rows for "auto"
+        with a dense copy beyond (PerStepLinear). Batch-invariant, alone at every row count: no dense
+        copy, whose GEMM would round a row differently with other rows beside it. "reference" (and
+        an unknown path's error) as qmatmul.prepare."""
+        if path not in ("fast", "auto"):
+            return prepare(w, device, dtype, path)
         kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
-        return kind(w, self._ext, self.device)
+        kernel = kind(w, self._ext, device)
+        if path == "fast" or self.batch_invariant:
+            return kernel
+        return PerStepLinear(kernel, w.dequantize(dtype).to(device), KERNEL_MAX_ROWS[type(w)])
 
     def dense_linear(self, w: torch.Tensor):
         """A bf16 weight on a CPU: the bf16 matvec for steps of up to KERNEL_MAX_ROWS_BF16 rows,
@@ -228,7 +249,7 @@ class KernelOps:
             return w
         return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
 
-    def decoder_layer(self, layer, config):
+    def build_one_call_layer(self, layer, config):
         """The layer as the library's DecoderLayer (csrc/bindings.cpp): its decode steps in one C++ call,
         the same kernels in the same order as model.forward's loop body, with no Python between them.
         None on a GPU, where CUDA graphs replay whole decode steps (cuda_graphs.py), and where a weight
@@ -252,7 +273,7 @@ class KernelOps:
             return None  # dequantize-and-multiply (qmatmul.ReferenceLinear)
         return self._ext.Linear(*kernel.library_form(), **dense)
 
-    def decode_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+    def run_one_call_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
         g, partition = step.groups[0], self.partition_size(cache.block_size)
         where = step.slots, g.block_tables, g.context_lens
         return layer.one_call.decode(x, h, cos, sin, cache.k[i], cache.v[i], *where, next_norm, partition)
@@ -260,6 +281,63 @@ class KernelOps:
     def describe(self) -> str:
         where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type
         return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
+
+
+# --- the library's linears: what KernelOps.quant_linear and dense_linear build -------------------
+
+# Up to how many rows the library's linears beat torch's GEMM on a 2-core AVX512 CPU, per call: the
+# int matmuls against the dense bf16 copy win at 4 rows on every SmolLM2 matrix and lose at 16, the
+# bf16 matvec against torch's bf16 GEMM on the same weight is about even at 8 (bench.py --parts
+# kernels; chapter 06's README).
+KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
+KERNEL_MAX_ROWS_BF16 = 8
+
+
+class KernelInt4Linear:
+    """kernels/' int4 matmul; of the library `lib` it keeps int4_linear."""
+
+    def __init__(self, w: Int4Weight, lib, device: torch.device):
+        self.matmul, self.group_size = lib.int4_linear, w.group_size
+        self.packed = aligned(w.packed.to(device).contiguous())  # uint8 [out, in / 2]
+        self.scale, self.min = w.scale.to(device).contiguous(), w.min.to(device).contiguous()  # float16 [out, in / G]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min, self.group_size)
+        return y.view(*x.shape[:-1], -1)
+
+    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
+        """(kind, weight tensors, group size) as the library's Linear takes them (KernelOps.build_one_call_layer)."""
+        return "int4", [self.packed, self.scale, self.min], self.group_size
+
+
+class KernelInt8Linear:
+    """kernels/' int8 matmul; of the library `lib` it keeps int8_linear."""
+
+    def __init__(self, w: Int8Weight, lib, device: torch.device):
+        self.matmul = lib.int8_linear
+        self.q, self.scale = aligned(w.q.to(device).contiguous()), w.scale.float().to(device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
+        return y.view(*x.shape[:-1], -1)
+
+    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
+        return "int8", [self.q, self.scale], 0
+
+
+class KernelBf16Linear:
+    """kernels/' bf16 matrix-vector product for a plain bf16 weight; of the library `lib` it keeps
+    bf16_linear. It reads the weight tensor as it is: no copy."""
+
+    def __init__(self, w: torch.Tensor, lib):
+        self.matmul, self.weight = lib.bf16_linear, w.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.weight)
+        return y.view(*x.shape[:-1], -1)
+
+    def library_form(self) -> tuple[str, list[torch.Tensor], int]:
+        return "bf16", [self.weight], 0
 
 
 def resolve(choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False) -> Ops:
@@ -302,7 +380,7 @@ def resolve(choice: str, device: torch.device, head_dim: int | None = None, batc
 
 
 @dataclass(frozen=True)
-class Kernels:
+class KernelFlags:
     """The kernel flags as parsed, before there is a device to resolve them for: what the entry
     points hand to loading.load and engine.build_engine without reading it."""
 
@@ -335,5 +413,5 @@ def add_arguments(ap) -> None:
     )
 
 
-def from_args(args) -> Kernels:
-    return Kernels(args.kernels, args.batch_invariant)
+def from_args(args) -> KernelFlags:
+    return KernelFlags(args.kernels, args.batch_invariant)

@@ -4,7 +4,7 @@ steps, on n, or on a prefix-cache hit (without it they do: bench/reproducibility
 import pytest
 import torch
 from engine import Request, build_engine
-from ops import Kernels, resolve
+from ops import KernelFlags, resolve
 from quant import QuantSpec
 from sampling import SamplingParams
 
@@ -40,7 +40,7 @@ def invariant():
     """(engine without the prefix cache, engine with it, the 16 chat prompts): int4 G=32 weights,
     bf16 activations, the kernels in their batch-invariant form."""
     model = str(resolve_model("smollm2-135m"))
-    spec, flags = QuantSpec(4, 32), Kernels("on", batch_invariant=True)
+    spec, flags = QuantSpec(4, 32), KernelFlags("on", batch_invariant=True)
     plain, _ = build_engine(model, "cpu", "bfloat16", spec, kernels=flags, num_blocks=256, prefix_caching=False)
     cached, _ = build_engine(model, "cpu", "bfloat16", spec, kernels=flags, num_blocks=256, prefix_caching=True)
     prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -159,7 +159,7 @@ def test_refused_where_it_cannot_hold():
         resolve("on", torch.device("cuda"), batch_invariant=True)
     model = str(resolve_model("tiny-llama3"))
     with pytest.raises(UserError, match="float32 weights would go through torch's GEMM"):
-        build_engine(model, "cpu", "float32", None, kernels=Kernels("on", batch_invariant=True), num_blocks=16)
+        build_engine(model, "cpu", "float32", None, kernels=KernelFlags("on", batch_invariant=True), num_blocks=16)
     resolve("on", torch.device("cpu"))._ext.set_batch_invariant(False)
 
 

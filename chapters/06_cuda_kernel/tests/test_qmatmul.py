@@ -60,7 +60,7 @@ def test_an_unaligned_int8_weight_is_copied_before_the_kernel_reads_it():
     start = (-buffer.data_ptr()) % 64 + 24
     q = buffer[start : start + w.q.numel()].view_as(w.q).copy_(w.q)
     assert q.data_ptr() % 64 == 24
-    fast = prepare(type(w)(q, w.scale), torch.device("cpu"), torch.bfloat16, "fast")
+    fast = prepare(type(w)(q, w.scale), torch.device("cpu"), torch.bfloat16)
     assert fast.q.data_ptr() % 64 == 0
     x = torch.randn(16, 576).bfloat16()
     assert relative_error(fast(x), x.double() @ w.dequantize(torch.float64).T) < 1.5e-2
@@ -82,13 +82,13 @@ def test_a_missing_op_falls_back_to_the_reference_with_a_warning(monkeypatch):
     reason = fast_path_missing(w, torch.device("cpu"), torch.bfloat16)
     assert reason == "torch has no aten._weight_int4pack_mm_for_cpu"
     with pytest.warns(UserWarning, match="falls back to dequantize-and-multiply: torch has no"):
-        prepared = prepare(w, torch.device("cpu"), torch.bfloat16, "fast")
+        prepared = prepare(w, torch.device("cpu"), torch.bfloat16)
     assert isinstance(prepared, ReferenceLinear)
     x = torch.randn(2, 96)
     assert torch.allclose(prepared(x), x @ w.dequantize().T)
     with warnings.catch_warnings():  # one warning per reason, not one per layer
         warnings.simplefilter("error")
-        prepare(w, torch.device("cpu"), torch.bfloat16, "fast")
+        prepare(w, torch.device("cpu"), torch.bfloat16)
 
 
 def test_a_shape_the_int4_kernels_cannot_tile_runs_the_reference():
@@ -96,7 +96,7 @@ def test_a_shape_the_int4_kernels_cannot_tile_runs_the_reference():
     assert "multiples of 16" in fast_path_missing(w, torch.device("cpu"), torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = prepare(w, torch.device("cpu"), torch.bfloat16, "fast")
+        prepared = prepare(w, torch.device("cpu"), torch.bfloat16)
     assert isinstance(prepared, ReferenceLinear)
 
 
@@ -123,19 +123,3 @@ def test_auto_takes_the_packed_kernel_for_few_rows_and_the_dense_copy_for_many(k
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
         torch.testing.assert_close(linear(x, auto), linear(x, ref), rtol=2e-2, atol=2e-2)
     assert calls == [1, limit]  # the two small calls went through the packed kernel, the others did not
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_auto_with_the_kernels_takes_them_for_few_rows(kind):
-    """Chapter 06: with kernels/ loaded, the packed path is its own matmul, up to KERNEL_MAX_ROWS rows."""
-    from ops import resolve
-
-    w = make(kind, 64, 96)
-    cpu = torch.device("cpu")
-    auto = prepare(w, cpu, torch.bfloat16, "auto", resolve("on", cpu))
-    assert isinstance(auto.packed, (qmatmul.KernelInt4Linear, qmatmul.KernelInt8Linear))
-    assert auto.max_rows == qmatmul.KERNEL_MAX_ROWS[type(w)]
-    ref = prepare(w, cpu, torch.bfloat16, "reference")
-    for rows in (1, auto.max_rows, auto.max_rows + 1):
-        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        torch.testing.assert_close(linear(x, auto), linear(x, ref), rtol=2e-2, atol=2e-2)

@@ -1,4 +1,4 @@
-"""A decoder layer's decode step in one C++ call (ops.KernelOps.decoder_layer, the library's
+"""A decoder layer's decode step in one C++ call (ops.KernelOps.build_one_call_layer, the library's
 DecoderLayer): the same kernels in the same order as the Python loop body, so the same logits bit
 for bit, for every kind of weight; and steps that are not all decodes stay in Python."""
 
@@ -119,8 +119,8 @@ def test_kernels_off_the_reference_matmul_and_a_gpu_keep_the_python_loop():
     )
     assert all(layer.one_call is None for layer in reference.layers)  # dequantize-and-multiply: no kernel to call
     ops = resolve("on", CPU)
-    ops.device = torch.device("cuda")  # no GPU here: only what decoder_layer decides from the device
-    assert ops.decoder_layer(model.layers[0], model.config) is None  # CUDA graphs replay decode steps there
+    ops.device = torch.device("cuda")  # no GPU here: only what build_one_call_layer decides from the device
+    assert ops.build_one_call_layer(model.layers[0], model.config) is None  # CUDA graphs replay decode steps there
 
 
 @pytest.mark.parametrize("name,dtype,quant", CASES, ids=["int4", "int8", "bf16", "fp32"])

@@ -1,0 +1,52 @@
+"""The library's linears as KernelOps.quant_linear builds them, per --matmul path, against
+dequantize-and-multiply."""
+
+import pytest
+import torch
+
+from ops import KERNEL_MAX_ROWS, KernelInt4Linear, KernelInt8Linear, resolve
+from qmatmul import PerStepLinear, ReferenceLinear, linear, prepare
+from quant import quantize_int4, quantize_int8
+
+CPU = torch.device("cpu")
+
+
+def make(kind: str, n_out: int = 64, n_in: int = 96):
+    w = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(n_out + n_in)) * 0.05
+    return quantize_int8(w) if kind == "int8" else quantize_int4(w, 32)
+
+
+def close_to_the_reference(prepared, w, rows):
+    ref = prepare(w, CPU, torch.bfloat16, "reference")
+    for n in rows:
+        x = torch.randn(n, w.shape[1], generator=torch.Generator().manual_seed(n)).bfloat16()
+        torch.testing.assert_close(linear(x, prepared), linear(x, ref), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_auto_takes_the_library_kernel_for_few_rows_and_the_dense_copy_beyond(kind):
+    w = make(kind)
+    auto = resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "auto")
+    assert isinstance(auto, PerStepLinear) and isinstance(auto.packed, (KernelInt4Linear, KernelInt8Linear))
+    assert auto.max_rows == KERNEL_MAX_ROWS[type(w)] and auto.dense.dtype == torch.bfloat16
+    close_to_the_reference(auto, w, (1, auto.max_rows, auto.max_rows + 1))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_fast_and_batch_invariant_auto_take_the_kernel_alone(kind):
+    w = make(kind)
+    fast = resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "fast")
+    invariant = resolve("on", CPU, batch_invariant=True).quant_linear(w, CPU, torch.bfloat16, "auto")
+    for prepared in (fast, invariant):
+        assert isinstance(prepared, (KernelInt4Linear, KernelInt8Linear))  # no dense copy at any row count
+        close_to_the_reference(prepared, w, (1, 16))
+
+
+def test_the_reference_path_and_the_torch_ops_are_qmatmul_s():
+    w = make("int4")
+    assert isinstance(resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "reference"), ReferenceLinear)
+    auto = resolve("off", CPU).quant_linear(w, CPU, torch.bfloat16, "auto")
+    assert isinstance(auto, PerStepLinear) and not isinstance(auto.packed, (KernelInt4Linear, KernelInt8Linear))
+    with pytest.raises(ValueError, match="'fast', 'reference' or 'auto'"):
+        resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "turbo")
+
