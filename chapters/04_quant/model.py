@@ -9,9 +9,9 @@
 Prefill runs the whole prompt as `new` tokens; decode runs one token per step. Both call the
 same forward: only the number of new tokens and the cache length differ.
 
-Chapter 04: a linear weight is either a tensor or a quantized weight prepared for its device
-(qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
-dequantizing only the rows of the tokens.
+A linear weight is either a tensor or a quantized weight prepared for its device (qmatmul.py),
+and `linear` multiplies by either; a quantized tied embedding is looked up by dequantizing only
+the rows of the tokens.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@
         x = x + mlp(rms_norm(x))
     logits = rms_norm(x[last of each sequence]) @ lm_head.T    # [sequences, vocab]
 
-Chapter 05: one forward runs one engine step for many sequences at once. Their new tokens
-(a prompt chunk for some, one decoded token for others) are laid end to end, [tokens, hidden],
-so every matmul serves the whole batch; only attention needs to know which token belongs to
-which sequence, and reads each one's K/V through its block table (batch.py, paged_attention.py).
+One forward runs one engine step for many sequences at once. Their new tokens (a prompt chunk
+for some, one decoded token for others) are laid end to end, [tokens, hidden], so every matmul
+serves the whole batch; only attention needs to know which token belongs to which sequence, and
+reads each one's K/V through its block table (batch.py, paged_attention.py).
 
-Chapter 04: a linear weight is either a tensor or a quantized weight prepared for its device
-(qmatmul.py), and `linear` multiplies by either; a quantized tied embedding is looked up by
-dequantizing only the rows of the tokens.
+A linear weight is either a tensor or a quantized weight prepared for its device (qmatmul.py),
+and `linear` multiplies by either; a quantized tied embedding is looked up by dequantizing only
+the rows of the tokens.
 """
 
 from __future__ import annotations

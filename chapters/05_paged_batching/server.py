@@ -15,9 +15,9 @@ step) -> wait for its first events, watching the client -> answer: one JSON body
 of the per-step events. If the client goes away at any point, the request is aborted and its
 KV blocks are freed before the next step.
 
-Chapter 05 changes nothing a client sees, except that other clients no longer wait in line;
-/health also reports the engine: running and waiting requests, KV blocks used, free and cached,
-the prefix cache's hit rate and the preemptions so far.
+Clients do not wait in line for each other: every request joins the running batch. /health also
+reports the engine: running and waiting requests, KV blocks used, free and cached, the prefix
+cache's hit rate and the preemptions so far.
 """
 
 from __future__ import annotations

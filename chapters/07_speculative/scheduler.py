@@ -6,9 +6,9 @@ step's total new tokens, which bounds its time and activation memory) and a sequ
 (max_num_seqs). Running sequences come first, so that streams already started keep their pace:
 
 1. Every running sequence gets its next token (one while decoding, or the next chunk of its
-   prompt; chapter 07: a decoding sequence with a draft adds the draft too, as far as budget and
-   pool allow, since the guesses are only worth running if they displace nobody). If the pool
-   has no block for it, the newest running sequence is preempted: its
+   prompt; a decoding sequence with a draft adds the draft too, as far as budget and pool allow,
+   since the guesses are only worth running if they displace nobody). If the pool has no block
+   for it, the newest running sequence is preempted: its
    blocks go back to the pool and it rejoins the front of the waiting queue, to be computed
    again (its output so far is kept: nothing the client saw is lost). Newest first, because it
    has the least work to redo and the oldest are closest to finishing.

@@ -47,8 +47,8 @@ class Sequence:
     n_computed: int = 0  # tokens whose K/V are in the cache (tokens[:n_computed])
     status: Status = Status.WAITING
     n_preempted: int = 0
-    # Chapter 07: tokens a proposer guessed, run after the pending token and verified in the next
-    # step (speculative.py), and how many to ask for next time (adapts to how many were kept).
+    # Speculative decoding (speculative.py): tokens a proposer guessed, run after the pending token
+    # and verified in the next step, and how many to ask for next time (adapts to how many were kept).
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab]: the proposer's q, if it drew them
     spec_k: int = 0
