@@ -1,4 +1,5 @@
-"""torch.compile of chapter 06's decode step on a CPU, against the same step run eagerly.
+"""torch.compile of a chapter's decode step on a CPU, against the same step run eagerly: the newest
+chapter's, or an older one's from 06 on (--chapter 6), the chapters with kernels and CUDA graphs.
 
     python bench/compile_step.py                      # int4 weights, bf16, 2 threads
     python bench/compile_step.py --quant none         # bf16 weights
@@ -27,18 +28,16 @@ from pathlib import Path
 import torch
 
 from common.tools.bench import machine
+from common.tools.chapters import chapter_number, newest_chapter
 from common.tools.decoding import decoding_engine, time_steps
 
 
-def chapter_module(name: str):
-    return sys.modules[f"ch06.{name}"]
-
-
-def static_steps(engine, how: str, cpp_wrapper: bool):
-    """Makes the engine run its decode steps through DecodeGraphs without capture. how: "eager" (as
-    the engine does: each layer one C++ call), "loop" (the layers op by op from Python) or
-    "compiled" (that Python loop compiled)."""
-    graphs_mod, qmatmul = chapter_module("cuda_graphs"), chapter_module("qmatmul")
+def static_steps(engine, chapter: int, how: str, cpp_wrapper: bool):
+    """Makes the engine (chapter `chapter`'s) run its decode steps through DecodeGraphs without
+    capture. how: "eager" (as the engine does: each layer one C++ call), "loop" (the layers op by op
+    from Python) or "compiled" (that Python loop compiled)."""
+    prefix = f"ch{chapter:02d}."  # load_chapter keeps a chapter's modules under chNN.*
+    graphs_mod, ops, qmatmul = (sys.modules[prefix + name] for name in ("cuda_graphs", "ops", "qmatmul"))
     model = engine.model
     compiled = how == "compiled"
     if how != "eager":
@@ -58,9 +57,9 @@ def static_steps(engine, how: str, cpp_wrapper: bool):
 
         model.ops._ext = Dispatcher()
         kinds = {
-            qmatmul.KernelInt4Linear: lib.int4_linear,
-            qmatmul.KernelInt8Linear: lib.int8_linear,
-            qmatmul.KernelBf16Linear: lib.bf16_linear,
+            ops.KernelInt4Linear: lib.int4_linear,
+            ops.KernelInt8Linear: lib.int8_linear,
+            ops.KernelBf16Linear: lib.bf16_linear,
         }
         for w in [model.lm_head] + [
             getattr(layer, f) for layer in model.layers for f in ("wqkv", "wo", "w_gate_up", "w_down")
@@ -68,22 +67,26 @@ def static_steps(engine, how: str, cpp_wrapper: bool):
             kernel = w.packed if isinstance(w, qmatmul.PerStepLinear) else w
             if type(kernel) in kinds:
                 kernel.matmul = kinds[type(kernel)]
-    max_blocks = -(-engine.context // engine.cache.block_size)
-    graphs = graphs_mod.DecodeGraphs(model, engine.cache, 1, max_blocks, 0, capture=False)  # batch 1: no padding
+    runner = engine.runner  # runner.py's ModelRunner: the KV cache, and the decode graphs it replays
+    max_blocks = -(-engine.context // runner.cache.block_size)
+    graphs = graphs_mod.DecodeGraphs(model, runner.cache, 1, max_blocks, 0, capture=False)  # batch 1: no padding
     if compiled:
         import torch._inductor.config as inductor
 
         inductor.cpp_wrapper = cpp_wrapper
         # Dynamo re-imports the modules of the code it traces by name; chapter modules are loaded
-        # under ch06.* (common.chapters): give them their plain names too.
-        for name in [n for n in sys.modules if n.startswith("ch06.")]:
-            sys.modules[name[len("ch06.") :]] = sys.modules[name]
+        # under chNN.* (common.tools.chapters): give them their plain names too.
+        for name in [n for n in sys.modules if n.startswith(prefix)]:
+            sys.modules[name[len(prefix) :]] = sys.modules[name]
         graphs._forward = torch.compile(graphs._forward, fullgraph=True, dynamic=False)
-    engine.graphs = graphs
+    runner.graphs = graphs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--chapter", type=chapter_number, default=newest_chapter(), help="06 on: 6, 06 or ch06 (default: the newest)"
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4")
     ap.add_argument("--dtype", default="bfloat16")
@@ -94,6 +97,8 @@ def main() -> int:
     ap.add_argument("--cpp-wrapper", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.chapter < 6:
+        ap.error("--chapter: the static decode step (cuda_graphs.DecodeGraphs) starts in chapter 06")
     from common.models import resolve_model
 
     args.model = str(resolve_model(args.model))
@@ -101,8 +106,10 @@ def main() -> int:
     engines = {}
     for name in ("eager", "loop", "compiled"):
         total = args.rounds * args.steps + 8
-        engines[name] = decoding_engine(6, args.model, args.quant, args.dtype, "on", args.prompt_tokens, total, 2)
-        static_steps(engines[name], name, args.cpp_wrapper)
+        engines[name] = decoding_engine(
+            args.chapter, args.model, args.quant, args.dtype, "on", args.prompt_tokens, total, 2
+        )
+        static_steps(engines[name], args.chapter, name, args.cpp_wrapper)
     engines["eager"].step()
     engines["loop"].step()
     t0 = time.perf_counter()
@@ -118,7 +125,8 @@ def main() -> int:
     # All took the same steps on the same prompt: the same tokens (exactly, in float32).
     tokens = {name: list(next(iter(e.scheduler.running)).tokens) for name, e in engines.items()}
     same = tokens["eager"] == tokens["loop"] == tokens["compiled"]
-    what = f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, {args.threads} threads"
+    what = f"chapter {args.chapter:02d}, {Path(args.model).name}, {args.quant} weights, {args.dtype}"
+    what += f", {args.threads} threads"
     print(f"decode step, one sequence, static buffers ({what}); compiling took {compile_s:.1f} s")
     for name, v in ms.items():
         print(f"{name:9} ms/step  median {median[name]:6.2f}   rounds: " + " ".join(f"{x:.2f}" for x in v))

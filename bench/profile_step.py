@@ -1,10 +1,12 @@
-"""Where a decode step's time goes: chapter 06's engine decoding one sequence (or several,
---sequences), split into the kernels of kernels/, torch's operators, and the rest (Python: the
-forward pass's glue, the scheduler, the sampler, the step's bookkeeping).
+"""Where a decode step's time goes: the newest chapter's engine (--chapter for an older one, 06 on:
+the chapters with kernels) decoding one sequence (or several, --sequences), split into the kernels
+of kernels/, torch's operators, and the rest (Python: the forward pass's glue, the scheduler, the
+sampler, the step's bookkeeping).
 
     python bench/profile_step.py                   # int4 weights, kernels on
+    python bench/profile_step.py --chapter 6       # chapter 06's engine
     python bench/profile_step.py --quant none      # bf16 weights
-    python bench/profile_step.py --kernels off     # chapter 05's PyTorch path
+    python bench/profile_step.py --kernels off     # the PyTorch path (chapter 05's)
     python bench/profile_step.py --layers python   # each layer op by op from Python: the kernels one by one
     python bench/profile_step.py --sequences 16    # a step of 16 sequences decoding together
 
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from common.tools.bench import machine
+from common.tools.chapters import chapter_number, newest_chapter
 from common.tools.decoding import decoding_engine, time_steps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,12 +99,16 @@ def build(args, timed: TimedLibrary | None):
         kernels.load = lambda: timed
     steps = 3 * args.steps
     return decoding_engine(
-        6, args.model, args.quant, args.dtype, args.kernels, args.prompt_tokens, steps, args.warmup, args.sequences
-    )
+        args.chapter, args.model, args.quant, args.dtype, args.kernels, args.prompt_tokens, steps, args.warmup,
+        args.sequences,
+    )  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--chapter", type=chapter_number, default=newest_chapter(), help="06 on: 6, 06 or ch06 (default: the newest)"
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4")
     ap.add_argument("--dtype", default="bfloat16")
@@ -122,6 +129,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.chapter < 6:
+        ap.error("--chapter: the kernels this bench times start in chapter 06")
     from common.models import resolve_model
 
     args.model = str(resolve_model(args.model))
@@ -160,7 +169,8 @@ def main() -> int:
     rest = step_s - sum(kernel_s.values()) - aten_s
 
     what = (
-        f"{Path(args.model).name}, {args.quant} weights, {args.dtype}, kernels {args.kernels}, layers: {args.layers}, "
+        f"chapter {args.chapter:02d}, {Path(args.model).name}, {args.quant} weights, {args.dtype}, "
+        f"kernels {args.kernels}, layers: {args.layers}, "
         f"{args.threads} threads"
     )
     who = "one sequence" if args.sequences == 1 else f"{args.sequences} sequences, each"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from common.tools.bench import PROMPTS, machine
-from common.tools.chapters import load_chapter
+from common.tools.chapters import chapter_number, load_chapter, newest_chapter
 
 
 def generate(
@@ -50,7 +50,7 @@ def one_at_a_time(engine, ch, prompts: list[list[int]], max_tokens: int, tag: st
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--chapter", type=int, default=6, help="5 or later: the batching engine")
+    ap.add_argument("--chapter", type=chapter_number, default=newest_chapter(), help="05 on (default: the newest)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quant", default="int4", choices=["int4", "int8", "none"])

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from common.tools.chapters import chapter_dir
+from common.tools.chapters import chapter_dir, chapter_number, newest_chapter
 from common.tools.serving import free_port, idle_flood, wait_until_healthy
 
 
@@ -174,7 +174,7 @@ def shutdown(url: str, proc: subprocess.Popen) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chapter", type=int, default=6)
+    ap.add_argument("--chapter", type=chapter_number, default=newest_chapter(), help="03 on (default: the newest)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default=None, help="JSON (default: bench/results/server_probes_chNN.json)")
     ap.add_argument("--timeout-graceful-shutdown", default="5")

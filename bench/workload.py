@@ -9,9 +9,10 @@ with N=256 and lengths in [100, 1024] on a GPU; the default here is sized for a 
     python bench/workload.py --quant none                 # bf16 weights (llama.cpp: the BF16 GGUF)
     python bench/workload.py --requests 256 --min-len 100 --max-len 1024 --device cuda   # full size
 
-Engines (--engines, comma-separated):
-  ch06, ch05  that chapter's engine: every request added at once and stepped to the end, its
-              scheduler batching them continuously (--max-num-seqs, --max-num-batched-tokens)
+Engines (--engines, comma-separated; by default the newest chapter's, ch05's and the two peers):
+  chNN        chapter NN's engine (05 on, the first that batches): every request added at once and
+              stepped to the end, its scheduler batching them continuously (--max-num-seqs,
+              --max-num-batched-tokens); ch05 is the PyTorch path the later chapters started from
   llama.cpp   the GGUF our weights come from (Q4_1 beside int4, BF16 beside bf16), through its C
               API, batched continuously by hand as llama-server does with --max-num-seqs slots: a
               free slot takes the next request (its whole prompt in one llama_decode with the other
@@ -35,10 +36,24 @@ from types import SimpleNamespace
 import torch
 
 from common.tools.bench import fmt, machine
-from common.tools.chapters import load_chapter
+from common.tools.chapters import chapter_exists, load_chapter, newest_chapter
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINES = ("ch06", "ch05", "llama.cpp", "hf")
+BASELINE = 5  # the first chapter that batches: its engine is the PyTorch path the later ones speed up
+PEERS = ("llama.cpp", "hf")
+
+
+def default_engines() -> list[str]:
+    """The newest chapter's engine (whatever chapter that is), chapter 05's, then the peers."""
+    return [*dict.fromkeys([f"ch{newest_chapter():02d}", f"ch{BASELINE:02d}"]), *PEERS]
+
+
+def our_chapter(engine: str) -> int | None:
+    """ch07 -> 7, for a chapter here that batches; None for a peer or a name that is neither."""
+    if len(engine) == 4 and engine.startswith("ch") and engine[2:].isdigit():
+        number = int(engine[2:])
+        return number if number >= BASELINE and chapter_exists(number) else None
+    return None
 
 
 def make_requests(n: int, low: int, high: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -84,7 +99,7 @@ def run_ours(chapter: int, args, requests) -> dict:
 
 def run_llama_cpp(args, requests) -> dict:
     """Continuous batching over llama.cpp's C API (peers.BatchedLlamaCpp's context and batch)."""
-    peers = load_chapter(6, "peers").peers
+    peers = load_chapter(newest_chapter(), "peers").peers
     longest = max(len(p) for p, _ in requests)
     slots = min(args.max_num_seqs, len(requests))
     path = peers.gguf_path({"int4": "Q4_1", None: "BF16"}[args.quant])
@@ -178,7 +193,7 @@ def why_not(engine: str, args) -> str | None:
             return f"no GGUF beside {args.quant} weights (Q4_1 is int4's, BF16 unquantized)"
         if args.device != "cpu":
             return "it runs on the CPU here"
-        return load_chapter(6, "peers").peers.llama_cpp_available()
+        return load_chapter(newest_chapter(), "peers").peers.llama_cpp_available()
     if engine == "hf" and args.quant is not None and Path(args.model).name != "smollm2-135m":
         return "HF runs the checkpoint unquantized; only the bundled model's weights are its int4 values exactly"
     return None
@@ -213,7 +228,11 @@ def plot(result: dict, path: Path) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of: {', '.join(ENGINES)}")
+    ap.add_argument(
+        "--engines",
+        default=",".join(default_engines()),
+        help=f"comma-separated, of: ch{BASELINE:02d}..ch{newest_chapter():02d} (our engines), {', '.join(PEERS)}",
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quant", default="int4", choices=["int4", "none"])
     ap.add_argument("--dtype", default="bfloat16", help="activations and KV cache (float32 for exact comparisons)")
@@ -231,7 +250,7 @@ def main() -> int:
     args = ap.parse_args()
     args.quant = None if args.quant == "none" else args.quant
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(engines) - set(ENGINES))
+    unknown = sorted(e for e in engines if e not in PEERS and our_chapter(e) is None)
     if unknown or not 1 <= args.min_len <= args.max_len or args.requests < 1:
         ap.error(f"unknown engines {unknown}" if unknown else "need 1 <= --min-len <= --max-len and --requests >= 1")
 
@@ -241,8 +260,7 @@ def main() -> int:
     vocab = Tokenizer(resolve_model(args.model)).vocab_size
     requests = make_requests(args.requests, args.min_len, args.max_len, vocab, args.seed)
     expected = sum(n for _, n in requests)
-    runners = {"ch06": lambda: run_ours(6, args, requests), "ch05": lambda: run_ours(5, args, requests)}
-    runners |= {"llama.cpp": lambda: run_llama_cpp(args, requests), "hf": lambda: run_hf(args, requests)}
+    runners = {"llama.cpp": lambda: run_llama_cpp(args, requests), "hf": lambda: run_hf(args, requests)}
     runs, skipped = {}, {}
     for name in engines:
         reason = why_not(name, args)
@@ -251,7 +269,7 @@ def main() -> int:
             print(f"[workload] {name}: skipped ({reason})", file=sys.stderr)
             continue
         print(f"[workload] {name} ...", file=sys.stderr, flush=True)
-        r = runners[name]()
+        r = runners[name]() if name in PEERS else run_ours(our_chapter(name), args, requests)
         got = [len(ids) for ids in r["ids"]]
         if got != [n for _, n in requests]:
             raise SystemExit(f"{name} returned {sum(got)} output tokens, {expected} asked: {got}")
@@ -271,9 +289,11 @@ def main() -> int:
         "skipped": skipped,
         "machine": machine(),
     }  # fmt: skip
-    if "ch05" in runs and "ch06" in runs:  # greedy: equal tokens where the arithmetic is (float32)
-        same = sum(a == b for a, b in zip(runs["ch05"]["ids"], runs["ch06"]["ids"]))
-        result["ch06_tokens_equal_ch05"] = same
+    base, ours = f"ch{BASELINE:02d}", [name for name in runs if name not in PEERS]
+    for name in ours:  # greedy: equal tokens where the arithmetic is (float32)
+        if name != base and base in runs:
+            same = sum(a == b for a, b in zip(runs[base]["ids"], runs[name]["ids"]))
+            result[f"{name}_tokens_equal_{base}"] = same
 
     w = result["workload"]
     print(
@@ -284,12 +304,14 @@ def main() -> int:
     print(f"{'engine':<12}{'output tok/s':>14}{'wall s':>9}")
     for name, r in runs.items():
         print(f"{name:<12}{r['tok_s']:>14.1f}{r['wall_s']:>9.1f}")
-    best_ours = max((runs[n]["tok_s"] for n in ("ch06", "ch05") if n in runs), default=None)
+    best_ours = max((runs[n]["tok_s"] for n in ours), default=None)
     for peer in ("llama.cpp", "hf"):
         if best_ours and peer in runs:
             print(f"ours (best chapter) / {peer}: {fmt(best_ours / runs[peer]['tok_s'], '.2f')}x")
-    if "ch06_tokens_equal_ch05" in result:
-        print(f"ch06 tokens = ch05 tokens for {result['ch06_tokens_equal_ch05']} of {w['requests']} requests")
+    for name in ours:
+        if f"{name}_tokens_equal_{base}" in result:
+            same = result[f"{name}_tokens_equal_{base}"]
+            print(f"{name} tokens = {base} tokens for {same} of {w['requests']} requests")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     png = args.out.with_suffix(".png")

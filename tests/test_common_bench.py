@@ -139,7 +139,8 @@ def test_servers_start_answer_and_record_then_stop(folder):
     with serving.servers({"fake": (folder, [])}, record, threads=1, timeout=60) as urls:
         assert httpx.get(urls["fake"] + "/health").json()["kv_blocks_total"] == 64
         pid = int((folder / "pid").read_text())
-        runs = serving.throughput_rounds(urls, [("fake", 1), ("fake", 3)], repeats=2, max_tokens=4, health_interval=0.01)
+        plan = [("fake", 1), ("fake", 3)]
+        runs = serving.throughput_rounds(urls, plan, repeats=2, max_tokens=4, health_interval=0.01)
     with pytest.raises(ProcessLookupError):  # stopped and reaped on the way out
         os.kill(pid, 0)
     assert record["fake"]["banner"].startswith("serving a stand-in on port")

@@ -1,11 +1,13 @@
-"""bench/compile_step.py compiles chapter 06's static decode step with torch.compile (the kernels as
-opaque operators), times it beside the same step run eagerly, and checks both decode the same tokens."""
+"""bench/compile_step.py compiles the newest chapter's static decode step with torch.compile (the
+kernels as opaque operators), times it beside the same step run eagerly, and checks both decode the
+same tokens."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from common.tools.chapters import newest_chapter
 from common.tools.warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,4 +24,5 @@ def test_the_compiled_step_decodes_what_the_eager_one_does(tmp_path):
     )  # prompt, warm-up, compile, warm-up, rounds
     assert result["compile_s"] > 0 and all(len(v) == 2 for v in result["ms_per_step"].values())
     assert "compiled / eager:" in r.stdout and "loop / eager:" in r.stdout
+    assert result["args"]["chapter"] == newest_chapter() and f"chapter {newest_chapter():02d}," in r.stdout
     assert set(result["ms_per_step"]) == {"eager", "loop", "compiled"}

@@ -1,5 +1,6 @@
-"""bench/profile_step.py splits a decode step into the library's kernels, torch's operators and the
-rest, and counts the calls of each per step."""
+"""bench/profile_step.py splits a decode step of the newest chapter's engine (or an older one's,
+--chapter) into the library's kernels, torch's operators and the rest, and counts the calls of each
+per step."""
 
 from __future__ import annotations
 
@@ -54,8 +55,14 @@ def test_the_engine_s_step_is_one_call_per_layer(profiles):
 def test_a_step_of_several_sequences(tmp_path):
     path = tmp_path / "p.json"
     args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "5"]
-    r = run_python(["bench/profile_step.py", *args, "--sequences", "3", "--steps", "2", "--out", str(path)], cwd=REPO)
+    args += ["--sequences", "3", "--steps", "2", "--out", str(path), "--chapter", "ch06"]  # an older chapter by name
+    r = run_python(["bench/profile_step.py", *args], cwd=REPO)
     assert r.returncode == 0, r.stderr
     result = json.loads(path.read_text())
     assert result["sequences_decoding"] == 3 and result["kernel_calls"]["DecoderLayer.decode"] == LAYERS
-    assert "3 sequences, each after a 5-token prompt" in r.stdout
+    assert "3 sequences, each after a 5-token prompt (chapter 06," in r.stdout
+
+
+def test_a_chapter_without_the_kernels_is_refused():
+    r = run_python(["bench/profile_step.py", "--chapter", "5"], cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "start in chapter 06" in r.stderr

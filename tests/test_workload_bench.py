@@ -1,5 +1,6 @@
 """bench/workload.py runs the standard throughput workload on each engine with the same requests,
-every request yielding exactly its drawn output length, and names why an engine is skipped."""
+every request yielding exactly its drawn output length, and names why an engine is skipped. Our
+engines by default: the newest chapter's, whichever that is, and chapter 05's."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import random
 from pathlib import Path
 
+from common.tools.chapters import newest_chapter
 from common.tools.warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[1]
+NEWEST = f"ch{newest_chapter():02d}"
 
 
 def test_every_engine_serves_the_same_requests_to_their_length(tmp_path):
@@ -24,15 +27,18 @@ def test_every_engine_serves_the_same_requests_to_their_length(tmp_path):
     lengths = [(len([rng.randint(0, 9999) for _ in range(rng.randint(3, 12))]), rng.randint(3, 12)) for _ in range(5)]
     assert result["workload"]["prompt_tokens"] == sum(p for p, _ in lengths)
     assert result["workload"]["output_tokens"] == sum(n for _, n in lengths)
-    assert set(result["runs"]) == {"ch06", "ch05", "hf"}
+    assert set(result["runs"]) == {NEWEST, "ch05", "hf"}
     for run in result["runs"].values():
         assert run["output_tokens"] == sum(n for _, n in lengths) and run["tok_s"] > 0
     assert "GGUFs are smollm2-135m's" in result["skipped"]["llama.cpp"]  # tiny-llama3 has no GGUF peer
-    assert result["ch06_tokens_equal_ch05"] == 5  # float32 greedy: the kernels change no token
-    assert "ch06 tokens = ch05 tokens for 5 of 5 requests" in r.stdout
+    assert result[f"{NEWEST}_tokens_equal_ch05"] == 5  # float32 greedy: the kernels change no token
+    assert f"{NEWEST} tokens = ch05 tokens for 5 of 5 requests" in r.stdout
     assert out.with_suffix(".png").exists()
 
 
-def test_bad_lengths_are_a_usage_error():
+def test_bad_lengths_and_engines_are_usage_errors():
     r = run_python(["bench/workload.py", "--min-len", "50", "--max-len", "10"], cwd=REPO, timeout=120)
     assert r.returncode == 2 and "--min-len <= --max-len" in r.stderr
+    # chapter 04's engine does not batch; there is no chapter 99; an older batching one is fine
+    r = run_python(["bench/workload.py", "--engines", "ch06,ch04,ch99,hf"], cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "unknown engines ['ch04', 'ch99']" in r.stderr

@@ -11,7 +11,9 @@ A chapter copied on its own has no neighbours; tests that compare with one skip 
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import re
 import sys
 import types
 from pathlib import Path
@@ -32,6 +34,21 @@ def chapter_dir(number: int) -> Path:
 
 def chapter_exists(number: int) -> bool:
     return any(CHAPTERS_DIR.glob(f"{number:02d}_*"))
+
+
+def newest_chapter() -> int:
+    """The highest chapter number here: what the benches run unless told otherwise, so that a new
+    chapter is benchable the day it is added."""
+    return max(int(p.name[:2]) for p in CHAPTERS_DIR.glob("[0-9][0-9]_*") if p.is_dir())
+
+
+def chapter_number(name: str) -> int:
+    """A chapter as a command line names it, "7", "07", "ch07" or its folder "07_speculative" -> 7.
+    An argparse type (`type=chapter_number`): a name of no chapter here is a usage error."""
+    m = re.fullmatch(r"(?:ch)?(\d{1,2})(?:_\w+)?", name.strip())
+    if m is None or not chapter_exists(int(m[1])):
+        raise argparse.ArgumentTypeError(f"no chapter {name!r} here (name one by number, chNN or its folder)")
+    return int(m[1])
 
 
 def load_chapter(number: int, *module_names: str) -> types.SimpleNamespace:
