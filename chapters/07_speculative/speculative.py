@@ -250,6 +250,10 @@ class Speculator:
             else:
                 seq.spec_k = max(1, (seq.spec_k or self.max_k) - 1)
             seq.draft, seq.draft_probs = [], None
-            logprobs = token_logprobs(rows[: len(verdict.tokens)], [seq.params] * len(verdict.tokens), verdict.tokens)
+            # The logprobs plain decoding reports: the model's distribution at each row, less the
+            # tokens min_tokens bans there (the engine masks them before sampling as here).
+            n = len(verdict.tokens)
+            raw = rows[:n] if banned is None else rows[:n].float().masked_fill(banned[:n], float("-inf"))
+            logprobs = token_logprobs(raw, [seq.params] * n, verdict.tokens)
             out.append((seq, verdict.tokens, logprobs))
         return out

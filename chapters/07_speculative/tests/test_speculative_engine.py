@@ -243,6 +243,42 @@ def test_a_step_gives_one_event_per_choice_with_every_kept_token(small):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_verify_rows_report_the_logprobs_plain_decoding_reports(small, proposer):
+    """A verify row's logprobs are the model's distribution at that position, less the stop tokens
+    that min_tokens bans there: exactly what a plain decode step reports (float32). Checked against
+    the whole text scored in one pass, for greedy and sampled requests with every knob set."""
+    from model import forward_sequence
+
+    fox = small.tokenizer.encode_chat([{"role": "user", "content": "Repeat: the fox, the fox, the fox."}])
+    comma = small.tokenizer.token_to_id(",")
+    knobs = dict(repetition_penalty=1.2, presence_penalty=0.2, logit_bias={11: 2.0}, logprobs=5)
+    # The comma is a stop token that min_tokens bans over the first rows, where the reply (and so
+    # prompt lookup's guesses) would put it: rows with much of their mass on a banned token.
+    reqs = [
+        Request(fox, SamplingParams(temperature=0, **knobs), max_tokens=14, min_tokens=12, stop_token_ids=[comma]),
+        Request(fox, SamplingParams(temperature=0.8, top_p=0.9, seed=3, **knobs), max_tokens=10, min_tokens=8, stop_token_ids=[comma]),
+    ]
+    draft = DraftModelProposer(small.model, "itself") if proposer == "draft" else NgramProposer(min_n=1, max_n=3)
+    engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=draft)
+    banned = torch.tensor(sorted(engine.eos_ids | {comma}))
+    for req in reqs:
+        events = [e for events in engine.stream(req) for e in events]
+        tokens = [t for e in events for t in e.token_ids]
+        reported = [lp for e in events for lp in e.logprobs]
+        assert len(reported) == len(tokens) > req.min_tokens
+        logits = forward_sequence(small.model, req.prompt_ids + tokens).float()[len(req.prompt_ids) - 1 : -1]
+        logits[: req.min_tokens, banned] = float("-inf")  # [tokens, vocab], the ban where plain decoding has it
+        expected = torch.log_softmax(logits, dim=-1)
+        for i, (token, lp) in enumerate(zip(tokens, reported)):
+            assert lp.token_id == token
+            assert lp.logprob == pytest.approx(expected[i, token].item(), abs=1e-4), f"token {i}"
+            top = expected[i].topk(len(lp.top))
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert engine.speculator.stats.verifies > 0  # some of the logprobs checked came from verify rows
+
+
+@torch.inference_mode()
 def test_verify_rows_are_decodes_at_consecutive_positions(small):
     """The pending token and the drafts run as one-token rows of the sequence's block table."""
     engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=Oracle([]))
