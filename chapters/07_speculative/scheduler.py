@@ -144,7 +144,9 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.draft, seq.draft_probs = [], None
-        seq.n_computed = 0
+        # Its blocks are gone, and with them a draft model's K/V (kept at the same slots of its own
+        # pool): the draft runs the sequence again from the start, as the target does.
+        seq.n_computed = seq.draft_computed = 0
         seq.status = Status.WAITING
         seq.n_preempted += 1
         self.n_preemptions += 1

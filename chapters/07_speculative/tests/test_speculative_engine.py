@@ -304,6 +304,32 @@ def test_a_draft_model_equal_to_the_target_has_every_guess_kept(small):
     assert engine.blocks.num_used == 0
 
 
+def test_a_self_draft_keeps_its_guesses_after_a_preemption(small):
+    """A preempted sequence gives up its blocks, so its draft's K/V (addressed through the same
+    table) is gone too: the draft must run the sequence again from the start, as the target does,
+    or it guesses from another sequence's K/V and its acceptance falls (to 0.6 before the fix)."""
+    chat = lambda text: small.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    reqs = [
+        Request(chat(f"{i}. List the planets of the solar system."), GREEDY, max_tokens=24, ignore_eos=True)
+        for i in range(3)
+    ]
+
+    def run(num_blocks):
+        proposer = DraftModelProposer(small.model, "itself")
+        engine = Engine(
+            small.model, small.tokenizer, {}, num_blocks=num_blocks, block_size=4, proposer=proposer,
+            num_speculative_tokens=4, speculative_max_batch=4, prefix_caching=False,
+        )  # fmt: skip
+        return [c.token_ids for out in engine.generate(reqs) for c in out], engine
+
+    roomy, roomy_engine = run(64)
+    tight, tight_engine = run(24)  # three sequences of up to 14 blocks each: preemptions
+    assert tight_engine.scheduler.n_preemptions > 0 and roomy_engine.scheduler.n_preemptions == 0
+    assert tight == roomy
+    rate = [e.speculator.stats.accepted / e.speculator.stats.drafted for e in (roomy_engine, tight_engine)]
+    assert rate[0] > 0.9 and rate[1] >= rate[0] - 0.02, rate  # fp32 self-draft: 1.0 and 1.0 here
+
+
 def test_a_draft_with_another_vocabulary_is_refused(small):
     from common.errors import UserError
     from proposers import check_draft
