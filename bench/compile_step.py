@@ -12,8 +12,9 @@ capture=False): one sequence, static buffers, so every step has the same shapes 
 opaque to Inductor, which compiles the glue around them) instead of the pybind11 functions that
 dynamo cannot trace. Three engines on the same weights and prompt, their steps interleaved in
 rounds: "eager" runs the static step as the engine does, each layer one C++ call
-(ops.KernelOps.decoder_layer); "loop" runs its layers op by op from Python; "compiled" is that
-Python loop compiled: issue 20's two ways of removing the per-op overhead, side by side.
+(ops.KernelOps.build_one_call_layer, run_one_call_layer); "loop" runs its layers op by op from
+Python; "compiled" is that Python loop compiled: issue 20's two ways of removing the per-op
+overhead, side by side.
 Results: a table, JSON at --out.
 """
 

@@ -16,10 +16,11 @@ Three runs of --steps decode steps each, after a --prompt-tokens prompt and a wa
      adds well under a microsecond per call);
   3. under torch.profiler: torch's operators by name, calls and self time per step. The
      profiler costs a few microseconds per operator, so these times are high; the counts are exact.
-The rest is run 1's step minus the kernels (run 2) and torch's operators (run 3): a lower bound
-on the time in Python. With the kernels on, a decode step's layers run as one C++ call each
-(ops.KernelOps.decoder_layer); that call is one part, DecoderLayer.decode, the kernels and torch
-operators it calls inside included. Results: a table on stdout, JSON at --out.
+The rest is run 1's step minus the kernels (run 2) and torch's operators (run 3): a lower bound on
+the time in Python. With the kernels on, a decode step's layers run as one C++ call each
+(ops.KernelOps.build_one_call_layer, run_one_call_layer); that call is one part,
+DecoderLayer.decode, the kernels and torch operators it calls inside included. Results: a table on
+stdout, JSON at --out.
 """
 
 from __future__ import annotations

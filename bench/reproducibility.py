@@ -70,7 +70,7 @@ def main() -> int:
     spec = {"int4": ch.quant.QuantSpec(4, 32), "int8": ch.quant.QuantSpec(8), "none": None}[args.quant]
     pool = {"kv_cache_bytes": int(args.kv_cache_memory_gb * 2**30)}
     if args.chapter >= 6:
-        pool["kernels"] = ch.ops.Kernels("auto", args.batch_invariant)
+        pool["kernels"] = ch.ops.KernelFlags("auto", args.batch_invariant)
     t0 = time.perf_counter()
     # 1 and 2 without the prefix cache, so that a cached prompt cannot change what they count
     engine, name = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=False, **pool)

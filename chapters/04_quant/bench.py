@@ -75,7 +75,7 @@ def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
 
 @torch.inference_mode()
 def time_generation(model, forward_fn, cache_of, prompt: list[int], n_new: int) -> dict:
-    """Prefill `prompt`, then `n_new` greedy steps (EOS ignored); common.bench.summarize's figures."""
+    """Prefill `prompt`, then `n_new` greedy steps (EOS ignored); common.tools.bench.summarize's figures."""
 
     def once(n):
         cache = cache_of(len(prompt) + n)

@@ -124,9 +124,10 @@ def llama_cpp_available() -> str | None:
 def run_llama_cpp(gguf_path: Path, prompt_ids: list[int], n_decode: int, threads: int) -> dict:
     """Greedy generation of `n_decode` tokens after `prompt_ids` with llama.cpp, timed per token.
 
-    Returns common.bench.summarize's figures (prefill tok/s = prompt tokens / TTFT, decode tok/s
-    = new tokens after the first / their time), plus the ids, the file's size and the weights'
-    (model_bytes: for SmolLM2, with its tied LM head, also the bytes read per decoded token).
+    Returns common.tools.bench.summarize's figures (prefill tok/s = prompt tokens / TTFT, decode
+    tok/s = new tokens after the first / their time), plus the ids, the file's size and the
+    weights' (model_bytes: for SmolLM2, with its tied LM head, also the bytes read per decoded
+    token).
     """
     import llama_cpp
 

@@ -538,7 +538,7 @@ def create_app(
     body_timeout: float = BODY_TIMEOUT_S,
     max_requests: int = 128,
 ) -> FastAPI:
-    app = FastAPI(title="llm-from-scratch chapter 03")
+    app = FastAPI(title="llm-from-scratch chapter 04")
     app.state.server = ServerState(worker.engine, worker, model_name)
     app.include_router(router)
     app.add_exception_handler(APIError, on_api_error)

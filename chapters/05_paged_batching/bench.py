@@ -82,9 +82,9 @@ GiB = 2**30
 
 
 def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
-    """common.bench.servers on `specs` ({label: (a chapter's folder, extra flags)}): each server with the
-    bench's model, device, dtype and weights, and this chapter's (folder HERE) with its scheduler's
-    settings too (chapter 04's has none)."""
+    """common.tools.serving.servers on `specs` ({label: (a chapter's folder, extra flags)}): each
+    server with the bench's model, device, dtype and weights, and this chapter's (folder HERE) with
+    its scheduler's settings too (chapter 04's has none)."""
     base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
     base += ["--quant", args.quant] if args.quant else []
     ours = [

@@ -363,7 +363,7 @@ def part_kernels(args, saved) -> dict:
 
 def chapter_modules(number: int | None = None) -> SimpleNamespace:
     """A chapter's engine, loading and sampling modules: this chapter's (None) by their plain names,
-    another's under its own (common.chapters), so both run in one process."""
+    another's under its own (common.tools.chapters), so both run in one process."""
     if number is None:
         import engine
         import loading
@@ -549,12 +549,12 @@ def part_decode(args) -> dict:
     return result
 
 
-# --- part 3: the server under 16 streams (common.bench's harness) ----------------------------------
+# --- part 3: the server under 16 streams (common.tools.serving's harness) ------------------------
 
 
 def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
-    """common.bench.servers on `specs` ({label: (a chapter's folder, extra flags)}): each server with the
-    bench's model, device, dtype, weights and scheduler settings."""
+    """common.tools.serving.servers on `specs` ({label: (a chapter's folder, extra flags)}): each
+    server with the bench's model, device, dtype, weights and scheduler settings."""
     base = [
         "--model",
         args.model,

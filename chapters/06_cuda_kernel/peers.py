@@ -123,8 +123,8 @@ def run_llama_cpp(gguf_path: Path, prompt_ids: list[int], n_decode: int, threads
     one sequence, through the high-level Llama object, timed per token. Here it is the reference
     for the batched runner's tokens.
 
-    Returns common.bench.summarize's figures (prefill tok/s = prompt tokens / TTFT, decode tok/s
-    = new tokens after the first / their time), plus the ids and the file's and weights' sizes.
+    Returns common.tools.bench.summarize's figures (prefill tok/s = prompt tokens / TTFT, decode
+    tok/s = new tokens after the first / their time), plus the ids and the file's and weights' sizes.
     """
     import llama_cpp
 

@@ -93,8 +93,8 @@ TASKS = {
 
 
 def timing(t0: float, ids: list[int], times: list[float]) -> dict:
-    """A run's tokens, decode tok/s (common.bench's: the tokens after the first over their time;
-    None when they all came at once) and TTFT. times: when each token was ready."""
+    """A run's tokens, decode tok/s (common.tools.bench.summarize's: the tokens after the first
+    over their time; None when they all came at once) and TTFT. times: when each token was ready."""
     rate = summarize(t0, times, 0)["decode_tok_s"] if times[-1] > times[0] else None
     return {"tokens": len(ids), "decode_tok_s": rate, "ttft_ms": (times[0] - t0) * 1e3, "ids": ids}
 
