@@ -106,11 +106,16 @@ class DraftModelProposer:
     has computed too are sure to be the sequence's (past them lie guesses the target may have
     rejected, or nothing after a preemption): each propose first runs the tokens from
     min(draft_computed, n_computed) on in one chunk (the prompt, at first; after a verify, the
-    target's new token and perhaps the last kept guess), whose last row gives the first guess."""
+    target's new token and perhaps the last kept guess), whose last row gives the first guess.
 
-    def __init__(self, model: Model, name: str):
+    That catch-up is chunked like the target's prefill: at most `catch_up_tokens` a step over all
+    sequences. A sequence further behind runs a chunk and guesses nothing this step, so a long
+    prompt neither stalls the other streams nor holds a prompt-sized activation at once."""
+
+    def __init__(self, model: Model, name: str, catch_up_tokens: int = 256):
         self.model = model
         self.name = name
+        self.catch_up_tokens = catch_up_tokens
         self.blocks: BlockManager | None = None
         self.runner: ModelRunner | None = None
 
@@ -137,23 +142,36 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]
-        # The draft writes K/V up to position len(tokens) + k - 2 (its last guess is not run): the
-        # table must hold them before the scheduler would grow it. Where the pool is short, fewer.
-        live = []
+        budget = self.catch_up_tokens
+        live, work, behind = [], [], []  # guessing now (and its first row); catching up only
         for i, (seq, k) in enumerate(zip(seqs, ks)):
+            start = min(seq.draft_computed, seq.n_computed)
+            n = len(seq.tokens) - start  # to run before the first guess, the pending token last
+            if n > budget:
+                take = min(n - 1, budget)  # never the pending token: its row would be a guess
+                if take > 0:
+                    behind.append(Work(seq.tokens[start : start + take], start, seq.block_table))
+                    seq.draft_computed = start + take
+                    budget -= take
+                continue
+            # The draft writes K/V up to position len(tokens) + k - 2 (its last guess is not run):
+            # the table must hold them before the scheduler would grow it. Where the pool is short, fewer.
             while k > 0 and not self.blocks.can_grow(seq.block_table, len(seq.tokens) + k - 1):
                 k -= 1
             if k > 0:
+                budget -= n
                 self.blocks.grow(seq.block_table, len(seq.tokens) + k - 1)
                 live.append((i, seq, k))
+                work.append(Work(seq.tokens[start:], start, seq.block_table))
         if not live:
+            if behind:
+                self.runner.run(behind)
             return drafts
-        starts = [min(seq.draft_computed, seq.n_computed) for _, seq, _ in live]
-        work = [Work(seq.tokens[s:], s, seq.block_table) for s, (_, seq, _) in zip(starts, live)]
         pending = live
         rows: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in live}
         while pending:
-            logits = self.runner.run(work)
+            logits = self.runner.run(behind + work)[len(behind) :]  # the catch-up chunks ride the first pass
+            behind = []
             # what each sequence has run now, and its next guess
             next_pending, next_work = [], []
             for (i, seq, k), w, row in zip(pending, work, logits):
