@@ -267,20 +267,31 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
     return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
+class TextOffsets:
+    """Each token's offset in its choice's text: how much the streaming detokenizer had emitted
+    before it, so a character split over several tokens counts once, where it completes. One pass
+    over the tokens (decoding every prefix instead is quadratic: minutes at 16 x 8000), kept across
+    the chunks of a stream, whose offsets count from the start of the choice as a whole reply's do."""
+
+    def __init__(self, tokenizer):
+        self.detokenizer, self.emitted = IncrementalDetokenizer(tokenizer), 0
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self.emitted)
+            self.emitted += len(self.detokenizer.add(token_id))
+        return offsets
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: TextOffsets | None = None) -> dict:
+    """offsets: the choice's TextOffsets so far (a stream's); None: these are all its tokens."""
     ids = [t.token_id for t in lps]
-    # Each token's offset in the choice's text: how much the streaming detokenizer had emitted
-    # before it, so a character split over several tokens counts once, where it completes. One
-    # pass over the tokens; decoding every prefix instead is quadratic (minutes at 16 x 8000).
-    detokenizer, offsets, emitted = IncrementalDetokenizer(tokenizer), [], 0
-    for token_id in ids:
-        offsets.append(emitted)
-        emitted += len(detokenizer.add(token_id))
     return {
         "tokens": [tokenizer.decode([i]) for i in ids],
         "token_logprobs": [t.logprob for t in lps],
         "top_logprobs": [{tokenizer.decode([i]): v for i, v in t.top} for t in lps],
-        "text_offset": offsets,
+        "text_offset": (offsets or TextOffsets(tokenizer)).of(ids),
     }
 
 
@@ -347,12 +358,12 @@ class ChunkFraming:
         return sse(body)
 
 
-def stream_choice(tokenizer, ev: Event, chat: bool, logprobs: bool) -> dict:
+def stream_choice(tokenizer, ev: Event, chat: bool, logprobs: bool, offsets: TextOffsets | None = None) -> dict:
     if chat:
         delta = {"content": ev.text} if ev.text or not ev.finish_reason else {}
         lp = chat_logprobs(tokenizer, ev.logprobs) if logprobs else None
         return {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": ev.finish_reason}
-    lp = completion_logprobs(tokenizer, ev.logprobs) if logprobs else None
+    lp = completion_logprobs(tokenizer, ev.logprobs, offsets) if logprobs else None
     return {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
 
@@ -361,6 +372,7 @@ async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: 
     `ended` is called when the stream ends, however it ends."""
     req = job.request
     logprobs = req.params.logprobs is not None
+    offsets = [TextOffsets(tokenizer) for _ in range(req.n)]  # per choice, across its chunks
     n_tokens = 0
     try:
         if framing.chat:  # OpenAI's first chunk of each choice announces the role
@@ -375,7 +387,7 @@ async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: 
             n_tokens += sum(len(ev.token_ids) for ev in events)
             # A token that ends inside a character adds no text yet: nothing to send.
             choices = [
-                stream_choice(tokenizer, ev, framing.chat, logprobs)
+                stream_choice(tokenizer, ev, framing.chat, logprobs, offsets[ev.index])
                 for ev in events
                 if ev.text or ev.finish_reason or logprobs
             ]

@@ -442,6 +442,27 @@ def test_text_offsets_are_each_tokens_place_in_the_text_found_in_one_pass():
             assert offsets[i] == len(prefix), i
 
 
+def test_streamed_text_offsets_count_from_the_start_of_the_choice():
+    """A stream's chunks (one token each, or several when speculation keeps drafts) carry the same
+    text_offset as the whole reply: from the start of the choice's text, not of the chunk."""
+    require("fastapi")
+    import server
+    from engine import Event
+    from sampling import TokenLogprob
+
+    tokenizer = Tokenizer(resolve_model("smollm2-135m"))
+    ids = tokenizer.encode("Hello, world! Ça va? 你好, über alles. " * 3)
+    lps = [TokenLogprob(i, -1.0, []) for i in ids]
+    whole = server.completion_logprobs(tokenizer, lps)["text_offset"]
+    offsets, streamed, start, size = server.TextOffsets(tokenizer), [], 0, 1
+    while start < len(ids):  # chunks of 1, 2, 3, 1, 2, 3, ... tokens
+        chunk = lps[start : start + size]
+        ev = Event(0, "", [t.token_id for t in chunk], chunk)
+        streamed += server.stream_choice(tokenizer, ev, False, True, offsets)["logprobs"]["text_offset"]
+        start, size = start + size, size % 3 + 1
+    assert streamed == whole and whole[-1] > 0
+
+
 def test_a_reply_is_built_off_the_event_loop(http, monkeypatch):
     import asyncio
 
