@@ -480,5 +480,12 @@ def test_a_reply_is_built_off_the_event_loop(http, monkeypatch):
         return build(*args)
 
     monkeypatch.setattr(server, "reply_body", spy)
+    # and serialised there: FastAPI's encoder (2 s for a large reply, on the loop) never sees it
+    import fastapi.routing
+
+    encoded = []
+    encoder = fastapi.routing.jsonable_encoder
+    monkeypatch.setattr(fastapi.routing, "jsonable_encoder", lambda obj, *a, **k: encoded.append(obj) or encoder(obj, *a, **k))
     r = post(http, "/v1/completions", {"prompt": "One, two,", "max_tokens": 3, "logprobs": 1})
     assert r.status_code == 200 and where == ["a worker thread"], r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] and encoded == []
