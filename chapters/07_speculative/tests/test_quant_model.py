@@ -10,7 +10,6 @@ import torch
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
-from common.tools.testing import SERVER_STACK, require
 from common.tools.warm_python import run_python
 from model import forward_sequence, load_model
 from parity import DEFAULT_TEXT
@@ -137,28 +136,3 @@ def test_int4_g128_costs_what_was_measured(macbeth_ppl):
     base, g32, g128 = macbeth_ppl(None), macbeth_ppl(QuantSpec(4, 32)), macbeth_ppl(QuantSpec(4, 128))
     assert abs(g32 / base - 1) < 0.01, (base, g32)
     assert base * 1.3 < g128 < 80.8 * 1.05, (base, g128)
-
-
-def test_the_server_serves_a_quantized_model(tmp_path):
-    require(*SERVER_STACK)
-    from openai import OpenAI
-
-    from live_server import serve
-
-    with serve(tmp_path, "smollm2-135m", "--quant", "int8") as (url, proc, log):
-        client = OpenAI(base_url=url + "/v1", api_key="none")
-        reply = client.chat.completions.create(
-            model="smollm2-135m", temperature=0, max_tokens=12, messages=[{"role": "user", "content": PROMPT}]
-        )
-        assert "Paris" in reply.choices[0].message.content
-        stream = client.chat.completions.create(
-            model="smollm2-135m",
-            temperature=0,
-            max_tokens=12,
-            stream=True,
-            messages=[{"role": "user", "content": PROMPT}],
-        )
-        assert (
-            "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
-        )
-    assert "serving smollm2-135m (int8 weights, " in log.read_text()
