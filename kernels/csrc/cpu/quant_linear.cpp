@@ -252,132 +252,110 @@ KERNELS_INLINE Widened widen_tile(const LinearArgs& a, int o) {
     return {out, out + n, groups};
 }
 
-// AVX2, the factored form: 16 inputs (8 bytes) per step; lo = the byte masked to its low nibble.
-template <int NO, int R>
-KERNELS_AVX2 inline void int4_tile_avx2(const LinearArgs& a, int o, int r0, Widened t) {
+// The factored form on S's vectors (AVX2 for any number of rows of x, AVX512 for one): W bytes,
+// 2W inputs, per step; vec.h's load_u8_split gives each byte whole and its low nibble.
+template <class S, int NO, int R>
+KERNELS_INLINE void int4_factored_tile(const LinearArgs& a, int o, int r0, Widened t) {
+    using V = typename S::V;
+    constexpr int W = S::W;
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
     const uint8_t* w[NO];
     const float *scale[NO], *min[NO];
     tile_rows(a, o, t, w, scale, min);
     const float* x = a.xs + int64_t(r0) * n_in;
     const float* xsum = a.xsum + int64_t(r0) * groups;
-    // The tile's codes are one contiguous run (its rows are consecutive), read at NO * 8 bytes a
+    // The tile's codes are one contiguous run (its rows are consecutive), read at NO * W bytes a
     // step, and its scales and mins at NO halves a group: prefetch each at that pace.
     const uint8_t* front = w[0] + kPrefetchBytes;
     const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
-    const __m256i low_nibble = _mm256_set1_epi32(15);
-    __m256 acc[NO][R];
+    V acc[NO][R];
     for (int n = 0; n < NO; ++n)
-        for (int r = 0; r < R; ++r) acc[n][r] = _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) acc[n][r] = S::zero();
 
     for (int g = 0; g < groups; ++g) {
         prefetch(scale_front + NO * g);
         prefetch(min_front + NO * g);
-        __m256 part[NO][R];  // sum of code * x over the group
+        V part[NO][R];  // sum of code * x over the group
         for (int n = 0; n < NO; ++n)
-            for (int r = 0; r < R; ++r) part[n][r] = _mm256_setzero_ps();
-        for (int i = g * G; i < (g + 1) * G; i += 16) {
+            for (int r = 0; r < R; ++r) part[n][r] = S::zero();
+        for (int i = g * G; i < (g + 1) * G; i += 2 * W) {
             prefetch(front + NO * (i / 2));
-            __m256 x_lo[R], x_byte[R];
+            V x_lo[R], x_byte[R];
             for (int r = 0; r < R; ++r) {
-                x_lo[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i);
+                x_lo[r] = S::load(x + int64_t(r) * n_in + i);
                 KERNELS_IN_REGISTER(x_lo[r]);
-                x_byte[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i + 8);
+                x_byte[r] = S::load(x + int64_t(r) * n_in + i + W);
                 KERNELS_IN_REGISTER(x_byte[r]);
             }
             for (int n = 0; n < NO; ++n) {
-                __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
-                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_nibble));
-                __m256 byte = _mm256_cvtepi32_ps(bytes);
+                V byte, lo;
+                S::load_u8_split(w[n] + i / 2, byte, lo);
                 for (int r = 0; r < R; ++r) {
-                    part[n][r] = _mm256_fmadd_ps(lo, x_lo[r], part[n][r]);
-                    part[n][r] = _mm256_fmadd_ps(byte, x_byte[r], part[n][r]);
+                    part[n][r] = S::fma(lo, x_lo[r], part[n][r]);
+                    part[n][r] = S::fma(byte, x_byte[r], part[n][r]);
                 }
             }
         }
         for (int n = 0; n < NO; ++n)
-            for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(part[n][r], _mm256_set1_ps(scale[n][g]), acc[n][r]);
+            for (int r = 0; r < R; ++r) acc[n][r] = S::fma(part[n][r], S::set1(scale[n][g]), acc[n][r]);
     }
     // The min term, sum_g min[g] * xsum[g], folded into the same register before its sum.
     for (int n = 0; n < NO; ++n)
         for (int r = 0; r < R; ++r) {
             const float* xs_r = xsum + int64_t(r) * groups;
-            int g = 0;
-            for (; g + 8 <= groups; g += 8)
-                acc[n][r] = _mm256_fmadd_ps(_mm256_loadu_ps(min[n] + g), _mm256_loadu_ps(xs_r + g), acc[n][r]);
-            float sum = Avx2::reduce_add(acc[n][r]);
-            for (; g < groups; ++g) sum += min[n][g] * xs_r[g];
-            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, sum, a.dtype);
+            for (int g = 0; g < groups; g += W)
+                acc[n][r] = S::fma(S::load_first(min[n] + g, groups - g), S::load_first(xs_r + g, groups - g),
+                                   acc[n][r]);
+            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o + n, S::reduce_add(acc[n][r]), a.dtype);
         }
 }
 
-// All rows of x for output rows o .. o + NO - 1; 16 registers allow NO * R up to 4.
-template <int NO>
-KERNELS_AVX2 inline void int4_rows_avx2(const LinearArgs& a, int o, Widened t) {
+// Each ISA's int4_factored_tile as a function of its own, compiled for it (its target, all inlined
+// into it, itself never inlined). Inlined together into one function per ISA, the same tiles
+// measured up to 1.2x slower (AVX2, 4-16 rows of x): in one large function GCC allocated the
+// registers of their loops worse (register copies in every step) and spilled around them.
+template <class S>
+struct Int4Tile;
+
+template <>
+struct Int4Tile<Avx2> {
+    template <int NO, int R>
+    KERNELS_AVX2 __attribute__((flatten, noinline)) static void run(const LinearArgs& a, int o, int r0, Widened t) {
+        int4_factored_tile<Avx2, NO, R>(a, o, r0, t);
+    }
+};
+
+template <>
+struct Int4Tile<Avx512> {
+    template <int NO, int R>
+    KERNELS_AVX512 __attribute__((flatten, noinline)) static void run(const LinearArgs& a, int o, int r0, Widened t) {
+        int4_factored_tile<Avx512, NO, R>(a, o, r0, t);
+    }
+};
+
+// All rows of x for output rows o .. o + NO - 1 in the factored form: a tile's NO * R sums and
+// NO * R accumulators within AVX2's 16 registers allow NO * R up to 4.
+template <class S, int NO>
+KERNELS_INLINE void int4_factored_rows(const LinearArgs& a, int o, Widened t) {
     if constexpr (NO == 4) {
         if (a.rows == 1) {
-            int4_tile_avx2<4, 1>(a, o, 0, t);
+            Int4Tile<S>::template run<4, 1>(a, o, 0, t);
         } else {
-            int4_rows_avx2<2>(a, o, t);
-            int4_rows_avx2<2>(a, o + 2, t.rows_from(2));
+            int4_factored_rows<S, 2>(a, o, t);
+            int4_factored_rows<S, 2>(a, o + 2, t.rows_from(2));
         }
     } else {
         int r0 = 0;
-        for (; r0 + 2 <= a.rows; r0 += 2) int4_tile_avx2<NO, 2>(a, o, r0, t);
-        if (r0 < a.rows) int4_tile_avx2<NO, 1>(a, o, r0, t);
+        for (; r0 + 2 <= a.rows; r0 += 2) Int4Tile<S>::template run<NO, 2>(a, o, r0, t);
+        if (r0 < a.rows) Int4Tile<S>::template run<NO, 1>(a, o, r0, t);
     }
 }
 
-KERNELS_AVX2 void int4_range_avx2(const LinearArgs& a, int o0, int o1) {
+KERNELS_AVX2 __attribute__((flatten)) void int4_range_avx2(const LinearArgs& a, int o0, int o1) {
     int o = o0;
-    for (; o + 4 <= o1; o += 4) int4_rows_avx2<4>(a, o, widen_tile<Avx2, 4>(a, o));
-    for (; o < o1; ++o) int4_rows_avx2<1>(a, o, widen_tile<Avx2, 1>(a, o));
-}
-
-// AVX512, one row of x: the factored form, 32 inputs (16 bytes) per step, with one change:
-// vpermps reads only the low 4 bits of each lane's index, so a lookup in the constant
-// (0, 1, .., 15) turns a widened byte into its low nibble as a float in one instruction.
-template <int NO>
-KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o, Widened t) {
-    const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
-    const uint8_t* w[NO];
-    const float *scale[NO], *min[NO];
-    tile_rows(a, o, t, w, scale, min);
-    const float* x = a.xs;
-    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
-    const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
-    const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
-    const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 acc[NO];
-    for (int n = 0; n < NO; ++n) acc[n] = _mm512_setzero_ps();
-
-    for (int g = 0; g < groups; ++g) {
-        prefetch(scale_front + NO * g);
-        prefetch(min_front + NO * g);
-        __m512 part[NO];  // sum of code * x over the group
-        for (int n = 0; n < NO; ++n) part[n] = _mm512_setzero_ps();
-        for (int i = g * G; i < (g + 1) * G; i += 32) {
-            prefetch(front + NO * (i / 2));
-            const __m512 x_lo = _mm512_loadu_ps(x + i), x_byte = _mm512_loadu_ps(x + i + 16);
-            for (int n = 0; n < NO; ++n) {
-                __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + i / 2)));
-                __m512 lo = _mm512_permutexvar_ps(bytes, nibble_values);
-                __m512 byte = _mm512_cvtepi32_ps(bytes);
-                part[n] = _mm512_fmadd_ps(lo, x_lo, part[n]);
-                part[n] = _mm512_fmadd_ps(byte, x_byte, part[n]);
-            }
-        }
-        for (int n = 0; n < NO; ++n) acc[n] = _mm512_fmadd_ps(part[n], _mm512_set1_ps(scale[n][g]), acc[n]);
-    }
-    for (int n = 0; n < NO; ++n) {
-        for (int g = 0; g < groups; g += 16) {  // the min term; a masked load for the last < 16 groups
-            const __mmask16 m = groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (groups - g)) - 1);
-            acc[n] =
-                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, min[n] + g), _mm512_maskz_loadu_ps(m, a.xsum + g), acc[n]);
-        }
-        store_from_float(a.y, o + n, Avx512::reduce_add(acc[n]), a.dtype);
-    }
+    for (; o + 4 <= o1; o += 4) int4_factored_rows<Avx2, 4>(a, o, widen_tile<Avx2, 4>(a, o));
+    for (; o < o1; ++o) int4_factored_rows<Avx2, 1>(a, o, widen_tile<Avx2, 1>(a, o));
 }
 
 // AVX512, several rows of x (on x deinterleaved, not transformed): dequantize each weight once,
@@ -385,7 +363,8 @@ KERNELS_AVX512 inline void int4_factored_avx512(const LinearArgs& a, int o, Wide
 // table[c] = min + scale * c (one FMA); the low nibble looks up its weight as it stands, the
 // high one after a shift. (The factored form costs one FMA more per group and row of x, and
 // measured slower from 2 rows on; dequantizing to an L1 buffer for a blocked matrix product
-// measured slower still at these sizes.)
+// measured slower still at these sizes.) AVX512's own: the lookup is one vpermps into 16 floats,
+// where AVX2's indexes 8.
 template <int NO, int R>
 KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0, Widened t) {
     const int n_in = a.n_in, G = a.group_size, groups = n_in / G;
@@ -393,7 +372,7 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0, 
     const float *scale[NO], *min[NO];
     tile_rows(a, o, t, w, scale, min);
     const float* x = a.xs + int64_t(r0) * n_in;
-    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
+    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_factored_tile
     const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -437,7 +416,7 @@ KERNELS_AVX512 inline void int4_tile_avx512(const LinearArgs& a, int o, int r0, 
 // tile of any R; batch-invariant, one row is a tile too, not the factored form.
 template <int NO>
 KERNELS_AVX512 inline void int4_rows_avx512(const LinearArgs& a, int o, Widened t) {
-    if (a.rows == 1 && !a.invariant) return int4_factored_avx512<NO>(a, o, t);
+    if (a.rows == 1 && !a.invariant) return Int4Tile<Avx512>::run<NO, 1>(a, o, 0, t);  // the fewest instructions
     int r0 = 0;
     for (; r0 + 4 <= a.rows; r0 += 4) int4_tile_avx512<NO, 4>(a, o, r0, t);
     switch (a.rows - r0) {
@@ -472,7 +451,7 @@ KERNELS_AVX512_BF16 inline void int4_dot_tile_bf16(const LinearArgs& a, int o, i
     tile_rows(a, o, t, w, scale, min);
     const uint16_t* x = a.x_bf16 + int64_t(r0) * 32;  // x in steps (int4_linear): rows r0.. of step 0
     const int64_t x_step = int64_t(a.rows) * 32;
-    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_tile_avx2
+    const uint8_t* front = w[0] + kPrefetchBytes;  // as in int4_factored_tile
     const uint16_t* scale_front = a.group_scale + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const uint16_t* min_front = a.group_min + int64_t(o) * groups + kPrefetchBytes * 2 / G;
     const __m512 nibble_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -546,41 +525,41 @@ KERNELS_AVX512_BF16 void int4_dot_range_bf16(const LinearArgs& a, int o0, int o1
 // The same kernel for both: each weight is widened to float as it arrives and multiplied into x.
 // int8 codes are sign-extended and converted (the row's scale is applied once, to the sum); a
 // bf16 weight is the top half of its float, so a 16-bit shift widens it, exactly. A format says
-// how to widen a vector of its elements (Int8Rows, Bf16Rows); the tiles below are written once.
+// how to widen a vector of its elements on S (Int8Rows, Bf16Rows); the tiles below are written
+// once, for every vector width. (Into an argument, not returned: a vector returned from a function
+// with no target attribute is an ABI change GCC warns about.)
 
 struct Int8Rows {
     using T = int8_t;
-    static float widen(const T* w, int i) { return float(w[i]); }
-#ifdef KERNELS_X86
-    KERNELS_AVX2 static __m256 widen8(const T* w) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+    template <class S>
+    KERNELS_INLINE static void load(const T* w, typename S::V& v) {
+        v = S::load_i8(w);
     }
-    KERNELS_AVX512 static __m512 widen16(const T* w) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-    }
-#endif
 };
 
 struct Bf16Rows {
     using T = uint16_t;
-    static float widen(const T* w, int i) { return bf16_to_float(w[i]); }
-#ifdef KERNELS_X86
-    KERNELS_AVX2 static __m256 widen8(const T* w) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    template <class S>
+    KERNELS_INLINE static void load(const T* w, typename S::V& v) {
+        v = S::template load_as<DType::bf16>(w, 0);
     }
-    KERNELS_AVX512 static __m512 widen16(const T* w) {
-        const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    }
-#endif
 };
+
+// Weight i of a row, widened alone: the portable path's, and a SIMD row's last few.
+template <class F>
+KERNELS_INLINE float widen(const typename F::T* w, int i) {
+    float v;
+    F::template load<Scalar>(w + i, v);
+    return v;
+}
 
 // y[r, o] = sum * scale[o] for int8, the sum itself for bf16 (no scale).
 KERNELS_INLINE void store_row_output(const LinearArgs& a, int r, int o, float sum) {
     store_from_float(a.y, int64_t(r) * a.n_out + o, a.scale ? sum * a.scale[o] : sum, a.dtype);
 }
 
+// Portable C++ on lanes of 16, as int4_range_scalar, which the compiler vectorises; vec.h's
+// Scalar, one lane, would leave it chains of scalar FMAs, summed in another order.
 template <class F>
 void rows_range_scalar(const LinearArgs& a, int o0, int o1) {
     const int n_in = a.n_in;
@@ -588,13 +567,13 @@ void rows_range_scalar(const LinearArgs& a, int o0, int o1) {
         const typename F::T* w = static_cast<const typename F::T*>(a.w) + int64_t(o) * n_in;
         for (int r = 0; r < a.rows; ++r) {
             const float* x = a.xs + int64_t(r) * n_in;
-            float acc[kScalarLanes] = {};  // lanes, as in int4_range_scalar
+            float acc[kScalarLanes] = {};
             int i = 0;
             for (; i + kScalarLanes <= n_in; i += kScalarLanes)
-                for (int j = 0; j < kScalarLanes; ++j) acc[j] += F::widen(w, i + j) * x[i + j];
+                for (int j = 0; j < kScalarLanes; ++j) acc[j] += widen<F>(w, i + j) * x[i + j];
             float sum = 0.f;
             for (int j = 0; j < kScalarLanes; ++j) sum += acc[j];
-            for (; i < n_in; ++i) sum += F::widen(w, i) * x[i];
+            for (; i < n_in; ++i) sum += widen<F>(w, i) * x[i];
             store_row_output(a, r, o, sum);
         }
     }
@@ -610,129 +589,110 @@ KERNELS_INLINE void prefetch_step(const char* front, int i) {
     for (int b = 0; b < bytes; b += 64) prefetch(front + int64_t(NO) * i * int(sizeof(typename F::T)) + b);
 }
 
-// One step of 8 inputs: acc[n][r] += w[n][i..] * x[r][i..].
-template <class F, int NO, int R>
-KERNELS_AVX2 inline __attribute__((always_inline)) void rows_step_avx2(__m256 (&acc)[NO][R],
-                                                                       const typename F::T* const* w, const float* x,
-                                                                       int n_in, int i) {
-    __m256 xv[R];
+// One step of W inputs: acc[n][r] += w[n][i..] * x[r][i..].
+template <class S, class F, int NO, int R>
+KERNELS_INLINE void rows_step(typename S::V (&acc)[NO][R], const typename F::T* const* w, const float* x, int n_in,
+                              int i) {
+    typename S::V xv[R];
     for (int r = 0; r < R; ++r) {
-        xv[r] = _mm256_loadu_ps(x + int64_t(r) * n_in + i);
+        xv[r] = S::load(x + int64_t(r) * n_in + i);
         KERNELS_IN_REGISTER(xv[r]);
     }
     for (int n = 0; n < NO; ++n) {
-        const __m256 wv = F::widen8(w[n] + i);
-        for (int r = 0; r < R; ++r) acc[n][r] = _mm256_fmadd_ps(wv, xv[r], acc[n][r]);
+        typename S::V wv;
+        F::template load<S>(w[n] + i, wv);
+        for (int r = 0; r < R; ++r) acc[n][r] = S::fma(wv, xv[r], acc[n][r]);
     }
 }
 
 // With one row of x, two sets of accumulators (alternate steps) keep 2 * NO chains in flight.
-template <class F, int NO, int R>
-KERNELS_AVX2 inline void rows_tile_avx2(const LinearArgs& a, int o, int r0) {
-    constexpr int A = R == 1 ? 2 : 1;
+template <class S, class F, int NO, int R>
+KERNELS_INLINE void rows_tile(const LinearArgs& a, int o, int r0) {
+    using V = typename S::V;
+    constexpr int W = S::W, A = R == 1 ? 2 : 1;
     const int n_in = a.n_in;
     const typename F::T* w[NO];
     for (int n = 0; n < NO; ++n) w[n] = static_cast<const typename F::T*>(a.w) + int64_t(o + n) * n_in;
     const float* x = a.xs + int64_t(r0) * n_in;
     const char* front = reinterpret_cast<const char*>(w[0]) + kPrefetchBytes;
-    __m256 acc[A][NO][R];
+    V acc[A][NO][R];
     for (int k = 0; k < A; ++k)
         for (int n = 0; n < NO; ++n)
-            for (int r = 0; r < R; ++r) acc[k][n][r] = _mm256_setzero_ps();
+            for (int r = 0; r < R; ++r) acc[k][n][r] = S::zero();
     int i = 0;
-    for (; i + 8 * A <= n_in; i += 8 * A)
+    for (; i + W * A <= n_in; i += W * A)
         for (int k = 0; k < A; ++k) {
-            prefetch_step<F, NO, 8>(front, i + 8 * k);
-            rows_step_avx2<F, NO, R>(acc[k], w, x, n_in, i + 8 * k);
+            prefetch_step<F, NO, W>(front, i + W * k);
+            rows_step<S, F, NO, R>(acc[k], w, x, n_in, i + W * k);
         }
-    for (; i + 8 <= n_in; i += 8) rows_step_avx2<F, NO, R>(acc[0], w, x, n_in, i);
+    for (; i + W <= n_in; i += W) rows_step<S, F, NO, R>(acc[0], w, x, n_in, i);
     for (int n = 0; n < NO; ++n)
         for (int r = 0; r < R; ++r) {
-            __m256 s = A == 2 ? _mm256_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
-            float sum = Avx2::reduce_add(s);
-            for (int j = i; j < n_in; ++j) sum += F::widen(w[n], j) * x[int64_t(r) * n_in + j];
+            const V s = A == 2 ? S::add(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
+            float sum = S::reduce_add(s);
+            for (int j = i; j < n_in; ++j) sum += widen<F>(w[n], j) * x[int64_t(r) * n_in + j];
             store_row_output(a, r0 + r, o + n, sum);
         }
 }
 
+// Each ISA's rows_tile as a function of its own, compiled for it, as Int4Tile: inlined together,
+// the tiles measured up to 1.1x slower on small matrices (AVX512 bf16 and int8), their set-up and
+// sums spilling registers, and a tile of a few dozen steps is much of those.
+template <class S>
+struct RowsTile;
+
+template <>
+struct RowsTile<Avx2> {
+    template <class F, int NO, int R>
+    KERNELS_AVX2 __attribute__((flatten, noinline)) static void run(const LinearArgs& a, int o, int r0) {
+        rows_tile<Avx2, F, NO, R>(a, o, r0);
+    }
+};
+
+template <>
+struct RowsTile<Avx512> {
+    template <class F, int NO, int R>
+    KERNELS_AVX512 __attribute__((flatten, noinline)) static void run(const LinearArgs& a, int o, int r0) {
+        rows_tile<Avx512, F, NO, R>(a, o, r0);
+    }
+};
+
+// The last rows of x, fewer than R + 1: one tile of them.
+template <class S, class F, int NO, int R>
+KERNELS_INLINE void rows_rest(const LinearArgs& a, int o, int r0) {
+    if constexpr (R > 0) {
+        if (a.rows - r0 == R) return RowsTile<S>::template run<F, NO, R>(a, o, r0);
+        rows_rest<S, F, NO, R - 1>(a, o, r0);
+    }
+}
+
+// All rows of x for output rows o .. o + NO - 1, in tiles of up to registers / 8 rows (AVX2 2,
+// AVX512 4): at NO = 4, the NO * R accumulators, R vectors of x and a weight vector fit.
 // Batch-invariant, every row of x is a tile of one row: the form (two accumulators) a lone row gets.
-template <class F, int NO>
-KERNELS_AVX2 inline void rows_avx2(const LinearArgs& a, int o) {
+template <class S, class F, int NO>
+KERNELS_INLINE void rows_tiles(const LinearArgs& a, int o) {
+    constexpr int RM = S::registers / 8;
     int r0 = 0;
-    for (; r0 < a.rows && a.invariant; ++r0) rows_tile_avx2<F, NO, 1>(a, o, r0);
-    for (; r0 + 2 <= a.rows; r0 += 2) rows_tile_avx2<F, NO, 2>(a, o, r0);
-    if (r0 < a.rows) rows_tile_avx2<F, NO, 1>(a, o, r0);
+    for (; r0 < a.rows && a.invariant; ++r0) RowsTile<S>::template run<F, NO, 1>(a, o, r0);
+    for (; r0 + RM <= a.rows; r0 += RM) RowsTile<S>::template run<F, NO, RM>(a, o, r0);
+    rows_rest<S, F, NO, RM - 1>(a, o, r0);
+}
+
+template <class S, class F>
+KERNELS_INLINE void rows_range(const LinearArgs& a, int o0, int o1) {
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) rows_tiles<S, F, 4>(a, o);
+    for (; o < o1; ++o) rows_tiles<S, F, 1>(a, o);
 }
 
 template <class F>
-KERNELS_AVX2 void rows_range_avx2(const LinearArgs& a, int o0, int o1) {
-    int o = o0;
-    for (; o + 4 <= o1; o += 4) rows_avx2<F, 4>(a, o);
-    for (; o < o1; ++o) rows_avx2<F, 1>(a, o);
-}
-
-// One step of 16 inputs: acc[n][r] += w[n][i..] * x[r][i..].
-template <class F, int NO, int R>
-KERNELS_AVX512 inline __attribute__((always_inline)) void rows_step_avx512(__m512 (&acc)[NO][R],
-                                                                           const typename F::T* const* w,
-                                                                           const float* x, int n_in, int i) {
-    __m512 xv[R];
-    for (int r = 0; r < R; ++r) {
-        xv[r] = _mm512_loadu_ps(x + int64_t(r) * n_in + i);
-        KERNELS_IN_REGISTER(xv[r]);
-    }
-    for (int n = 0; n < NO; ++n) {
-        const __m512 wv = F::widen16(w[n] + i);
-        for (int r = 0; r < R; ++r) acc[n][r] = _mm512_fmadd_ps(wv, xv[r], acc[n][r]);
-    }
-}
-
-template <class F, int NO, int R>
-KERNELS_AVX512 inline void rows_tile_avx512(const LinearArgs& a, int o, int r0) {
-    constexpr int A = R == 1 ? 2 : 1;
-    const int n_in = a.n_in;
-    const typename F::T* w[NO];
-    for (int n = 0; n < NO; ++n) w[n] = static_cast<const typename F::T*>(a.w) + int64_t(o + n) * n_in;
-    const float* x = a.xs + int64_t(r0) * n_in;
-    const char* front = reinterpret_cast<const char*>(w[0]) + kPrefetchBytes;
-    __m512 acc[A][NO][R];
-    for (int k = 0; k < A; ++k)
-        for (int n = 0; n < NO; ++n)
-            for (int r = 0; r < R; ++r) acc[k][n][r] = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 * A <= n_in; i += 16 * A)
-        for (int k = 0; k < A; ++k) {
-            prefetch_step<F, NO, 16>(front, i + 16 * k);
-            rows_step_avx512<F, NO, R>(acc[k], w, x, n_in, i + 16 * k);
-        }
-    for (; i + 16 <= n_in; i += 16) rows_step_avx512<F, NO, R>(acc[0], w, x, n_in, i);
-    for (int n = 0; n < NO; ++n)
-        for (int r = 0; r < R; ++r) {
-            __m512 s = A == 2 ? _mm512_add_ps(acc[0][n][r], acc[A - 1][n][r]) : acc[0][n][r];
-            float sum = Avx512::reduce_add(s);
-            for (int j = i; j < n_in; ++j) sum += F::widen(w[n], j) * x[int64_t(r) * n_in + j];
-            store_row_output(a, r0 + r, o + n, sum);
-        }
-}
-
-template <class F, int NO>
-KERNELS_AVX512 inline void rows_avx512(const LinearArgs& a, int o) {
-    int r0 = 0;
-    for (; r0 < a.rows && a.invariant; ++r0) rows_tile_avx512<F, NO, 1>(a, o, r0);  // as rows_avx2
-    for (; r0 + 4 <= a.rows; r0 += 4) rows_tile_avx512<F, NO, 4>(a, o, r0);
-    switch (a.rows - r0) {
-        case 3: rows_tile_avx512<F, NO, 3>(a, o, r0); break;
-        case 2: rows_tile_avx512<F, NO, 2>(a, o, r0); break;
-        case 1: rows_tile_avx512<F, NO, 1>(a, o, r0); break;
-        default: break;
-    }
+KERNELS_AVX2 __attribute__((flatten)) void rows_range_avx2(const LinearArgs& a, int o0, int o1) {
+    rows_range<Avx2, F>(a, o0, o1);
 }
 
 template <class F>
-KERNELS_AVX512 void rows_range_avx512(const LinearArgs& a, int o0, int o1) {
-    int o = o0;
-    for (; o + 4 <= o1; o += 4) rows_avx512<F, 4>(a, o);
-    for (; o < o1; ++o) rows_avx512<F, 1>(a, o);
+KERNELS_AVX512 __attribute__((flatten)) void rows_range_avx512(const LinearArgs& a, int o0, int o1) {
+    rows_range<Avx512, F>(a, o0, o1);
 }
 
 // AVX512-BF16, bf16 weights and bf16 x: vdpbf16ps multiplies 32 pairs of halves as they are
@@ -775,7 +735,7 @@ KERNELS_AVX512_BF16 inline void dot_tile_bf16(const LinearArgs& a, int o, int r0
 template <int NO>
 KERNELS_AVX512_BF16 inline void dot_rows_bf16(const LinearArgs& a, int o) {
     int r0 = 0;
-    for (; r0 < a.rows && a.invariant; ++r0) dot_tile_bf16<NO, 1>(a, o, r0);  // as rows_avx2
+    for (; r0 < a.rows && a.invariant; ++r0) dot_tile_bf16<NO, 1>(a, o, r0);  // as rows_tiles
     for (; r0 + 4 <= a.rows; r0 += 4) dot_tile_bf16<NO, 4>(a, o, r0);
     switch (a.rows - r0) {
         case 3: dot_tile_bf16<NO, 3>(a, o, r0); break;

@@ -1,7 +1,8 @@
 // SIMD vectors of floats, three widths behind one interface, so that a kernel is written once
 // and compiled for each instruction set: Scalar (1 lane, portable C++), Avx2 (8 lanes, __m256)
 // and Avx512 (16 lanes, __m512). Each loads and stores any DType, widening to float on load and
-// rounding once on store, which is how every kernel here computes.
+// rounding once on store, which is how every kernel here computes; and loads the weight codes of
+// the quantized linear layers (int8, and the bytes of int4 pairs) as floats.
 //
 // How one source serves three instruction sets without -march: the library is compiled for
 // baseline x86-64, so AVX instructions may only appear in functions marked
@@ -64,6 +65,14 @@ struct Scalar {
     static void store_as(void* p, int64_t i, V v) {
         store_from_float<D>(p, i, v);
     }
+    // The first min(n, W) floats at p, zeros past them: a loop's last, partial vector.
+    static V load_first(const float* p, int n) { return n > 0 ? *p : 0.f; }
+    static V load_i8(const int8_t* p) { return float(*p); }
+    // W bytes as floats, whole and their low nibble: an int4 byte holds two codes (quant_linear.cpp)
+    static void load_u8_split(const uint8_t* p, V& whole, V& low) {
+        whole = float(*p);
+        low = float(*p & 15);
+    }
     static V add(V a, V b) { return a + b; }
     static V mul(V a, V b) { return a * b; }
     static V fma(V a, V b, V c) { return a * b + c; }   // a * b + c
@@ -90,6 +99,7 @@ constexpr float c2 = 1.f / 2, c3 = 1.f / 6, c4 = 1.f / 24, c5 = 1.f / 120, c6 = 
 struct Avx2 {
     using V = __m256;
     static constexpr int W = 8;
+    static constexpr int registers = 16;  // vector registers: what sizes a tile of accumulators
     KERNELS_AVX2 static V zero() { return _mm256_setzero_ps(); }
     KERNELS_AVX2 static V set1(float a) { return _mm256_set1_ps(a); }
     KERNELS_AVX2 static V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -128,6 +138,19 @@ struct Avx2 {
         }
     }
 
+    KERNELS_AVX2 static V load_first(const float* p, int n) {
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+    }
+    KERNELS_AVX2 static V load_i8(const int8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    }
+    KERNELS_AVX2 static void load_u8_split(const uint8_t* p, V& whole, V& low) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        whole = _mm256_cvtepi32_ps(bytes);
+        low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    }
+
     KERNELS_AVX2 static V add(V a, V b) { return _mm256_add_ps(a, b); }
     KERNELS_AVX2 static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     KERNELS_AVX2 static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -163,6 +186,7 @@ struct Avx2 {
 struct Avx512 {
     using V = __m512;
     static constexpr int W = 16;
+    static constexpr int registers = 32;
     KERNELS_AVX512 static V zero() { return _mm512_setzero_ps(); }
     KERNELS_AVX512 static V set1(float a) { return _mm512_set1_ps(a); }
     KERNELS_AVX512 static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -198,6 +222,20 @@ struct Avx512 {
             }
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
         }
+    }
+
+    KERNELS_AVX512 static V load_first(const float* p, int n) {
+        return _mm512_maskz_loadu_ps(n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1), p);
+    }
+    KERNELS_AVX512 static V load_i8(const int8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+    // vpermps reads only the low 4 bits of each lane's index: a lookup in (0, 1, .., 15) turns a
+    // widened byte into its low nibble as a float in one instruction.
+    KERNELS_AVX512 static void load_u8_split(const uint8_t* p, V& whole, V& low) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        whole = _mm512_cvtepi32_ps(bytes);
+        low = _mm512_permutexvar_ps(bytes, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     }
 
     KERNELS_AVX512 static V add(V a, V b) { return _mm512_add_ps(a, b); }
