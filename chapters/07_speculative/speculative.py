@@ -22,9 +22,9 @@ The Speculator below is the engine's one hook for all of it: it asks the propose
 before a step is scheduled, lays out the verify rows, and after the forward pass applies this rule,
 rolls back the K/V of rejected drafts and adapts each sequence's k.
 
-The draws come from the sequence's own generator, so a seeded request gives the same text every
-time with the same proposer and k (not the same text as without speculation: the coin flips are
-spent differently).
+The draws come from the sequence's own generator. A seeded sampled request does not speculate at
+all (is_seeded_sampling): its text must not depend on what else runs, and the coin flips of a
+verify would make it depend on whether a step speculated.
 """
 
 from __future__ import annotations
@@ -148,6 +148,16 @@ class SpeculationStats:
         }
 
 
+def is_seeded_sampling(params: SamplingParams) -> bool:
+    """A seeded request that samples decodes without drafts. Its text must depend on its seed and
+    parameters only, and whether a step may speculate depends on load (speculative_max_batch) and
+    on the token budget, while a verify spends the request's generator differently from a plain
+    step (a coin per draft, then a residual draw). Without drafts it gives the text it gives with
+    --speculative off, alone or amid any load. Greedy requests speculate: a greedy verify emits
+    exactly plain decoding's tokens."""
+    return params.seed is not None and params.temperature >= GREEDY_BELOW
+
+
 class Speculator:
     """Speculative decoding as the engine sees it, one call per phase of a step:
 
@@ -188,8 +198,8 @@ class Speculator:
         seqs, ks = [], []
         for seq in running:
             seq.draft, seq.draft_probs = [], None
-            if not speculate or seq.n_uncomputed != 1:
-                continue  # still in its prompt, or recomputing after a preemption
+            if not speculate or seq.n_uncomputed != 1 or is_seeded_sampling(seq.params):
+                continue  # still in its prompt, recomputing after a preemption, or seeded (below)
             # The pending token and the drafts all become output if every draft is kept, plus one
             # more: the drafts may take what max_tokens leaves, less one.
             k = min(seq.spec_k or self.max_k, seq.max_tokens - len(seq.output) - 1)

@@ -201,17 +201,30 @@ def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
     assert blocks.num_free == 8
 
 
-def test_seeded_sampling_is_reproducible_with_speculation(small):
-    def sample_once():
-        engine = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=NgramProposer(1, 3))
-        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Repeat: red, green, red, green, red."}])
-        params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
-        out = engine.generate([Request(prompt, params, max_tokens=24, n=2)])[0]
-        return [c.token_ids for c in out], engine.speculator.stats.verifies
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_seeded_sampled_request_gives_its_text_alone_amid_others_and_without_speculation(small, proposer):
+    """Its text depends on its seed and parameters, not on the load: above speculative_max_batch
+    nobody speculates, and a verify spends the generator differently from a plain step, so a seeded
+    sampled request decodes without drafts (speculative.is_seeded_sampling). Before, alone and amid
+    three other streams gave different text (0 of 3 alike)."""
+    chat = lambda text: small.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    seeded = Request(
+        chat("Repeat: red, green, red, green, red."), SamplingParams(temperature=0.8, top_p=0.9, seed=1234), max_tokens=12, n=2
+    )
+    others = [Request(chat(f"{i}. Repeat: one, two, one, two."), GREEDY, max_tokens=12) for i in range(3)]
 
-    first, verifies = sample_once()
-    assert verifies > 0
-    assert sample_once()[0] == first
+    def run(with_others: bool, speculate: bool = True):
+        draft = DraftModelProposer(small.model, "itself") if proposer == "draft" else NgramProposer(1, 3)
+        engine = Engine(small.model, small.tokenizer, {}, num_blocks=96, block_size=4, proposer=draft if speculate else None)
+        out = engine.generate([seeded] + (others if with_others else []))
+        return [c.token_ids for c in out[0]], engine.speculator.stats
+
+    alone, stats = run(False)
+    assert alone == run(True)[0] == run(False, speculate=False)[0]
+    assert stats.verifies == 0  # alone it could have speculated: it did not
+    greedy_alone = Engine(small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=NgramProposer(1, 3))
+    greedy_alone.generate(others[:1])
+    assert greedy_alone.speculator.stats.verifies > 0  # greedy requests still speculate
 
 
 def test_bad_speculation_settings_are_clear_errors(small):
