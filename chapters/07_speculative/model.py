@@ -188,7 +188,7 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     one_call = capture is None and layers[0].one_call is not None and decodes_only(step)
     for i, layer in enumerate(layers):
         next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
-        if one_call:  # the two lines below, in C++ (kernels/csrc/bindings.cpp, DecoderLayer::decode)
+        if one_call:  # the two lines below, in C++ (kernels/csrc/decoder_layer.cpp, DecoderLayer::decode)
             h = ops.run_one_call_layer(layer, i, x, h, cos, sin, cache, step, next_norm)
             continue
         h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)

@@ -250,7 +250,7 @@ class KernelOps:
         return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
 
     def build_one_call_layer(self, layer, config):
-        """The layer as the library's DecoderLayer (csrc/bindings.cpp): its decode steps in one C++ call,
+        """The layer as the library's DecoderLayer (csrc/decoder_layer.cpp): its decode steps in one C++ call,
         the same kernels in the same order as model.forward's loop body, with no Python between them.
         None on a GPU, where CUDA graphs replay whole decode steps (cuda_graphs.py), and where a weight
         has no kernel of the library (--matmul reference)."""
