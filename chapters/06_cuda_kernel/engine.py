@@ -6,8 +6,8 @@ Requests come and go; the engine never runs "a request". Each `step()`:
     logits  = runner.run(plan's tokens)                   # runner.py: one forward pass over the pool
     for each sequence whose tokens are all computed now:  # prefill done, or a decode step
         token = sample(its logits row, its params, ...)   # sampling.py, one batched call
-        stop on EOS / stop_token_ids / stop string / max_tokens, as in chapter 03  (request.py)
-        an Event for its request                          # text, token ids, logprobs, finish_reason
+    each new token: stop on EOS / stop_token_ids / stop string / max_tokens   # request.py, as in chapter 03
+    an Event per sequence with news                       # text, token ids, logprobs, finish_reason
 
 The engine is the step and the bookkeeping around it; the request side (what a client may ask,
 how a token becomes text or ends a choice) is request.py, the model and its KV pool are the model
