@@ -11,6 +11,11 @@ test): the probes of issue 21, each with the count or time that says whether the
    as they close; of 10 normal requests from 127.0.0.1, how many are served.
 4. a 1M-character stop string: the status and how long the answer took.
 5. SIGTERM with a stream running: how the stream ends and how long the server takes to exit.
+6. a big logprobs reply (issue 38): n=16 x 400 tokens with the top 20 logprobs each, while /health
+   is polled: /health's slowest answer (the reply is built and serialised off the event loop).
+7. a long prompt beside a stream (issue 38; run it with --server-flags "--speculative draft"): one
+   stream decodes while a ~5,000-token prompt arrives; the stream's longest gap between chunks
+   while the long prompt is prefilled and drafted, and the long request's time.
 """
 
 from __future__ import annotations
@@ -116,13 +121,56 @@ def big_bodies(url: str, pid: int, client_nice: int) -> dict:
     }
 
 
-def big_reply(url: str) -> dict:
-    body = {"prompt": "Once upon a time", "max_tokens": 1000, "n": 4, "logprobs": 5, "ignore_eos": True}
+def reply_under_watch(url: str, n: int, max_tokens: int, logprobs: int) -> dict:
+    """One non-streaming completion of n choices with logprobs while /health is polled."""
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "n": n, "logprobs": logprobs, "ignore_eos": True}
     with HealthWatch(url) as health:
         t0 = time.perf_counter()
         r = httpx.post(url + "/v1/completions", json=body, timeout=1200)
         seconds = time.perf_counter() - t0
-    return {"status": r.status_code, "seconds": seconds, "health_slowest_ms": health.slowest}
+    return {"status": r.status_code, "seconds": seconds, "bytes": len(r.content), "health_slowest_ms": health.slowest}
+
+
+def big_reply(url: str) -> dict:
+    return reply_under_watch(url, n=4, max_tokens=1000, logprobs=5)
+
+
+def logprobs_reply(url: str) -> dict:
+    return reply_under_watch(url, n=16, max_tokens=400, logprobs=20)
+
+
+def long_prompt_beside_a_stream(url: str) -> dict:
+    gaps, done = [], threading.Event()
+    window: dict[str, float] = {}
+
+    def stream():
+        body = {"prompt": "Count slowly:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=1200) as r:
+            last = time.perf_counter()
+            for line in r.iter_lines():
+                now = time.perf_counter()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    gaps.append((now, now - last))
+                    last = now
+                if done.is_set():
+                    break
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    time.sleep(3.0)  # the stream is decoding
+    words = "the quick brown fox jumps over the lazy dog " * 550  # ~5,000 tokens
+    window["start"] = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 4}, timeout=1200)
+    window["end"] = time.perf_counter()
+    done.set()
+    streamer.join(timeout=1200)
+    during = [gap for at, gap in gaps if window["start"] <= at <= window["end"] + 1.0]
+    return {
+        "status": r.status_code,
+        "long_request_seconds": window["end"] - window["start"],
+        "stream_max_gap_ms": 1000 * max(during, default=float("nan")),
+        "stream_chunks_during": len(during),
+    }
 
 
 def flood(url: str) -> dict:
@@ -181,13 +229,18 @@ def main() -> int:
     ap.add_argument(
         "--client-nice", type=int, default=0, help="big_bodies: run its 100 clients at this nice value (0-19)"
     )
-    ap.add_argument("--probes", default="big_bodies,big_reply,flood,long_stop,shutdown", help="comma-separated")
+    ap.add_argument(
+        "--probes",
+        default="big_bodies,big_reply,flood,long_stop,shutdown",
+        help="comma-separated; also logprobs_reply, long_prompt (default: the first five)",
+    )
+    ap.add_argument("--server-flags", default="", help='more flags for server.py, e.g. "--speculative draft"')
     args = ap.parse_args()
     out = Path(args.out or f"bench/results/server_probes_ch{args.chapter:02d}.json")
     earlier = json.loads(out.read_text()) if out.exists() else {}
     port = free_port()
     cmd = [sys.executable, str(chapter_dir(args.chapter) / "server.py"), "--model", args.model, "--port", str(port)]
-    cmd += ["--timeout-graceful-shutdown", args.timeout_graceful_shutdown]
+    cmd += ["--timeout-graceful-shutdown", args.timeout_graceful_shutdown, *args.server_flags.split()]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     # a run of some probes keeps the others' last figures
@@ -202,6 +255,8 @@ def main() -> int:
             ("big_reply", lambda: big_reply(url)),
             ("flood", lambda: flood(url)),
             ("long_stop", lambda: long_stop(url)),
+            ("logprobs_reply", lambda: logprobs_reply(url)),
+            ("long_prompt", lambda: long_prompt_beside_a_stream(url)),
             ("shutdown", lambda: shutdown(url, proc)),
         ):
             if name not in args.probes.split(","):
