@@ -71,7 +71,7 @@ class RequestState:
     seqs: list[Sequence]
     stop_ids: set[int]  # EOS (unless ignore_eos) and the request's stop_token_ids
     n_finished: int = 0
-    _stop_mask: torch.Tensor | None = None
+    _stop_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)  # built on first use
 
     @property
     def done(self) -> bool:

@@ -51,7 +51,7 @@ class Sequence:
     # and verified in the next step, and how many to ask for next time (adapts to how many were kept).
     draft: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab]: the proposer's q, if it drew them
-    spec_k: int = 0
+    spec_k: int = 0  # 0: not asked yet (the Speculator starts it at num_speculative_tokens)
     draft_computed: int = 0  # tokens whose K/V a draft model has in its own pool (proposers.py)
 
     def __post_init__(self):

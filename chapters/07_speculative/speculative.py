@@ -200,9 +200,10 @@ class Speculator:
             seq.draft, seq.draft_probs = [], None
             if not speculate or seq.n_uncomputed != 1 or is_seeded_sampling(seq.params):
                 continue  # still in its prompt, recomputing after a preemption, or seeded (below)
+            seq.spec_k = seq.spec_k or self.max_k  # a new sequence starts at the most
             # The pending token and the drafts all become output if every draft is kept, plus one
             # more: the drafts may take what max_tokens leaves, less one.
-            k = min(seq.spec_k or self.max_k, seq.max_tokens - len(seq.output) - 1)
+            k = min(seq.spec_k, seq.max_tokens - len(seq.output) - 1)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
@@ -256,9 +257,9 @@ class Speculator:
             # Fewer guesses after a miss, more after a full hit (the schedule of HF transformers'
             # assisted generation): k follows how far this sequence's guesses tend to hold.
             if verdict.accepted == k:
-                seq.spec_k = min(self.max_k, (seq.spec_k or self.max_k) + 2)
+                seq.spec_k = min(self.max_k, seq.spec_k + 2)
             else:
-                seq.spec_k = max(1, (seq.spec_k or self.max_k) - 1)
+                seq.spec_k = max(1, seq.spec_k - 1)
             seq.draft, seq.draft_probs = [], None
             # The logprobs plain decoding reports: the model's distribution at each row, less the
             # tokens min_tokens bans there (the engine masks them before sampling as here).
