@@ -90,11 +90,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int4_linear", &ops::int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
           py::arg("scale"), py::arg("min"), py::arg("group_size"));
     m.def("int8_linear", &ops::int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
-    m.def("bf16_linear", &ops::bf16_linear, "x @ W.T for bfloat16 W, at few rows of x", py::arg("x"), py::arg("w"));
-    py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, torch's GEMM above max_rows")
-        .def(py::init<const std::string&, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>, int64_t>(),
-             py::arg("kind"), py::arg("weight"), py::arg("group_size") = 0, py::arg("dense") = py::none(),
-             py::arg("max_rows") = INT64_MAX)
+    m.def("bf16_linear", &ops::bf16_linear, "x @ W.T for bfloat16 W", py::arg("x"), py::arg("w"));
+    py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, or torch's GEMM on a dense weight")
+        .def(py::init<const std::string&, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>>(),
+             py::arg("kind"), py::arg("weight"), py::arg("group_size") = 0, py::arg("dense") = py::none())
         .def("__call__", &Linear::operator(), py::arg("x"))
         .def_property_readonly("kind", [](const Linear& l) { return Linear::kKindNames[static_cast<int>(l.kind)]; });
     py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer's weights, for decode steps in one call")
@@ -109,6 +108,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");
     m.def("cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::isa())); });
+    m.def("cpu_gemm", [] { return std::string(kernels::cpu::gemm_name()); },
+          "what the CPU linear kernels run for many rows of x (gemm.cpp), at this ISA and batch-invariance");
+    m.attr("gemm_min_rows") = kernels::cpu::kGemmMinRows;  // the CPU linears' matrix product from this many rows
     m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
     m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
     m.def(

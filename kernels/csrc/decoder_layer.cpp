@@ -8,12 +8,8 @@
 namespace kernels::ops {
 
 Linear::Linear(const std::string& kind_name, std::vector<at::Tensor> weight_, int64_t group_size_,
-               std::optional<at::Tensor> dense_, int64_t max_rows_)
-    : kind(kind_of(kind_name)),
-      weight(std::move(weight_)),
-      group_size(group_size_),
-      dense(std::move(dense_)),
-      max_rows(max_rows_) {
+               std::optional<at::Tensor> dense_)
+    : kind(kind_of(kind_name)), weight(std::move(weight_)), group_size(group_size_), dense(std::move(dense_)) {
     const size_t tensors = kind == Kind::int4 ? 3 : kind == Kind::int8 ? 2 : kind == Kind::bf16 ? 1 : 0;
     TORCH_CHECK(weight.size() == tensors, "Linear: ", kind_name, " takes ", tensors, " weight tensors, got ",
                 weight.size());
@@ -27,7 +23,7 @@ Linear::Kind Linear::kind_of(const std::string& name) {
 }
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
-    if (kind == Kind::dense || (dense && x.size(0) > max_rows)) return at::linear(x, *dense);
+    if (kind == Kind::dense) return at::linear(x, *dense);
     if (kind == Kind::int4) return int4_linear(x, weight[0], weight[1], weight[2], group_size);
     if (kind == Kind::int8) return int8_linear(x, weight[0], weight[1]);
     return bf16_linear(x, weight[0]);

@@ -14,19 +14,17 @@
 
 namespace kernels::ops {
 
-// A linear layer as the decode step multiplies by it: one of the library's matmuls, and for calls
-// of more rows than `max_rows` torch's GEMM on `dense` (chapter 06's qmatmul.PerStepLinear); a
-// plain weight with no kernel is `dense` alone.
+// A linear layer as the decode step multiplies by it: one of the library's matmuls, or for a plain
+// weight with no kernel (float32), torch's GEMM on `dense`.
 struct Linear {
     enum class Kind { int4, int8, bf16, dense };
     Kind kind;
     std::vector<at::Tensor> weight;  // int4: packed, scale, min; int8: q, scale; bf16: w; dense: none
     int64_t group_size;              // int4's
-    std::optional<at::Tensor> dense;
-    int64_t max_rows;
+    std::optional<at::Tensor> dense;  // dense's weight
 
     Linear(const std::string& kind_name, std::vector<at::Tensor> weight_, int64_t group_size_,
-           std::optional<at::Tensor> dense_, int64_t max_rows_);
+           std::optional<at::Tensor> dense_);
 
     static constexpr const char* kKindNames[] = {"int4", "int8", "bf16", "dense"};  // in Kind's order
     static Kind kind_of(const std::string& name);

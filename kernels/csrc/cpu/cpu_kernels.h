@@ -99,4 +99,21 @@ void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, in
 // x, each instruction takes 32 weights and 32 inputs as stored; elsewhere weights are widened.
 void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype);
 
+// --- the same linear layers for many rows of x: a matrix product (gemm.cpp) -------------------
+// Same arguments and results as the three above (to float32 summation order; with AVX512-BF16 and
+// bf16 x, an int4 weight rounded to bf16 as in a dense bf16 copy). Each weight is dequantized once
+// per call into a cache-resident panel and multiplied into every row of x in register tiles.
+// The kernels above hand their call here when gemm_applies(rows): from kGemmMinRows rows, on
+// AVX2 and up, unless batch-invariant (the matrix-vector kernels sum in another order).
+constexpr int kGemmMinRows = 16;
+bool gemm_applies(int rows);
+// Its path for this ISA and mode: "avx2-fma", "avx512-fma", "avx512-bf16 (bf16 x) / avx512-fma",
+// or "off (...)" where the matrix-vector kernels take every row count.
+const char* gemm_name();
+void int4_gemm(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
+               int n_in, int n_out, int group_size, DType dtype);
+void int8_gemm(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+               DType dtype);
+void bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype);
+
 }  // namespace kernels::cpu

@@ -797,6 +797,7 @@ void rows_linear(void* y, const void* x, const typename F::T* w, const float* sc
 
 void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                  int n_in, int n_out, int group_size, DType dtype) {
+    if (gemm_applies(rows)) return int4_gemm(y, x, packed, scale, min, rows, n_in, n_out, group_size, dtype);
     const Isa level = isa();
 #ifdef KERNELS_X86
     // bf16 x with AVX512-BF16: several rows (or, batch-invariant, any) take the bf16 dot kernel,
@@ -833,10 +834,12 @@ void int4_linear(void* y, const void* x, const uint8_t* packed, const uint16_t* 
 
 void int8_linear(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                  DType dtype) {
+    if (gemm_applies(rows)) return int8_gemm(y, x, q, scale, rows, n_in, n_out, dtype);
     rows_linear<Int8Rows>(y, x, q, scale, rows, n_in, n_out, dtype);
 }
 
 void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype) {
+    if (gemm_applies(rows)) return bf16_gemm(y, x, w, rows, n_in, n_out, dtype);
 #ifdef KERNELS_X86
     if (isa() == Isa::avx512_bf16 && dtype == DType::bf16) {
         const auto* x_bf16 = static_cast<const uint16_t*>(x);

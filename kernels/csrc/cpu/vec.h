@@ -150,6 +150,12 @@ struct Avx2 {
         whole = _mm256_cvtepi32_ps(bytes);
         low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
     }
+    // W bytes as floats, their low nibbles and their high ones (gemm.cpp's dequantized panels)
+    KERNELS_AVX2 static void load_u8_nibbles(const uint8_t* p, V& low, V& high) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+        high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    }
 
     KERNELS_AVX2 static V add(V a, V b) { return _mm256_add_ps(a, b); }
     KERNELS_AVX2 static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -236,6 +242,11 @@ struct Avx512 {
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         whole = _mm512_cvtepi32_ps(bytes);
         low = _mm512_permutexvar_ps(bytes, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    }
+    KERNELS_AVX512 static void load_u8_nibbles(const uint8_t* p, V& low, V& high) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+        high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
     }
 
     KERNELS_AVX512 static V add(V a, V b) { return _mm512_add_ps(a, b); }

@@ -1,0 +1,193 @@
+"""The CPU linears' matrix product (csrc/cpu/gemm.cpp): every row count from 1 to 300 against the
+reference, on every instruction-set path, for int4, int8 and bf16 weights and float32 and bf16 x; the
+shapes leave tails of every tile (rows of x, outputs of a panel, inputs of a vector step). Below
+gemm_min_rows the matrix-vector kernels answer, so the sweep covers the hand-over too. Then bugs
+planted in a copy of the source, each of which the same check must catch."""
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_close
+from kernels import reference
+from test_quant_linear import assert_int4_close, int4_weight
+
+ROWS = [*range(1, 20), 23, 31, 32, 33, 47, 64, 65, 127, 128, 129, 255, 300]
+# (n_out, n_in): outputs past a panel of 16; inputs past a vector of 8 / 16 / 32 (int8, bf16)
+SHAPES = {"int4": [(70, 320), (16, 64)], "int8": [(70, 100), (33, 320)], "bf16": [(70, 100), (21, 33)]}
+
+
+def weights(kind: str, n_out: int, n_in: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int4":
+        return int4_weight(n_out, n_in, 32, seed=seed)
+    if kind == "int8":
+        q = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
+        return q, torch.rand(n_out, generator=g) * 0.01
+    return ((torch.randn(n_out, n_in, generator=g) * 0.05).bfloat16(),)
+
+
+def call(ops, kind, x, w):
+    if kind == "int4":
+        return ops.int4_linear(x, *w, 32)
+    return ops.int8_linear(x, *w) if kind == "int8" else ops.bf16_linear(x, *w)
+
+
+def check(y, kind, x, w, what):
+    """y against the reference. int8's sums reach |q| ~ 127 before the row's scale: float32's
+    rounding of them, in another order, is bounded by their magnitude, not the result's."""
+    if kind == "int4":
+        return assert_int4_close(y, x, *w, 32, what)
+    if kind == "bf16":
+        return assert_close(y, reference.bf16_linear(x, *w), what)
+    q, scale = w
+    expected = reference.int8_linear(x, q, scale).float()
+    bound = (x.float().abs() @ q.float().abs().T) * scale * 2.0**-19
+    if x.dtype == torch.bfloat16:
+        bound = bound + 1.6e-2 * expected.abs() + 1e-2
+    diff = (y.float() - expected).abs()
+    assert (diff <= bound).all(), f"{what}: |y - expected| {diff.max():.4g}"
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_every_row_count_on_every_cpu_path(ops, isa, kind, dtype):
+    for n_out, n_in in SHAPES[kind]:
+        w = weights(kind, n_out, n_in, seed=n_out)
+        x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in)).to(dtype)
+        for rows in ROWS:
+            x = x_all[:rows]
+            check(call(ops, kind, x, w), kind, x, w, f"{isa} {kind} {rows} x {n_in} -> {n_out}")
+
+
+def test_a_row_is_the_same_whatever_rows_follow_it_in_the_product(ops, isa):
+    # Within the matrix product a row's sums do not depend on the tile it lands in (full or a
+    # tail): a row gives the same bits in a call of 16 rows and of 300. (Across the hand-over at
+    # gemm_min_rows they may not: that is what --batch-invariant is for.)
+    n = ops.gemm_min_rows
+    for kind in ("int4", "int8", "bf16"):
+        n_out, n_in = SHAPES[kind][0]
+        w = weights(kind, n_out, n_in)
+        x = torch.randn(300, n_in).bfloat16()
+        assert torch.equal(call(ops, kind, x, w)[: n + 3], call(ops, kind, x[: n + 3], w)), f"{isa} {kind}"
+
+
+def test_the_startup_line_names_the_path(ops, isa):
+    name = ops.cpu_gemm()
+    expected = {"scalar": "off", "avx2": "avx2-fma", "avx512": "avx512-fma", "avx512_bf16": "avx512-bf16"}[isa]
+    assert name.startswith(expected), name
+    ops.set_batch_invariant(True)
+    try:
+        assert ops.cpu_gemm() == "off (batch-invariant)"
+    finally:
+        ops.set_batch_invariant(False)
+
+
+# --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
+
+CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
+SHIM = """
+#include "cpu_kernels.h"
+using namespace kernels;
+extern "C" {
+int set_isa(int level) { try { cpu::set_isa(cpu::Isa(level)); return 0; } catch (...) { return 1; } }
+void int4(void* y, const void* x, const uint8_t* p, const uint16_t* s, const uint16_t* m, int rows, int n_in, int n_out,
+          int f32) { cpu::int4_linear(y, x, p, s, m, rows, n_in, n_out, 32, f32 ? DType::f32 : DType::bf16); }
+void int8(void* y, const void* x, const int8_t* q, const float* s, int rows, int n_in, int n_out, int f32) {
+    cpu::int8_linear(y, x, q, s, rows, n_in, n_out, f32 ? DType::f32 : DType::bf16); }
+void bf16(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, int f32) {
+    cpu::bf16_linear(y, x, w, rows, n_in, n_out, f32 ? DType::f32 : DType::bf16); }
+}
+"""
+# Each bug shows only in some shapes, row counts or paths (the names say which).
+PLANTED = {
+    "a tail tile of rows leaves its last row's sums stale": [
+        ("run_rest<T, T::MR - 1>(a.rows - r0,", "run_rest<T, T::MR - 1>(a.rows - r0 - (a.rows - r0 > 1),")
+    ],
+    "the last output of a partial panel is never stored": [
+        (
+            "const int no = std::min(kPanel, a.n_out - o0);\n"
+            "    for (int n = 0; n < kPanel; ++n) {\n        if (n < no) T::",
+            "const int no = std::min(kPanel, a.n_out - o0) - (a.n_out - o0 < kPanel);\n"
+            "    for (int n = 0; n < kPanel; ++n) {\n        if (n < no) T::",
+        )
+    ],
+    "the inputs past n_in are not zeroed": [
+        ("std::fill(row + a.n_in, row + a.K, 0.f);", "std::fill(row + a.n_in, row + a.K, 1.f);"),
+        ("    for (; i < a.K; ++i) p[i] = 0.f;", "    for (; i < a.K; ++i) p[i] = 1.f;"),
+    ],
+    "int4 scales a group with its neighbour's scale": [
+        ("a.group_scale[int64_t(o) * groups + g]));\n            const typename S::V m",
+         "a.group_scale[int64_t(o) * groups + (g + 1) % groups]));\n            const typename S::V m")
+    ],
+}
+# Which call shows each bug: (weights, (n_out, n_in), row counts, x's dtype). float32 x: the float
+# panels, on every ISA from AVX2 (AVX512-BF16 multiplies bf16 x in bf16 panels).
+SHOWN_BY = {
+    "a tail tile of rows leaves its last row's sums stale": ("int8", (33, 320), [17, 18], torch.float32),
+    "the last output of a partial panel is never stored": ("bf16", (21, 33), [40], torch.float32),
+    "the inputs past n_in are not zeroed": ("int8", (70, 100), [20], torch.float32),
+    "int4 scales a group with its neighbour's scale": ("int4", (70, 320), [20], torch.float32),
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The CPU half built once with every bug above in its copy of gemm.cpp (their shapes and row
+    counts hardly overlap), as a plain shared library; None where there is no compiler."""
+    folder = tmp_path_factory.mktemp("planted")
+    (folder / "cpu").mkdir()
+    for f in CPU.iterdir():
+        (folder / "cpu" / f.name).write_bytes(f.read_bytes())
+    (folder / "kernels.h").write_bytes((CPU.parent / "kernels.h").read_bytes())
+    gemm = (folder / "cpu" / "gemm.cpp").read_text()
+    for old, new in (change for changes in PLANTED.values() for change in changes):
+        assert gemm.count(old) == 1, old
+        gemm = gemm.replace(old, new)
+    (folder / "cpu" / "gemm.cpp").write_text(gemm)
+    (folder / "cpu" / "shim.cpp").write_text(SHIM)
+    sources = [str(folder / "cpu" / n) for n in ("shim.cpp", "gemm.cpp", "quant_linear.cpp", "isa.cpp")]
+    cxx = os.environ.get("CXX", "c++")
+    command = [cxx, "-O1", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-o", str(folder / "planted.so"), *sources]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the planted copy")
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"the planted copy does not compile: {e.stderr}")
+    return ctypes.CDLL(str(folder / "planted.so"))
+
+
+def planted_call(lib, kind, x, w, n_out):
+    y = torch.full((x.shape[0], n_out), float("nan"), dtype=x.dtype)
+    f32 = int(x.dtype == torch.float32)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    args = [ptr(t) for t in (y, x, *w)] + [x.shape[0], x.shape[1], n_out, f32]
+    getattr(lib, kind)(*args)
+    return y
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_a_planted_bug_fails_the_check(ops, planted, bug):
+    kind, (n_out, n_in), rows, dtype = SHOWN_BY[bug]
+    level = ["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa())
+    if level == 0:
+        pytest.skip("this CPU has no AVX2: the matrix product does not run")
+    w = weights(kind, n_out, n_in, seed=1)
+    found = []
+    for isa in range(1, level + 1):
+        assert planted.set_isa(isa) == 0
+        for r in rows:
+            x = torch.randn(r, n_in).to(dtype)
+            try:
+                check(planted_call(planted, kind, x, w, n_out), kind, x, w, bug)
+            except AssertionError:
+                found.append(isa)
+    assert sorted(set(found)) == list(range(1, level + 1)), f"{bug}: caught on ISA levels {found} only"
+    # The copy itself, called as above, is right where the bug is not: one row (a matrix-vector kernel).
+    x = torch.randn(1, n_in).to(dtype)
+    check(planted_call(planted, kind, x, w, n_out), kind, x, w, f"{bug}: one row")
