@@ -6,7 +6,7 @@ five operations below through one of two objects with the same methods:
 
     KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged
                 decode attention (flash-decoding, reading K/V where they lie in the pool), SwiGLU's
-                silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls of a few rows on a CPU,
+                silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls on a CPU,
                 and on a CPU each layer of a decode step as one call (DecoderLayer)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
 
@@ -220,34 +220,34 @@ class KernelOps:
         )
 
     def quant_linear(self, w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str):
-        """The library's int4 or int8 matmul: alone for "fast", up to KERNEL_MAX_ROWS rows for "auto"
-        with a dense copy beyond (PerStepLinear). Batch-invariant, alone at every row count: no dense
-        copy, whose GEMM would round a row differently with other rows beside it. "reference" (and
-        an unknown path's error) as qmatmul.prepare."""
+        """The library's int4 or int8 matmul. On a CPU alone at every row count: the library turns a
+        call of many rows (a prompt chunk, a batched step) into a matrix product itself
+        (csrc/cpu/gemm.cpp), so the weights stay quantized in memory. On a GPU, "auto" keeps a dense
+        copy for steps above KERNEL_MAX_ROWS rows (PerStepLinear): the CUDA kernels are
+        matrix-vector products, and cuBLAS takes the larger ones. "reference" (and an unknown
+        path's error) as qmatmul.prepare."""
         if path not in ("fast", "auto"):
             return prepare(w, device, dtype, path)
         kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
         kernel = kind(w, self._ext, device)
-        if path == "fast" or self.batch_invariant:
+        if path == "fast" or self.device.type == "cpu":
             return kernel
         return PerStepLinear(kernel, w.dequantize(dtype).to(device), KERNEL_MAX_ROWS[type(w)])
 
     def dense_linear(self, w: torch.Tensor):
-        """A bf16 weight on a CPU: the bf16 matvec for steps of up to KERNEL_MAX_ROWS_BF16 rows,
-        torch's GEMM above, on the same tensor. torch's bf16 GEMM is made for larger products and
-        reads a decode step's weights at a third or less of the memory bandwidth. On CUDA, cuBLAS
-        until the GPU check has measured the kernel against it (bench.py --parts kernels)."""
-        if self.batch_invariant:  # the kernel at every row count
-            if w.dtype != torch.bfloat16:
-                raise UserError(
-                    f"--batch-invariant: {str(w.dtype).removeprefix('torch.')} weights would go through torch's GEMM, "
-                    "whose rounding of a row may depend on the rows beside it; use bfloat16 weights (--dtype "
-                    "bfloat16) or --quant int4/int8"
-                )
+        """A bf16 weight on a CPU: the library's bf16 matmul at every row count, on the weight tensor
+        itself (torch's bf16 GEMM reads a decode step's weights at a third of the memory bandwidth,
+        and runs at a quarter of float32's speed on a CPU without bf16 instructions). Other dtypes,
+        and any weight on a GPU: torch (cuBLAS)."""
+        if w.dtype == torch.bfloat16 and self.device.type == "cpu":
             return KernelBf16Linear(w, self._ext)
-        if w.dtype != torch.bfloat16 or self.device.type != "cpu":
-            return w
-        return PerStepLinear(KernelBf16Linear(w, self._ext), w, KERNEL_MAX_ROWS_BF16, dense_is_copy=False)
+        if self.batch_invariant:
+            raise UserError(
+                f"--batch-invariant: {str(w.dtype).removeprefix('torch.')} weights would go through torch's GEMM, "
+                "whose rounding of a row may depend on the rows beside it; use bfloat16 weights (--dtype "
+                "bfloat16) or --quant int4/int8"
+            )
+        return w
 
     def build_one_call_layer(self, layer, config):
         """The layer as the library's DecoderLayer (csrc/decoder_layer.cpp): its decode steps in one C++ call,
@@ -263,15 +263,13 @@ class KernelOps:
         return self._ext.DecoderLayer(*linears, layer.mlp_norm, *shape, config.rms_norm_eps)
 
     def _library_linear(self, w):
-        """A weight as load_model prepared it -> the library's Linear: the same kernel, and the same
-        dense GEMM above the same number of rows (PerStepLinear); None for a form it lacks."""
+        """A weight as load_model prepared it -> the library's Linear: the same kernel, or torch's GEMM
+        for a plain float weight; None for a form it lacks."""
         if isinstance(w, torch.Tensor):
             return self._ext.Linear("dense", [], dense=w)
-        dense = {"dense": w.dense, "max_rows": w.max_rows} if isinstance(w, PerStepLinear) else {}
-        kernel = w.packed if isinstance(w, PerStepLinear) else w
-        if not hasattr(kernel, "library_form"):
+        if not hasattr(w, "library_form"):
             return None  # dequantize-and-multiply (qmatmul.ReferenceLinear)
-        return self._ext.Linear(*kernel.library_form(), **dense)
+        return self._ext.Linear(*w.library_form())
 
     def run_one_call_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
         g, partition = step.groups[0], self.partition_size(cache.block_size)
@@ -279,18 +277,19 @@ class KernelOps:
         return layer.one_call.decode(x, h, cos, sin, cache.k[i], cache.v[i], *where, next_norm, partition)
 
     def describe(self) -> str:
-        where = f"cpu, {self._ext.cpu_isa()}" if self.device.type == "cpu" else self.device.type
+        where = self.device.type
+        if where == "cpu":
+            where = f"cpu, {self._ext.cpu_isa()}; gemm: {self._ext.cpu_gemm()}"
         return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
 
 
 # --- the library's linears: what KernelOps.quant_linear and dense_linear build -------------------
 
-# Up to how many rows the library's linears beat torch's GEMM on a 2-core AVX512 CPU, per call: the
-# int matmuls against the dense bf16 copy win at 4 rows on every SmolLM2 matrix and lose at 16, the
-# bf16 matvec against torch's bf16 GEMM on the same weight is about even at 8 (bench.py --parts
-# kernels; chapter 06's README).
+# On a GPU, up to how many rows a step runs the library's int matmuls before cuBLAS on a dense copy
+# takes over (their CUDA kernels are matrix-vector products; no CUDA matrix product yet). The figure
+# was measured on a CPU against torch's GEMM, before the CPU kernels had their own (gemm.cpp); on a
+# GPU it is unmeasured until slurm/gpu_check.sh runs bench.py --parts kernels there.
 KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
-KERNEL_MAX_ROWS_BF16 = 8
 
 
 class KernelInt4Linear:
@@ -326,7 +325,7 @@ class KernelInt8Linear:
 
 
 class KernelBf16Linear:
-    """kernels/' bf16 matrix-vector product for a plain bf16 weight; of the library `lib` it keeps
+    """kernels/' bf16 matmul for a plain bf16 weight; of the library `lib` it keeps
     bf16_linear. It reads the weight tensor as it is: no copy."""
 
     def __init__(self, w: torch.Tensor, lib):

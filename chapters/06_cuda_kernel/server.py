@@ -724,9 +724,9 @@ def main() -> int:
     )
     filter_repeats(["", "uvicorn", "uvicorn.access"])  # after uvicorn.Config: it sets up its handlers
     m = engine.model
-    weights = f"{m.quant.name if m.quant else 'unquantized'} weights"
-    if m.dense_copy_bytes:  # --matmul auto: packed kernels for small steps, dense copies for big ones
-        weights += f", {m.weight_bytes / 1e6:.0f} MB + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
+    weights = f"{m.quant.name if m.quant else 'unquantized'} weights, {m.weight_bytes / 1e6:.0f} MB"
+    if m.dense_copy_bytes:  # --matmul auto with torch's packed ops: dense copies for big steps
+        weights += f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
     weights += f"; {m.ops.describe()}"
     print(
         f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "

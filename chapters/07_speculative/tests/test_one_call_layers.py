@@ -127,7 +127,7 @@ def test_kernels_off_the_reference_matmul_and_a_gpu_keep_the_python_loop():
 def test_each_library_linear_multiplies_as_the_prepared_weight(name, dtype, quant):
     model = load(name, dtype, quant)
     layer = model.layers[0]
-    for rows in (1, 5, 20):  # 20: past every kernel's max_rows, the dense form
+    for rows in (1, 5, 20):  # 20: the library's matrix product (gemm.cpp), as in a prompt chunk
         x = torch.randn(rows, model.config.hidden_size).to(dtype)
         library = model.ops._library_linear(layer.wqkv)
         assert torch.equal(library(x), linear(x, layer.wqkv)), (library.kind, rows)

@@ -24,12 +24,19 @@ def close_to_the_reference(prepared, w, rows):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_auto_takes_the_library_kernel_for_few_rows_and_the_dense_copy_beyond(kind):
-    w = make(kind)
+def test_auto_on_a_cpu_takes_the_library_kernel_alone_at_every_row_count(kind):
+    # No dense copy beside the codes: the library multiplies a prompt chunk itself, as a matrix
+    # product from gemm_min_rows rows on. On a GPU the dense copy stays (PerStepLinear).
+    import kernels
+
+    w, n = make(kind), kernels.load().gemm_min_rows
     auto = resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "auto")
-    assert isinstance(auto, PerStepLinear) and isinstance(auto.packed, (KernelInt4Linear, KernelInt8Linear))
-    assert auto.max_rows == KERNEL_MAX_ROWS[type(w)] and auto.dense.dtype == torch.bfloat16
-    close_to_the_reference(auto, w, (1, auto.max_rows, auto.max_rows + 1))
+    assert isinstance(auto, (KernelInt4Linear, KernelInt8Linear))
+    close_to_the_reference(auto, w, (1, n - 1, n, 40))
+    ops = resolve("on", CPU)
+    ops.device = torch.device("cuda")  # no GPU here: only what quant_linear decides from the device
+    on_gpu = ops.quant_linear(w, CPU, torch.bfloat16, "auto")
+    assert isinstance(on_gpu, PerStepLinear) and on_gpu.max_rows == KERNEL_MAX_ROWS[type(w)]
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
