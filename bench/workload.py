@@ -305,9 +305,13 @@ def main() -> int:
     for name, r in runs.items():
         print(f"{name:<12}{r['tok_s']:>14.1f}{r['wall_s']:>9.1f}")
     best_ours = max((runs[n]["tok_s"] for n in ours), default=None)
+    isa = result["machine"]["isa"]
     for peer in ("llama.cpp", "hf"):
         if best_ours and peer in runs:
             print(f"ours (best chapter) / {peer}: {fmt(best_ours / runs[peer]['tok_s'], '.2f')}x")
+    if "llama.cpp" in runs:
+        print(f"vector instructions: ours {isa['ours']}, llama.cpp {isa['llama.cpp']}", end="")
+        print("" if isa.get("same_level") else " (not the same level: the ratio compares builds, not engines)")
     for name in ours:
         if f"{name}_tokens_equal_{base}" in result:
             same = result[f"{name}_tokens_equal_{base}"]

@@ -206,3 +206,19 @@ def test_save_json_replaces_the_file_whole_or_not_at_all(tmp_path):
 
     bench.save_json(out, {"complete": True})
     assert json.loads(out.read_text()) == {"complete": True}
+
+
+def test_the_vector_level_each_side_ran_is_read_from_llama_cpp_and_the_library():
+    # A ratio against llama.cpp counts where both ran the same level: an AVX2 build of llama.cpp
+    # against our kernels capped by ATEN_CPU_CAPABILITY=avx2, a native one against ours uncapped.
+    native = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | AVX512_BF16 = 1 | "
+    assert bench.isa_from_system_info(native) == "avx512_bf16"
+    assert bench.isa_from_system_info(native.replace("AVX512_BF16 = 1", "AVX512_BF16 = 0")) == "avx512"
+    assert bench.isa_from_system_info("CPU : AVX = 1 | AVX2 = 1 | AVX512 = 0 | FMA = 1 |") == "avx2"
+    assert bench.isa_from_system_info("CPU : SSE3 = 1 | AVX = 0 |") == "scalar"
+    report = bench.isa_report()
+    assert report["ours"] in bench.ISA_LEVELS  # the library builds on every machine the suite runs on
+    if report["llama.cpp"] is None:
+        assert "same_level" not in report
+    else:
+        assert report["same_level"] == (report["ours"] == report["llama.cpp"])

@@ -107,6 +107,56 @@ def peak_memory_bytes(device) -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+# x86 vector levels, narrowest first: the kernel library's names (csrc/cpu/isa.cpp).
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+
+
+def our_isa() -> str | None:
+    """The vector level the kernel library runs at here (the CPU's best, capped by
+    ATEN_CPU_CAPABILITY); None where the library cannot be built."""
+    try:
+        import kernels
+
+        return kernels.load().cpu_isa()
+    except Exception:  # noqa: BLE001  (a machine without a compiler: no figure, not an error)
+        return None
+
+
+def llama_cpp_isa() -> str | None:
+    """The widest vector level llama.cpp (llama-cpp-python) was compiled for, from its own system
+    info ("AVX2 = 1 | AVX512 = 0 | ..."), in ISA_LEVELS' names; None where it is not installed. A
+    native build (peers.py's INSTALL) has what the CPU has. For a fair AVX2 comparison on a wider
+    CPU, an AVX2 build beside it, put first on the path for the run:
+        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+          pip install --no-deps --target ~/llama-cpp-avx2 llama-cpp-python==0.3.36
+        ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=~/llama-cpp-avx2 python bench/workload.py"""
+    try:
+        import llama_cpp
+
+        return isa_from_system_info(llama_cpp.llama_print_system_info().decode())
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+def isa_from_system_info(info: str) -> str:
+    """llama.cpp's "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 0 | ..." -> the widest level it has."""
+    flags = {k.split(":")[-1].strip(): v.strip() for k, v in (p.split("=", 1) for p in info.split("|") if "=" in p)}
+    on = {name for name, value in flags.items() if value == "1"}
+    if "AVX512_BF16" in on:
+        return "avx512_bf16"
+    return "avx512" if "AVX512" in on else "avx2" if "AVX2" in on else "scalar"
+
+
+def isa_report() -> dict:
+    """Which vector instructions each side used: a ratio against llama.cpp counts only where both
+    ran the same level (ours capped by ATEN_CPU_CAPABILITY=avx2 against an AVX2 build of llama.cpp)."""
+    ours, theirs = our_isa(), llama_cpp_isa()
+    report = {"ours": ours, "llama.cpp": theirs, "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY")}
+    if ours and theirs:
+        report["same_level"] = ours == theirs
+    return report
+
+
 def machine() -> dict:
     import torch
 
@@ -115,6 +165,7 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "isa": isa_report(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

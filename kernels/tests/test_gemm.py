@@ -191,3 +191,9 @@ def test_a_planted_bug_fails_the_check(ops, planted, bug):
     # The copy itself, called as above, is right where the bug is not: one row (a matrix-vector kernel).
     x = torch.randn(1, n_in).to(dtype)
     check(planted_call(planted, kind, x, w, n_out), kind, x, w, f"{bug}: one row")
+
+
+def test_the_fma_peak_is_measured_at_each_level(ops, isa):
+    # bench/gemm.py divides by it: a finite, positive rate from a short run (no speed is asserted).
+    peak = ops.cpu_fma_peak_gflops(steps=200_000)
+    assert 0 < peak < float("inf"), (isa, peak)

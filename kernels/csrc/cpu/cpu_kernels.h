@@ -116,4 +116,8 @@ void int8_gemm(void* y, const void* x, const int8_t* q, const float* scale, int 
                DType dtype);
 void bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype);
 
+// The float32 FMA peak of this machine at the current ISA, on every OpenMP thread, measured by
+// `steps` steps of independent FMA chains (peak.cpp): the ceiling gemm.cpp's GFLOP/s compare to.
+double fma_peak_gflops(int64_t steps);
+
 }  // namespace kernels::cpu

@@ -1,0 +1,142 @@
+"""The CPU linears' matrix product (kernels/csrc/cpu/gemm.cpp) against this machine's FMA peak and
+torch's GEMM, on SmolLM2-135M's matrices, at each vector level the CPU offers.
+
+    python bench/gemm.py                      # every level this CPU has, 2 threads, 16/128/512 rows
+    python bench/gemm.py --isa avx2 --rows 16,256
+
+For each level (the library's own switch, kernels.set_cpu_isa; torch's GEMM is not affected by it,
+only by ATEN_CPU_CAPABILITY at start-up): the float32 FMA peak measured by independent FMA chains on
+every thread (peak.cpp), then GFLOP/s (2 flops per multiply-add) of int4_linear, int8_linear and
+bf16_linear over SmolLM2's four layer matrices (qkv 960x576, o 576x576, gate_up 3072x576, down
+576x1536) at each row count, with bfloat16 and float32 x, and of torch's F.linear on the same
+matrices as dense bf16 and float32 weights. With bf16 x on AVX512-BF16 the product runs vdpbf16ps,
+two multiply-adds per float32 lane: its ceiling is twice the float32 peak printed. Each figure is
+the median of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.tools.bench import ISA_LEVELS, RESULTS_DIR, machine
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def weights(n_out: int, n_in: int, g: torch.Generator) -> dict:
+    w = torch.randn(n_out, n_in, generator=g) * 0.05
+    codes = torch.randint(0, 256, (n_out, n_in // 2), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n_out, n_in // 32, generator=g) * 0.01).half()
+    return {
+        "int4": (codes, scale, (-8 * scale.float()).half()),
+        "int8": (torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8), torch.rand(n_out) * 0.01),
+        "bf16": (w.bfloat16(),),
+        "torch bf16": w.bfloat16(),
+        "torch f32": w,
+    }
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dict:
+    """GFLOP/s of each kind over the four matrices at `rows` rows of x."""
+    g = torch.Generator().manual_seed(rows)
+    xs = {name: torch.randn(rows, n_in, generator=g).to(dtype) for name, (_, n_in) in SHAPES.items()}
+    calls = {
+        "int4": lambda x, w: ext.int4_linear(x, *w["int4"], 32),
+        "int8": lambda x, w: ext.int8_linear(x, *w["int8"]),
+        "bf16": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
+        "torch bf16": lambda x, w: F.linear(x.bfloat16(), w["torch bf16"]),
+        "torch f32": lambda x, w: F.linear(x.float(), w["torch f32"]),
+    }
+    flops = sum(2 * rows * n_out * n_in for n_out, n_in in SHAPES.values())
+    out = {}
+    for kind, call in calls.items():
+        seconds = timed(lambda: [call(xs[name], mats[name]) for name in SHAPES], repeats)  # noqa: B023
+        out[kind] = flops / seconds / 1e9
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--isa", default=None, help="comma-separated levels (scalar, avx2, avx512, avx512_bf16); default all")
+    ap.add_argument("--rows", default="16,128,512")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "gemm.json")
+    args = ap.parse_args()
+    import kernels
+
+    ext = kernels.load()
+    torch.set_num_threads(args.threads)
+    best = ext.best_cpu_isa()
+    levels = args.isa.split(",") if args.isa else [i for i in ISA_LEVELS[1:] if ISA_LEVELS.index(i) <= ISA_LEVELS.index(best)]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    g = torch.Generator().manual_seed(0)
+    mats = {name: weights(n_out, n_in, g) for name, (n_out, n_in) in SHAPES.items()}
+    results = []
+    for isa in levels:
+        ext.set_cpu_isa(isa)
+        peak = max(ext.cpu_fma_peak_gflops() for _ in range(3))
+        print(f"[gemm] {isa}: float32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads", file=sys.stderr, flush=True)
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows in rows_list:
+                figures = measure(ext, rows, dtype, mats, args.repeats)
+                results.append({"isa": isa, "peak_gflops": peak, "x": str(dtype).removeprefix("torch."), "rows": rows,
+                                "gflops": figures, "gemm": ext.cpu_gemm()})  # fmt: skip
+    ext.set_cpu_isa(best)
+
+    kinds = ["int4", "int8", "bf16", "torch bf16", "torch f32"]
+    print(f"\nGFLOP/s on SmolLM2-135M's layer matrices, {args.threads} threads (percent of the float32 FMA peak)")
+    print(f"{'isa':<12}{'peak':>6} {'x':<9}{'rows':>5}" + "".join(f"{k:>17}" for k in kinds))
+    for r in results:
+        cells = "".join(f"{r['gflops'][k]:>9.1f} ({100 * r['gflops'][k] / r['peak_gflops']:>3.0f}%)" for k in kinds)
+        print(f"{r['isa']:<12}{r['peak_gflops']:>6.0f} {r['x']:<9}{r['rows']:>5}{cells}")
+    record = {"threads": args.threads, "shapes": SHAPES, "results": results, "machine": machine()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    png = args.out.with_suffix(".png")
+    plot(results, rows_list, png)
+    print(f"saved {args.out} and {png.name}")
+    return 0
+
+
+def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    isas = list(dict.fromkeys(r["isa"] for r in results))
+    fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
+    for ax, isa in zip(axes[0], isas):
+        for kind, style in (("int4", "-o"), ("int8", "-s"), ("bf16", "-^"), ("torch bf16", ":x"), ("torch f32", ":+")):
+            ys = [next(r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16" and r["rows"] == n)
+                  for n in rows_list]  # fmt: skip
+            ax.plot(rows_list, ys, style, label=kind)
+        peak = next(r["peak_gflops"] for r in results if r["isa"] == isa)
+        ax.axhline(peak, color="grey", lw=0.8, ls="--", label="float32 FMA peak")
+        ax.set(xscale="log", xlabel="rows of x (bf16)", ylabel="GFLOP/s", title=isa)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
