@@ -37,4 +37,16 @@ cudaError_t int8_linear(void* y, const void* x, const int8_t* q, const float* sc
 cudaError_t bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype,
                         cudaStream_t stream);
 
+// The same three for many rows of x: a tiled matrix product (gemm.cu), the twin of cpu/gemm.cpp.
+// Any row count works; the library (ops.cpp) calls them from kGemmMinRows rows (kernels.h), the
+// matrix-vector kernels above below that.
+cudaError_t int4_gemm(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min,
+                      int rows, int n_in, int n_out, int group_size, DType dtype, cudaStream_t stream);
+
+cudaError_t int8_gemm(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                      DType dtype, cudaStream_t stream);
+
+cudaError_t bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype,
+                      cudaStream_t stream);
+
 }  // namespace kernels::cuda
