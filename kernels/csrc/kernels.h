@@ -26,4 +26,11 @@ constexpr bool supported_head_dim(int head_dim) {
     return false;
 }
 
+// From how many rows of x a linear layer (int4, int8, bf16 weights) is a matrix product instead
+// of a matrix-vector product, on both halves: the CPU functions hand such calls to cpu/gemm.cpp
+// (cpu_kernels.h says when), the CUDA operators (ops.cpp) launch cuda/gemm.cu. Below it each
+// weight serves a few rows and reading W is the time, which the matrix-vector kernels minimise;
+// from it on the multiply-adds are, and tiles that reuse each weight from fast memory win.
+constexpr int kGemmMinRows = 16;
+
 }  // namespace kernels

@@ -26,6 +26,14 @@ void check_x(const at::Tensor& x, int64_t n_in) {
 // A float16 or bfloat16 tensor's elements as the raw bits the kernels take (cpu_kernels.h).
 const uint16_t* half_bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
 
+// The CUDA launcher of a linear layer for a call of `rows` rows: the matrix product (cuda/gemm.cu)
+// from kGemmMinRows rows (kernels.h), the matrix-vector kernel (cuda/quant_linear.cu) below. The
+// CPU functions make the same choice themselves, so run_kernel gets one CPU function either way.
+template <class Launcher>
+Launcher linear_launcher(int64_t rows, Launcher matvec, Launcher gemm) {
+    return rows >= kGemmMinRows ? gemm : matvec;
+}
+
 }  // namespace
 
 // --- paged decode attention ------------------------------------------------------------------
@@ -186,8 +194,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     const DType dtype = dtype_of(x, "x");
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
-    run_kernel("int4_linear", x, cpu::int4_linear, KERNELS_LAUNCHER(int4_linear), y.data_ptr(), x.data_ptr(),
-               packed.data_ptr<uint8_t>(), half_bits(scale), half_bits(min), x.size(0), n_in, n_out, group_size, dtype);
+    run_kernel("int4_linear", x, cpu::int4_linear,
+               linear_launcher(x.size(0), KERNELS_LAUNCHER(int4_linear), KERNELS_LAUNCHER(int4_gemm)), y.data_ptr(),
+               x.data_ptr(), packed.data_ptr<uint8_t>(), half_bits(scale), half_bits(min), x.size(0), n_in, n_out,
+               group_size, dtype);
     return y;
 }
 
@@ -204,8 +214,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const DType dtype = dtype_of(x, "x");
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
-    run_kernel("int8_linear", x, cpu::int8_linear, KERNELS_LAUNCHER(int8_linear), y.data_ptr(), x.data_ptr(),
-               q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0), n_in, n_out, dtype);
+    run_kernel("int8_linear", x, cpu::int8_linear,
+               linear_launcher(x.size(0), KERNELS_LAUNCHER(int8_linear), KERNELS_LAUNCHER(int8_gemm)), y.data_ptr(),
+               x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0), n_in, n_out, dtype);
     return y;
 }
 
@@ -218,8 +229,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
     const DType dtype = dtype_of(x, "x");
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
-    run_kernel("bf16_linear", x, cpu::bf16_linear, KERNELS_LAUNCHER(bf16_linear), y.data_ptr(), x.data_ptr(),
-               half_bits(w), x.size(0), n_in, n_out, dtype);
+    run_kernel("bf16_linear", x, cpu::bf16_linear,
+               linear_launcher(x.size(0), KERNELS_LAUNCHER(bf16_linear), KERNELS_LAUNCHER(bf16_gemm)), y.data_ptr(),
+               x.data_ptr(), half_bits(w), x.size(0), n_in, n_out, dtype);
     return y;
 }
 

@@ -105,7 +105,7 @@ void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, 
 // per call into a cache-resident panel and multiplied into every row of x in register tiles.
 // The kernels above hand their call here when gemm_applies(rows): from kGemmMinRows rows, on
 // AVX2 and up, unless batch-invariant (the matrix-vector kernels sum in another order).
-constexpr int kGemmMinRows = 16;
+using kernels::kGemmMinRows;  // defined in kernels.h: the CUDA operators switch at the same row count
 bool gemm_applies(int rows);
 // Its path for this ISA and mode: "avx2-fma", "avx512-fma", "avx512-bf16 (bf16 x) / avx512-fma",
 // or "off (...)" where the matrix-vector kernels take every row count.
