@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 CUDA = CSRC / "cuda"
 EMU = CSRC / "emulator"
-KERNEL_SOURCES = ["paged_attention.cu", "norm_rope.cu", "quant_linear.cu"]
+KERNEL_SOURCES = ["paged_attention.cu", "norm_rope.cu", "quant_linear.cu", "gemm.cu"]
 FLAGS = ["-std=c++20", "-O1", "-fPIC", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{EMU / 'include'}", f"-I{CUDA}"]
 # Unoptimised: the sanitized build compiles in half the time, and its test cases are small.
 SANITIZE = ["-O0", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
@@ -155,6 +155,15 @@ def _ptr(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+def _unwritten(shape, dtype):
+    """An output tensor filled with NaN, as dynamic shared memory is: an element the kernel fails
+    to write then fails the comparison with the reference, even where torch.empty would have
+    handed back freed memory that held the right values (a reference result of the same shape)."""
+    import torch
+
+    return torch.full(tuple(shape), float("nan"), dtype=dtype)
+
+
 class Emulated:
     """The kernel library's calls (as kernels.load() gives them), each running the CUDA kernel in
     the emulator, on CPU tensors. Shapes are checked by the launchers' own checks only: this is a
@@ -176,6 +185,9 @@ class Emulated:
         self.lib.emu_int4_linear.argtypes = [ctypes.c_void_p] * 5 + [i] * 5
         self.lib.emu_int8_linear.argtypes = [ctypes.c_void_p] * 4 + [i] * 4
         self.lib.emu_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [i] * 4
+        self.lib.emu_int4_gemm.argtypes = self.lib.emu_int4_linear.argtypes
+        self.lib.emu_int8_gemm.argtypes = self.lib.emu_int8_linear.argtypes
+        self.lib.emu_bf16_gemm.argtypes = self.lib.emu_bf16_linear.argtypes
 
     def set_sm_count(self, n: int) -> None:
         """The SM count the emulated device reports (132 by default, an H100 SXM's): the attention
@@ -205,7 +217,7 @@ class Emulated:
         n_partitions = -(-max_blocks * block_size // partition_size)
         if workspace is None:
             workspace = torch.empty(batch * n_heads * n_partitions * (head_dim + 2), dtype=torch.float32)
-        out = torch.empty_like(q)
+        out = _unwritten(q.shape, q.dtype)
         err = self.lib.emu_paged_decode_attention(
             _ptr(out),
             _ptr(q),
@@ -229,9 +241,7 @@ class Emulated:
         return out
 
     def add_rms_norm(self, x, delta, weight, eps):
-        import torch
-
-        out = torch.empty_like(x)
+        out = _unwritten(x.shape, x.dtype)
         err = self.lib.emu_add_rms_norm(
             _ptr(out), _ptr(x), _ptr(delta), _ptr(weight), x.shape[0], x.shape[1], eps, DTYPE_CODES[str(x.dtype)]
         )
@@ -259,22 +269,41 @@ class Emulated:
         self._check(err, "rope_cache")
 
     def silu_mul(self, gate_up):
-        import torch
-
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, inter, dtype=gate_up.dtype)
+        out = _unwritten((rows, inter), gate_up.dtype)
         err = self.lib.emu_silu_mul(_ptr(out), _ptr(gate_up), rows, inter, DTYPE_CODES[str(gate_up.dtype)])
         self._check(err, "silu_mul")
         return out
 
     def int4_linear(self, x, packed, scale, min, group_size):
+        """The matrix-vector kernel (quant_linear.cu), at any row count: the library launches it below
+        kGemmMinRows rows (ops.cpp), int4_gemm from there."""
+        return self._int4(self.lib.emu_int4_linear, "int4_linear", x, packed, scale, min, group_size)
+
+    def int8_linear(self, x, q, scale):
+        return self._int8(self.lib.emu_int8_linear, "int8_linear", x, q, scale)
+
+    def bf16_linear(self, x, w):
+        return self._bf16(self.lib.emu_bf16_linear, "bf16_linear", x, w)
+
+    def int4_gemm(self, x, packed, scale, min, group_size):
+        """The tiled matrix product (gemm.cu), at any row count; the same arguments and result."""
+        return self._int4(self.lib.emu_int4_gemm, "int4_gemm", x, packed, scale, min, group_size)
+
+    def int8_gemm(self, x, q, scale):
+        return self._int8(self.lib.emu_int8_gemm, "int8_gemm", x, q, scale)
+
+    def bf16_gemm(self, x, w):
+        return self._bf16(self.lib.emu_bf16_gemm, "bf16_gemm", x, w)
+
+    def _int4(self, fn, what, x, packed, scale, min, group_size):
         import torch
 
         n_out, n_in = packed.shape[0], packed.shape[1] * 2
         if scale.dtype != torch.float16 or min.dtype != torch.float16:  # the kernel reads their bits as float16
             raise TypeError(f"scale and min must be float16, got {scale.dtype} and {min.dtype}")
-        y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
-        err = self.lib.emu_int4_linear(
+        y = _unwritten((x.shape[0], n_out), x.dtype)
+        err = fn(
             _ptr(y),
             _ptr(x),
             _ptr(packed),
@@ -286,31 +315,29 @@ class Emulated:
             group_size,
             DTYPE_CODES[str(x.dtype)],
         )
-        self._check(err, "int4_linear")
+        self._check(err, what)
         return y
 
-    def int8_linear(self, x, q, scale):
+    def _int8(self, fn, what, x, q, scale):
         import torch
 
         n_out, n_in = q.shape
         if scale.dtype != torch.float32:  # the kernel reads its bits as float32
             raise TypeError(f"scale must be float32, got {scale.dtype}")
-        y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
-        err = self.lib.emu_int8_linear(
-            _ptr(y), _ptr(x), _ptr(q), _ptr(scale), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)]
-        )
-        self._check(err, "int8_linear")
+        y = _unwritten((x.shape[0], n_out), x.dtype)
+        err = fn(_ptr(y), _ptr(x), _ptr(q), _ptr(scale), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)])
+        self._check(err, what)
         return y
 
-    def bf16_linear(self, x, w):
+    def _bf16(self, fn, what, x, w):
         import torch
 
         if w.dtype != torch.bfloat16:  # the kernel reads its bits as bf16
             raise TypeError(f"w must be bfloat16, got {w.dtype}")
         n_out, n_in = w.shape
-        y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
-        err = self.lib.emu_bf16_linear(_ptr(y), _ptr(x), _ptr(w), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)])
-        self._check(err, "bf16_linear")
+        y = _unwritten((x.shape[0], n_out), x.dtype)
+        err = fn(_ptr(y), _ptr(x), _ptr(w), x.shape[0], n_in, n_out, DTYPE_CODES[str(x.dtype)])
+        self._check(err, what)
         return y
 
 

@@ -50,6 +50,17 @@ SANITIZED = textwrap.dedent(
             assert_close(emu.int8_linear(x, q, s), reference.int8_linear(x, q, s))
             w = (torch.randn(24, n_in + 3) * 0.05).bfloat16()
             assert_close(emu.bf16_linear(x, w), reference.bf16_linear(x, w))
+        # the matrix product (gemm.cu): partial tiles of rows, outputs and inputs; element-wise loads of
+        # W at 100 inputs (no multiple of 8), 16-byte ones at 104
+        packed, scale, mn = int4_weight(70, 320, 32)
+        x = torch.randn(33, 320).bfloat16()
+        assert_close(emu.int4_gemm(x, packed, scale, mn, 32), reference.int4_linear(x, packed, scale, mn, 32))
+        for n_in in (100, 104):
+            x = torch.randn(17, n_in).bfloat16()
+            q, s = torch.randint(-127, 128, (70, n_in), dtype=torch.int8), torch.rand(70) * 0.01
+            assert_close(emu.int8_gemm(x, q, s), reference.int8_linear(x, q, s))
+            w = (torch.randn(70, n_in) * 0.05).bfloat16()
+            assert_close(emu.bf16_gemm(x, w), reference.bf16_linear(x, w))
     elif what == "a table naming a block past the pool":
         q, k, v, tables, lens = make_case(1, 4, 2, 64, 16, [40], torch.float32, "cpu")
         tables[0, 1] = k.shape[0]  # one block past the end of the pool

@@ -51,4 +51,18 @@ int emu_bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_i
     return cu::bf16_linear(y, x, w, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
 }
 
+int emu_int4_gemm(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
+                  int n_in, int n_out, int group_size, int dtype) {
+    return cu::int4_gemm(y, x, packed, scale, min, rows, n_in, n_out, group_size, static_cast<DType>(dtype), nullptr);
+}
+
+int emu_int8_gemm(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
+                  int dtype) {
+    return cu::int8_gemm(y, x, q, scale, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
+}
+
+int emu_bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, int dtype) {
+    return cu::bf16_gemm(y, x, w, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
+}
+
 }  // extern "C"
