@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Everything this repository can only check on a GPU, in one go (at most about 7 minutes):
+# Everything this repository can only check on a GPU, in one go (at most about 8 minutes):
 #   1. build kernels/ with its CUDA half, for the GPU that is present (once: CI compiles every .cu
 #      for sm_80 and sm_90 with -Werror, `make kernels-check`)
 #   2. every CUDA test of chapters 02-07 and kernels/ (DEVICE=cuda; the CPU-only tests are CI's job),
 #      the suites side by side, each with its own timeout
-#   3. a batch-1 decode benchmark (slurm/gpu_decode_bench.py) and chapter 06's kernel timings
+#   3. a batch-1 decode benchmark (slurm/gpu_decode_bench.py) and chapter 06's kernel timings: the
+#      kernels against PyTorch, then the linears on their own (1 to 512 rows: from 16 the library's
+#      matrix product, kernels/csrc/cuda/gemm.cu, against cuBLAS on a dense bf16 copy)
 # then a summary: each suite's passed/failed/skipped, the decode table, the kernel timings. Each part
 # adds its line to $OUT_DIR/gpu_check.json as it ends. Exit code 0 only if everything it ran passed;
 # on a machine without a GPU it says so, checks the build, and exits 0.
@@ -109,12 +111,19 @@ timeout 90 $PY slurm/gpu_decode_bench.py --repeats 2 --out "$OUT_DIR/gpu_decode.
   && note "decode bench: $OUT_DIR/gpu_decode.json" || note "FAILED: decode bench"
 # --budget-s: no new case after 60 s, inside the 90 s timeout; every case is saved as it is measured.
 timeout 90 $PY chapters/06_cuda_kernel/bench.py --parts kernels --device cuda --budget-s 60 \
-  --out "$OUT_DIR/ch06_bench_cuda.json" 2>&1 | tee "$logs/kernels.txt" \
+  --kernel-cases attention,add_rms_norm,rope --out "$OUT_DIR/ch06_bench_cuda.json" 2>&1 | tee "$logs/kernels.txt" \
   && note "kernel timings: $OUT_DIR/ch06_bench_cuda.json" || note "FAILED: kernel timings"
+# The linears on their own budget (after attention's cases they would get none of the one above);
+# shorter samples: 5 matrices x 6 row counts x up to 6 implementations.
+timeout 90 $PY chapters/06_cuda_kernel/bench.py --parts kernels --device cuda --budget-s 60 --min-seconds 0.2 \
+  --kernel-cases linear --out "$OUT_DIR/ch06_bench_cuda_linear.json" 2>&1 | tee "$logs/linear.txt" \
+  && note "linear timings (matrix product vs cuBLAS from 16 rows): $OUT_DIR/ch06_bench_cuda_linear.json" \
+  || note "FAILED: linear timings"
 
 echo
 echo "=== summary ($(( $(date +%s) - started )) s)"
 printf '  %s\n' "${SUMMARY[@]}"
 echo; grep -A5 "ms/token" "$logs/decode.txt"
-echo; grep "^\[kernels\]" "$logs/kernels.txt"
+echo; grep -h "^\[kernels\]" "$logs/kernels.txt" "$logs/linear.txt"
+echo; sed -n '/^from [0-9]* rows the kernels are matrix products/,/^saved /p' "$logs/linear.txt"
 printf '%s\n' "${SUMMARY[@]}" | grep -q FAILED && exit 1 || exit 0

@@ -22,9 +22,13 @@ Parts (--parts, comma-separated; all by default):
                 add_rms_norm against x += delta then F.rms_norm; rope_cache_ against apply_rope + cache.write
                 int4_linear and int8_linear against torch's packed ops (qmatmul.Int4PackedLinear,
                   Int8PackedLinear) and a dense F.linear, on SmolLM2's matrices (qkv, o, gate_up,
-                  down; the LM head in int8) at 1, 4 and 16 rows; weight bytes read in GB/s; on an
-                  AVX512-BF16 CPU in bf16, int4 also kept to AVX512 (its float tiles, without vdpbf16ps);
-                  with bf16 activations, bf16_linear against the same dense F.linear
+                  down; the LM head in int8) at 1, 4 and 16 rows, on CUDA also 32, 128 and 512;
+                  weight bytes read in GB/s; on an AVX512-BF16 CPU in bf16, int4 also kept to AVX512
+                  (its float tiles, without vdpbf16ps); with bf16 activations, bf16_linear against
+                  the same dense F.linear. From gemm_min_rows (16) rows the library's linears are
+                  matrix products (csrc/cpu/gemm.cpp, csrc/cuda/gemm.cu): a summary gives their
+                  speed against the dense F.linear (on CUDA, cuBLAS on a dense bf16 copy) and GFLOP/s
+              --kernel-cases picks some of attention, add_rms_norm, rope, linear (all by default)
   decode      one sequence, greedy, a --prompt-tokens chat prompt then --decode-tokens new tokens
               (ignore_eos), through Engine.stream: decode tok/s (the tokens after the first / their
               time), ms per step (median gap), TTFT. Chapter 06 with the kernels on and off (off is
@@ -74,6 +78,7 @@ from common.tools.serving import combine_rounds, servers, throughput_rounds
 HERE = Path(__file__).resolve().parent
 CH = f"ch{HERE.name[:2]}"  # this chapter's label, from its folder's name: ch06
 PARTS = ("kernels", "decode", "throughput")
+KERNEL_CASES = ("attention", "add_rms_norm", "rope", "linear")  # part kernels' cases, in the order measured
 BLOCK_SIZE = 16  # server.py's default --block-size: the servers and the attention cases use it
 GiB = 2**30
 
@@ -287,6 +292,8 @@ def part_kernels(args, saved) -> dict:
         "min_seconds": args.min_seconds,
         "partition_size": args.partition_size,
         "block_size": BLOCK_SIZE,
+        "gemm_min_rows": ext.gemm_min_rows,
+        "cpu_gemm": ext.cpu_gemm(),
         "attention": [],
         "add_rms_norm": [],
         "rope": [],
@@ -339,6 +346,7 @@ def part_kernels(args, saved) -> dict:
             )
         )
 
+    cases = [c for c in cases if c[0] in args.kernel_cases]
     start = time.perf_counter()
     with torch.inference_mode():
         for done, (kind, label, fields, run) in enumerate(cases):
@@ -640,6 +648,28 @@ def print_tables(result: dict) -> None:
                 f"{r['layer']:<8} {str(r['n_out']) + 'x' + str(r['n_in']):>11} {r['rows']:>4} "
                 + " ".join(f"{c:>16}" for c in cells)
             )
+        gemm = [r for r in kr["linear"] if r["rows"] >= kr["gemm_min_rows"] and r["us"].get("dense")]
+        kinds = [k for k in ("int4 kernel", "int8 kernel", "bf16 kernel") if any(r["us"].get(k) for r in gemm)]
+        if gemm and kinds:
+            where = "cuda/gemm.cu, against cuBLAS" if kr["device"] == "cuda" else f"cpu/gemm.cpp: {kr['cpu_gemm']}"
+            print(
+                f"\nfrom {kr['gemm_min_rows']} rows the kernels are matrix products ({where});\nagainst the "
+                f"{kr['dtype']} dense weight's F.linear: dense us / kernel us (above 1: the kernel is faster), "
+                f"then the kernel's GFLOP/s"
+            )
+            print(f"{'layer':<8} {'out x in':>11} {'rows':>4} " + " ".join(f"{k:>22}" for k in kinds))
+            for r in gemm:
+                flop = 2 * r["rows"] * r["n_out"] * r["n_in"]
+                cells = [
+                    f"{fmt(ratio(r['us']['dense'], r['us'][k]), '.2f')}x {fmt(flop / (r['us'][k] * 1e3), '.0f')}"
+                    if r["us"].get(k)
+                    else "-"
+                    for k in kinds
+                ]
+                print(
+                    f"{r['layer']:<8} {str(r['n_out']) + 'x' + str(r['n_in']):>11} {r['rows']:>4} "
+                    + " ".join(f"{c:>22}" for c in cells)
+                )
         why = {f"{k}: {v}" for r in kr["linear"] + kr["attention"] for k, v in r.get("why", {}).items()}
         for line in sorted(why):
             print(f"  not run: {line}")
@@ -848,9 +878,15 @@ def main() -> int:
     # part kernels: what is measured and how long (smaller in the tests)
     ap.add_argument("--contexts", default="128,512,1024,2048,4096,8192", help=argparse.SUPPRESS)
     ap.add_argument("--batches", default="1,16", help=argparse.SUPPRESS)
-    ap.add_argument("--rows", default="1,4,16", help=argparse.SUPPRESS)
+    # the linears' rows: on CUDA also the matrix product's sizes (prompt chunks), against cuBLAS
+    ap.add_argument("--rows", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--norm-rows", default="1,16,256", help=argparse.SUPPRESS)
     ap.add_argument("--linear-shapes", default=LINEAR, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--kernel-cases",
+        default=",".join(KERNEL_CASES),
+        help="part kernels: which of its cases, comma-separated (default: all, %(default)s)",
+    )
     ap.add_argument("--calls", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument("--min-seconds", type=float, default=0.5, help=argparse.SUPPRESS)
     ap.add_argument("--partition-size", type=int, default=256, help=argparse.SUPPRESS)
@@ -864,6 +900,11 @@ def main() -> int:
     ap.add_argument("--health-interval", type=float, default=0.05, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.quant = "bf16" if args.quant == "none" else args.quant
+    if args.rows is None:
+        args.rows = "1,4,16,32,128,512" if args.device.startswith("cuda") else "1,4,16"
+    args.kernel_cases = [c.strip() for c in args.kernel_cases.split(",") if c.strip()]
+    if not args.kernel_cases or any(c not in KERNEL_CASES for c in args.kernel_cases):
+        raise UserError(f"--kernel-cases takes some of {', '.join(KERNEL_CASES)}, got {','.join(args.kernel_cases)!r}")
     for name in ("concurrency", "contexts", "batches", "rows", "norm_rows"):
         setattr(args, name, int_list(getattr(args, name)))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
