@@ -223,9 +223,9 @@ class KernelOps:
         """The library's int4 or int8 matmul. On a CPU alone at every row count: the library turns a
         call of many rows (a prompt chunk, a batched step) into a matrix product itself
         (csrc/cpu/gemm.cpp), so the weights stay quantized in memory. On a GPU, "auto" keeps a dense
-        copy for steps above KERNEL_MAX_ROWS rows (PerStepLinear): the CUDA kernels are
-        matrix-vector products, and cuBLAS takes the larger ones. "reference" (and an unknown
-        path's error) as qmatmul.prepare."""
+        copy for steps above KERNEL_MAX_ROWS rows (PerStepLinear), for cuBLAS, until the GPU check
+        has measured the library's CUDA matrix product (csrc/cuda/gemm.cu) against it. "reference"
+        (and an unknown path's error) as qmatmul.prepare."""
         if path not in ("fast", "auto"):
             return prepare(w, device, dtype, path)
         kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
@@ -286,9 +286,9 @@ class KernelOps:
 # --- the library's linears: what KernelOps.quant_linear and dense_linear build -------------------
 
 # On a GPU, up to how many rows a step runs the library's int matmuls before cuBLAS on a dense copy
-# takes over (their CUDA kernels are matrix-vector products; no CUDA matrix product yet). The figure
-# was measured on a CPU against torch's GEMM, before the CPU kernels had their own (gemm.cpp); on a
-# GPU it is unmeasured until slurm/gpu_check.sh runs bench.py --parts kernels there.
+# takes over. The figure was measured on a CPU against torch's GEMM, before the CPU kernels had their
+# own matrix product; on a GPU it is unmeasured, as is the CUDA matrix product (csrc/cuda/gemm.cu)
+# against cuBLAS, until slurm/gpu_check.sh runs bench.py --parts kernels there.
 KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
 
 

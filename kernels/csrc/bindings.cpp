@@ -112,7 +112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "what the CPU linear kernels run for many rows of x (gemm.cpp), at this ISA and batch-invariance");
     m.def("cpu_fma_peak_gflops", &kernels::cpu::fma_peak_gflops, py::arg("steps") = 20'000'000,
           "the float32 FMA peak of this CPU at the current ISA and thread count, measured (GFLOP/s)");
-    m.attr("gemm_min_rows") = kernels::cpu::kGemmMinRows;  // the CPU linears' matrix product from this many rows
+    m.attr("gemm_min_rows") = kernels::kGemmMinRows;  // the linears' matrix product from this many rows (CPU, CUDA)
     m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
     m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
     m.def(

@@ -103,9 +103,8 @@ void bf16_linear(void* y, const void* x, const uint16_t* w, int rows, int n_in, 
 // Same arguments and results as the three above (to float32 summation order; with AVX512-BF16 and
 // bf16 x, an int4 weight rounded to bf16 as in a dense bf16 copy). Each weight is dequantized once
 // per call into a cache-resident panel and multiplied into every row of x in register tiles.
-// The kernels above hand their call here when gemm_applies(rows): from kGemmMinRows rows, on
+// The kernels above hand their call here when gemm_applies(rows): from kGemmMinRows (kernels.h) rows, on
 // AVX2 and up, unless batch-invariant (the matrix-vector kernels sum in another order).
-using kernels::kGemmMinRows;  // defined in kernels.h: the CUDA operators switch at the same row count
 bool gemm_applies(int rows);
 // Its path for this ISA and mode: "avx2-fma", "avx512-fma", "avx512-bf16 (bf16 x) / avx512-fma",
 // or "off (...)" where the matrix-vector kernels take every row count.
