@@ -90,8 +90,10 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--isa", default=None, help="comma-separated levels (scalar, avx2, avx512, avx512_bf16); default all")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--isa", default=None, help="comma-separated: avx2, avx512, avx512_bf16 (default: all here)")
     ap.add_argument("--rows", default="16,128,512")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
@@ -105,7 +107,8 @@ def main() -> int:
     ext = kernels.load()
     torch.set_num_threads(args.threads)
     best = ext.best_cpu_isa()
-    levels = args.isa.split(",") if args.isa else [i for i in ISA_LEVELS[1:] if ISA_LEVELS.index(i) <= ISA_LEVELS.index(best)]
+    offered = [i for i in ISA_LEVELS[1:] if ISA_LEVELS.index(i) <= ISA_LEVELS.index(best)]
+    levels = args.isa.split(",") if args.isa else offered
     rows_list = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     mats = {name: weights(n_out, n_in, g) for name, (n_out, n_in) in SHAPES.items()}
@@ -113,7 +116,7 @@ def main() -> int:
     for isa in levels:
         ext.set_cpu_isa(isa)
         peak = fma_peak(ext, isa, args.threads)
-        print(f"[gemm] {isa}: float32 FMA peak {peak:.0f} GFLOP/s on {args.threads} threads", file=sys.stderr, flush=True)
+        print(f"[gemm] {isa}: float32 FMA peak {peak:.0f} GFLOP/s, {args.threads} threads", file=sys.stderr, flush=True)
         for dtype in (torch.bfloat16, torch.float32):
             for rows in rows_list:
                 figures = measure(ext, rows, dtype, mats, args.repeats)
@@ -146,8 +149,8 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
     fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
     for ax, isa in zip(axes[0], isas):
         for kind, style in (("int4", "-o"), ("int8", "-s"), ("bf16", "-^"), ("torch bf16", ":x"), ("torch f32", ":+")):
-            ys = [next(r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16" and r["rows"] == n)
-                  for n in rows_list]  # fmt: skip
+            here = {r["rows"]: r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16"}
+            ys = [here[n] for n in rows_list]
             ax.plot(rows_list, ys, style, label=kind)
         peak = next(r["peak_gflops"] for r in results if r["isa"] == isa)
         ax.axhline(peak, color="grey", lw=0.8, ls="--", label="float32 FMA peak")

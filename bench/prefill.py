@@ -38,8 +38,11 @@ from common.tools.decoding import decoding_engine
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--chapter", type=int, default=newest_chapter())
+    ap.add_argument("--model", default="smollm2-135m", help="llama.cpp runs beside smollm2-135m only (its GGUF)")
     ap.add_argument("--quant", choices=["int4", "none"], default="int4")
     ap.add_argument("--prompt-tokens", default="128,2000")
     ap.add_argument("--rounds", type=int, default=3)
@@ -52,10 +55,12 @@ def main() -> int:
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     ch = load_chapter(args.chapter, "engine", "loading", "sampling", "request", "peers")
     spec = ch.loading.quant_spec(
-        SimpleNamespace(quant=None if args.quant == "none" else args.quant, group_size=32, symmetric=False, lm_head="int8")
+        SimpleNamespace(
+            quant=None if args.quant == "none" else args.quant, group_size=32, symmetric=False, lm_head="int8"
+        )
     )
     blocks = max(lengths) // 16 + 8
-    engine, _ = ch.engine.build_engine("smollm2-135m", "cpu", "bfloat16", spec, num_blocks=blocks, prefix_caching=False)
+    engine, _ = ch.engine.build_engine(args.model, "cpu", "bfloat16", spec, num_blocks=blocks, prefix_caching=False)
     ours_desc = engine.model.ops.describe()
 
     def ours(ids) -> float:
@@ -64,11 +69,12 @@ def main() -> int:
         engine.generate([ch.request.Request(ids, params, max_tokens=1, ignore_eos=True)])
         return clock() - start
 
-    theirs = llama_cpp_prefill(ch, args, max(lengths), clock)
+    theirs = llama_cpp_prefill(ch, args, max(lengths), clock) if args.model == "smollm2-135m" else None
     rng = random.Random(0)
-    result = {"chapter": args.chapter, "quant": args.quant, "clock": args.clock, "threads": args.threads, "ttft": {}}
+    result = {"chapter": args.chapter, "model": args.model, "quant": args.quant, "clock": args.clock}
+    result |= {"threads": args.threads, "ttft": {}}
     for n in lengths:
-        ids = [rng.randrange(100, 40000) for _ in range(n)]
+        ids = [rng.randrange(100, engine.model.config.vocab_size) for _ in range(n)]
         ours(ids), theirs and theirs(ids)  # warm-up
         a, b = [], []
         for _ in range(args.rounds):
@@ -82,7 +88,7 @@ def main() -> int:
 
     steps = {}
     for seqs in (1, 16):
-        e = decoding_engine(args.chapter, "smollm2-135m", args.quant, "bfloat16", "on", 128, 40, 4, sequences=seqs)
+        e = decoding_engine(args.chapter, args.model, args.quant, "bfloat16", "on", 128, 40, 4, sequences=seqs)
         times = []
         for _ in range(24):
             start = clock()

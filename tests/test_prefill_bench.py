@@ -1,0 +1,41 @@
+"""bench/prefill.py times a prompt's first token and a step of 16 sequences against a step of one;
+bench/gemm.py the CPU matrix product against the FMA peak. Here on the tiny model and small sizes:
+what they record, not how fast (llama.cpp runs beside SmolLM2 only, and only where installed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.tools.warm_python import run_python
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_prefill_records_ttft_per_prompt_length_and_the_step_ratio(tmp_path):
+    out = tmp_path / "p.json"
+    args = ["--chapter", "6", "--model", "tiny-llama3", "--prompt-tokens", "5,40", "--rounds", "2", "--out", str(out)]
+    r = run_python(["bench/prefill.py", *args], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert sorted(result["ttft"]) == ["40", "5"] and all(len(v["ours_ms"]) == 2 for v in result["ttft"].values())
+    assert all(ms > 0 for v in result["ttft"].values() for ms in v["ours_ms"])
+    assert set(result["step_ms"]) == {"1", "16"} and result["machine"]["isa"]["ours"]
+    assert "decode step: 1 sequence" in r.stdout and "vector instructions: ours" in r.stdout
+
+
+def test_gemm_bench_reports_each_kind_against_the_peak(tmp_path):
+    out = tmp_path / "g.json"
+    args = ["--isa", "avx2", "--rows", "16", "--repeats", "1", "--threads", "1", "--clock", "cpu", "--out", str(out)]
+    r = run_python(["bench/gemm.py", *args], cwd=REPO)
+    if "this CPU does not support avx2" in r.stderr:
+        pytest.skip("a CPU without AVX2: the library has no matrix product here")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [row["x"] for row in rows] == ["bfloat16", "float32"]
+    for row in rows:
+        assert row["isa"] == "avx2" and row["gemm"] == "avx2-fma" and row["peak_gflops"] > 0
+        assert set(row["gflops"]) == {"int4", "int8", "bf16", "torch bf16", "torch f32"}
+    assert out.with_suffix(".png").exists()
