@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_compiled_step_decodes_what_the_eager_one_does(tmp_path):
     out = tmp_path / "c.json"
     args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "9"]
+    # one torch thread (the script's default is two): `make test` runs two suites side by side on two
+    # cores, where a two-thread team waits on a descheduled sibling
+    args += ["--threads", "1"]
     r = run_python(["bench/compile_step.py", *args, "--rounds", "2", "--steps", "3", "--out", str(out)], cwd=REPO)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())

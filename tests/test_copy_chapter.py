@@ -100,22 +100,14 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
     code = "import common; print(common.__file__)"
     where = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True)
     assert where.stdout.strip() == str(root / "common" / "__init__.py"), where.stderr
-    # Every test module of the copy must import there (collection), and the tests that reach what
-    # a copy changes run: the kernels it loads, a server it starts as a subprocess (two requests
-    # are enough to show it serves), the engine beside the comparisons that must skip. The rest of
-    # the chapter's suite ran in its own `make test` step on the same bytes.
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", NEWEST.name],
-        cwd=root,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0 and re.search(r"\d+ tests collected", r.stdout), r.stdout[-4000:] + r.stderr[-2000:]
-    # Collection above reached every test file; these run: the engine on kernels/ loaded from the
-    # shared build (tiny model), a comparison with chapter 05 that must skip (it is not there), the
-    # components, and the server.
+    # Every test module of the copy must import there, and the tests that reach what a copy
+    # changes run: the kernels it loads, a server it starts as a subprocess (two requests are
+    # enough to show it serves), the engine beside the comparisons that must skip. The rest of the
+    # chapter's suite ran in its own `make test` step on the same bytes. One pytest run does both:
+    # it collects the whole folder (a module that does not import is a collection error, and the
+    # run fails) and runs, by name (-k), the engine on kernels/ loaded from the shared build (tiny
+    # model), a comparison with chapter 05 that must skip (it is not there), the components, and the
+    # server.
     picked = (
         "test_kernels_engine.py::test_padded_static_decode_steps_equal_the_eager_engine",
         "test_kernels_engine.py::test_greedy_output_equals_chapter_05_on_every_test_prompt",
@@ -123,11 +115,10 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
         "test_server.py::test_models_and_health",
         "test_server.py::test_chat_streaming_equals_non_streaming_and_reports_usage",
     )
-    suites = [f"{NEWEST.name}/tests/{t}" for t in picked if (NEWEST / "tests" / t.split("::")[0]).exists()] or [
-        NEWEST.name
-    ]
+    names = [t.split("::")[-1] for t in picked if (NEWEST / "tests" / t.split("::")[0]).exists()]
+    select = ["-k", " or ".join(names)] if names else []
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *suites],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *select, NEWEST.name],
         cwd=root,
         env=clean_env(),
         capture_output=True,
@@ -136,6 +127,7 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert re.search(r"\d+ passed", r.stdout), r.stdout[-2000:]
+    assert not names or "deselected" in r.stdout, r.stdout[-2000:]  # it collected the whole folder
     assert "carried unchanged" not in r.stdout, "a chapter on its own has no neighbour to have run its tests"
     compares = any("load_neighbour(" in p.read_text() for p in (root / NEWEST.name / "tests").glob("*.py"))
     assert not compares or "compares with chapter" in r.stdout, r.stdout[-2000:]

@@ -12,6 +12,9 @@ import pytest
 from common.tools.warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[1]
+# One torch thread (the script's default is two): `make test` runs two suites side by side on two
+# cores, where a two-thread team waits on a descheduled sibling.
+ONE_THREAD = ["--threads", "1"]
 
 
 LAYERS = json.loads((REPO / "models" / "tiny-llama3" / "config.json").read_text())["num_hidden_layers"]
@@ -23,7 +26,7 @@ def profiles(tmp_path_factory):
     out = {}
     for layers in ("one-call", "python"):
         path = tmp_path_factory.mktemp("p") / "p.json"
-        args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "12"]
+        args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "12", *ONE_THREAD]
         args += ["--layers", layers, "--warmup", "2", "--steps", "4", "--out", str(path)]
         r = run_python(["bench/profile_step.py", *args], cwd=REPO)
         assert r.returncode == 0, r.stderr
@@ -54,7 +57,7 @@ def test_the_engine_s_step_is_one_call_per_layer(profiles):
 
 def test_a_step_of_several_sequences(tmp_path):
     path = tmp_path / "p.json"
-    args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "5"]
+    args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "5", *ONE_THREAD]
     args += ["--sequences", "3", "--steps", "2", "--out", str(path), "--chapter", "ch06"]  # an older chapter by name
     r = run_python(["bench/profile_step.py", *args], cwd=REPO)
     assert r.returncode == 0, r.stderr

@@ -1,14 +1,34 @@
-"""Helpers for tests: comparing one chapter with another, and sharing the cores between workers."""
+"""Helpers for tests: comparing one chapter with another, sharing loaded models, sharing the cores
+between workers, and running a test on each instruction-set level of the kernel library."""
 
 from __future__ import annotations
 
 import os
 import sys
 import types
+from typing import Callable, TypeVar
 
 import pytest
 
 from common.tools.chapters import ChapterNotFoundError, load_chapter
+
+
+T = TypeVar("T")
+_SHARED: dict = {}
+
+
+def shared(make: Callable[..., T], *args, **kwargs) -> T:
+    """make(*args, **kwargs), made once in this test process: every test that asks for the same
+    function with the same arguments gets the same object. For what tests only read: a loaded
+    model's weights, a tokenizer. Never an engine, a KV cache, or anything a test changes (build
+    those fresh around a shared model; a test that changes a shared object puts it back, as
+    monkeypatch does). The arguments are the key: names, paths, dtypes, QuantSpecs; an `ops`
+    object is a key by its identity. A suite asked for SmolLM2 some 80 times, at 1-2 s of CPU
+    each (quantized, more), and for a tokenizer some 60 times, at 0.1 s each."""
+    key = (make, args, tuple(sorted(kwargs.items())))
+    if key not in _SHARED:
+        _SHARED[key] = make(*args, **kwargs)
+    return _SHARED[key]
 
 
 def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:
@@ -18,6 +38,41 @@ def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:
         return load_chapter(number, *module_names)
     except ChapterNotFoundError as e:
         pytest.skip(f"compares with chapter {number:02d}, which is not here ({e})")
+
+
+# The instruction-set levels of the kernel library's CPU half (kernels/), lowest first.
+CPU_ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    """Runs a test once per instruction-set level of kernels/' CPU half that this CPU offers, the
+    library switched to it (its set_cpu_isa: the level is read at every call, so a model loaded
+    before serves every level), and puts back the level it found; a level the CPU lacks skips,
+    naming the best it has. ATEN_CPU_CAPABILITY=avx2 (=default) caps the best as it caps torch's
+    own kernels, so that such a run takes the paths of an AVX2-only (a non-x86) CPU. A test picks
+    its levels with @pytest.mark.parametrize("cpu_isa", [...], indirect=True); None there is the
+    level in use, unchanged (the best, unless capped). A test module takes the fixture by importing
+    it. -> the level's name."""
+    import kernels
+
+    try:
+        ext = kernels.load()
+    except kernels.KernelBuildError as e:
+        pytest.skip(f"kernels/ is not built here: {e}")
+    found = ext.cpu_isa()
+    if request.param is None:
+        yield found
+        return
+    best = ext.best_cpu_isa()
+    if CPU_ISAS.index(request.param) > CPU_ISAS.index(best):
+        cap = os.environ.get("ATEN_CPU_CAPABILITY")
+        pytest.skip(f"kernels/ runs {best} at most here" + (f" (ATEN_CPU_CAPABILITY={cap})" if cap else ""))
+    ext.set_cpu_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        ext.set_cpu_isa(found)
 
 
 # What the server tests need beyond torch: the server (fastapi, uvicorn, pydantic) and its clients.

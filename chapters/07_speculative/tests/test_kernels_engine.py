@@ -11,7 +11,7 @@ import torch
 from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
-from common.tools.testing import load_neighbour
+from common.tools.testing import CPU_ISAS, cpu_isa, load_neighbour  # noqa: F401  (cpu_isa: a fixture)
 from common.tools.warm_python import run_python
 from cuda_graphs import DecodeGraphs
 from engine import Engine, Request, build_engine
@@ -218,8 +218,11 @@ def test_cuda_graphs_replay_equals_eager_on_cuda():
     assert graphs.graphs.graphs, "no decode step was captured"
 
 
-@pytest.mark.parametrize("block_size", [1, 24, 48, 512])
-def test_any_block_size_decodes_as_pytorch_does(block_size):
+# Blocks of 24 on every instruction-set level of the library this CPU has, the others at the level in use.
+@pytest.mark.parametrize(
+    "block_size, cpu_isa", [(24, isa) for isa in CPU_ISAS] + [(n, None) for n in (1, 48, 512)], indirect=["cpu_isa"]
+)
+def test_any_block_size_decodes_as_pytorch_does(block_size, cpu_isa):
     # Partitions are whole blocks: 256 keys with 16-token blocks, 240 with 24 or 48, one block of 512.
     assert KernelOps.partition_size(block_size) % block_size == 0
     d = resolve_model("tiny-llama3")

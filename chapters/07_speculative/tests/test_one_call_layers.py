@@ -14,30 +14,32 @@ from qmatmul import linear
 from quant import QuantSpec
 
 from common.models import resolve_model
+from common.tools.testing import CPU_ISAS, cpu_isa, shared  # noqa: F401  (cpu_isa: a fixture)
 
 CPU = torch.device("cpu")
-# (model, dtype, quant): int4 G=32 and int8 (each with the dense copy for big steps), bf16 weights
-# (the bf16 kernel, torch's GEMM above 8 rows), float32 weights (torch's GEMM only).
-CASES = [
-    ("smollm2-135m", torch.bfloat16, QuantSpec(4, 32)),
-    ("tiny-llama3", torch.bfloat16, QuantSpec(8)),
-    ("tiny-llama3", torch.bfloat16, None),
-    ("tiny-llama3", torch.float32, None),
-]
-
-
-_loaded: dict = {}
+# kind -> (model, dtype, quant): int4 G=32 and int8 (each with the dense copy for big steps), bf16
+# weights (the bf16 kernel, torch's GEMM above 8 rows), float32 weights (torch's GEMM only).
+CASES = {
+    "int4 smollm2": ("smollm2-135m", torch.bfloat16, QuantSpec(4, 32)),
+    "int4": ("tiny-llama3", torch.bfloat16, QuantSpec(4, 32)),
+    "int8": ("tiny-llama3", torch.bfloat16, QuantSpec(8)),
+    "bf16": ("tiny-llama3", torch.bfloat16, None),
+    "fp32": ("tiny-llama3", torch.float32, None),
+}
+# (kind, instruction-set level, sequences): each kind on tiny-llama3 on every level of the library
+# this CPU has, in steps of 1 and 3 decodes (the matvec kernels); 12 (above their rows: torch's dense
+# GEMM, which no level of the library reaches) and int4 on SmolLM2's shapes at the level in use.
+TINY = [kind for kind in CASES if kind != "int4 smollm2"]
+LEVELS = [(kind, isa, n) for kind in TINY for isa in CPU_ISAS for n in (1, 3)]
+LEVELS += [(kind, None, 12) for kind in TINY] + [("int4 smollm2", None, n) for n in (1, 3, 12)]
 
 
 def load(name, dtype, quant, ops=None):
-    """The model with the kernels on, loaded once per case for the whole module (tests that change
-    it put it back); with other `ops`, a fresh one."""
+    """The model with the kernels on, loaded once per case for the whole run (tests that change it
+    put it back); with other `ops`, a fresh one."""
     if ops is not None:
         return load_model(resolve_model(name), CPU, dtype, quant, ops=ops)
-    key = (name, dtype, quant)
-    if key not in _loaded:
-        _loaded[key] = load_model(resolve_model(name), CPU, dtype, quant, ops=resolve("on", CPU))
-    return _loaded[key]
+    return shared(load_model, resolve_model(name), CPU, dtype, quant, ops=shared(resolve, "on", CPU))
 
 
 @contextlib.contextmanager
@@ -71,10 +73,9 @@ def steps(model, n_seqs: int):
     return out
 
 
-@pytest.mark.parametrize("name,dtype,quant", CASES, ids=["int4", "int8", "bf16", "fp32"])
-@pytest.mark.parametrize("n_seqs", [1, 3, 12])  # 12: above the matvec kernels' rows, the dense GEMM runs
-def test_one_call_equals_the_python_loop_bit_for_bit(name, dtype, quant, n_seqs):
-    model = load(name, dtype, quant)
+@pytest.mark.parametrize("kind, cpu_isa, n_seqs", LEVELS, indirect=["cpu_isa"])
+def test_one_call_equals_the_python_loop_bit_for_bit(kind, cpu_isa, n_seqs):
+    model = load(*CASES[kind])
     assert all(layer.one_call is not None for layer in model.layers)
     fused = steps(model, n_seqs)
     with without_one_call(model):
@@ -123,9 +124,10 @@ def test_kernels_off_the_reference_matmul_and_a_gpu_keep_the_python_loop():
     assert ops.build_one_call_layer(model.layers[0], model.config) is None  # CUDA graphs replay decode steps there
 
 
-@pytest.mark.parametrize("name,dtype,quant", CASES, ids=["int4", "int8", "bf16", "fp32"])
-def test_each_library_linear_multiplies_as_the_prepared_weight(name, dtype, quant):
-    model = load(name, dtype, quant)
+@pytest.mark.parametrize("kind", CASES)
+def test_each_library_linear_multiplies_as_the_prepared_weight(kind, cpu_isa):
+    dtype = CASES[kind][1]
+    model = load(*CASES[kind])
     layer = model.layers[0]
     for rows in (1, 5, 20):  # 20: the library's matrix product (gemm.cpp), as in a prompt chunk
         x = torch.randn(rows, model.config.hidden_size).to(dtype)

@@ -8,6 +8,8 @@ from ops import KERNEL_MAX_ROWS, KernelInt4Linear, KernelInt8Linear, resolve
 from qmatmul import PerStepLinear, ReferenceLinear, linear, prepare
 from quant import quantize_int4, quantize_int8
 
+from common.tools.testing import cpu_isa  # noqa: F401  (a fixture: each test below runs on each level)
+
 CPU = torch.device("cpu")
 
 
@@ -24,7 +26,7 @@ def close_to_the_reference(prepared, w, rows):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_auto_on_a_cpu_takes_the_library_kernel_alone_at_every_row_count(kind):
+def test_auto_on_a_cpu_takes_the_library_kernel_alone_at_every_row_count(kind, cpu_isa):
     # No dense copy beside the codes: the library multiplies a prompt chunk itself, as a matrix
     # product from gemm_min_rows rows on. On a GPU the dense copy stays (PerStepLinear).
     import kernels
@@ -40,13 +42,17 @@ def test_auto_on_a_cpu_takes_the_library_kernel_alone_at_every_row_count(kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_fast_and_batch_invariant_auto_take_the_kernel_alone(kind):
+def test_fast_and_batch_invariant_auto_take_the_kernel_alone(kind, cpu_isa):
     w = make(kind)
     fast = resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "fast")
-    invariant = resolve("on", CPU, batch_invariant=True).quant_linear(w, CPU, torch.bfloat16, "auto")
-    for prepared in (fast, invariant):
-        assert isinstance(prepared, (KernelInt4Linear, KernelInt8Linear))  # no dense copy at any row count
-        close_to_the_reference(prepared, w, (1, 16))
+    invariant_ops = resolve("on", CPU, batch_invariant=True)
+    try:
+        invariant = invariant_ops.quant_linear(w, CPU, torch.bfloat16, "auto")
+        for prepared in (fast, invariant):
+            assert isinstance(prepared, (KernelInt4Linear, KernelInt8Linear))  # no dense copy at any row count
+            close_to_the_reference(prepared, w, (1, 16))
+    finally:
+        invariant_ops._ext.set_batch_invariant(False)  # a switch of the library, process-wide
 
 
 def test_the_reference_path_and_the_torch_ops_are_qmatmul_s():
