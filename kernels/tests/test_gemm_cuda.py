@@ -8,6 +8,7 @@ test_emulated_gemm.py)."""
 import pytest
 import torch
 from conftest import assert_close
+from test_gemm import weights
 from test_quant_linear import assert_int4_close, int4_weight
 
 from kernels import reference
@@ -26,16 +27,6 @@ def cuda(ops):
     if not ops.with_cuda:
         pytest.skip("kernels/ was built without its CUDA half (a CPU torch, or no nvcc)")
     return torch.device("cuda")
-
-
-def weights(kind, n_out, n_in, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "int4":
-        return int4_weight(n_out, n_in, 32, seed=seed)
-    if kind == "int8":
-        q = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
-        return q, torch.rand(n_out, generator=g) * 0.01
-    return ((torch.randn(n_out, n_in, generator=g) * 0.05).bfloat16(),)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
