@@ -489,3 +489,22 @@ def test_a_reply_is_built_off_the_event_loop(http, monkeypatch):
     r = post(http, "/v1/completions", {"prompt": "One, two,", "max_tokens": 3, "logprobs": 1})
     assert r.status_code == 200 and where == ["a worker thread"], r.text
     assert r.json()["choices"][0]["logprobs"]["tokens"] and encoded == []
+
+
+def test_a_big_reply_is_encoded_in_small_pieces_that_make_exactly_its_json():
+    """One json.dumps call holds the GIL from start to end, so a 4 MB reply would stop the event loop
+    (every other client) for 100-300 ms: the reply goes out in pieces of a few kB."""
+    require("fastapi")
+    import server
+
+    def entry(i):
+        return {"token": f"tök {i}", "logprob": -i / 7, "bytes": [116, 195, 182, 107]}
+
+    content = [entry(t) | {"top_logprobs": [entry(k) for k in range(20)]} for t in range(400)]
+    reply = {"id": "x", "choices": [{"index": c, "logprobs": {"content": content}} for c in range(4)], "usage": {}}
+    pieces = list(server.json_pieces(reply))
+    assert "".join(pieces) == json.dumps(reply, ensure_ascii=False)
+    assert max(map(len, pieces)) * 20 < sum(map(len, pieces)), "a piece holds a twentieth of the reply or more"
+    # The edges of the walk: empty things, a list of exactly one slice and one item more, deep nesting.
+    for obj in ([], {}, list(range(32)), list(range(33)), [[[[[[1, "é"]]]]]], {"a": [{"b": list(range(70))}]}, "s", None):
+        assert "".join(server.json_pieces(obj)) == json.dumps(obj, ensure_ascii=False), obj
