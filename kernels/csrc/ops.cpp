@@ -97,7 +97,6 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                            const at::Tensor& context_lens, double scale) {
     check_supported_device(q);
-    TORCH_CHECK(q.is_cpu(), "chunk_attention: only its CPU half is built so far; got a tensor on ", q.device());
     TORCH_CHECK(q.dim() == 3, "q: [tokens, n_heads, head_dim] expected, got ", q.sizes());
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
                 "k_pool, v_pool: the same [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
@@ -131,7 +130,8 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     const int32_t* ctx = context_lens.data_ptr<int32_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     const int64_t blocks = k_pool.size(0);
-    for (int64_t b = 0; b < batch; ++b) {
+    // Lengths and tables are checked on the CPU only: on CUDA it would cost a device-to-host copy, a wait.
+    for (int64_t b = 0; q.is_cpu() && b < batch; ++b) {
         TORCH_CHECK(lens[b] >= 1 && lens[b] <= ctx[b] && ctx[b] <= max_blocks * block_size, "sequence ", b,
                     ": query_lens ", lens[b], " and context_lens ", ctx[b], " must satisfy 1 <= query_lens <= ",
                     "context_lens <= ", max_blocks * block_size, " (the block table's slots)");
@@ -141,9 +141,9 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
             TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < blocks, "block_tables[", b,
                         ", ", i, "] = ", tables[b * max_blocks + i], " is outside the pool's 0..", blocks - 1);
     }
-    cpu::chunk_attention(out.data_ptr(), q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), tables,
-                         starts, lens, ctx, batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks,
-                         static_cast<float>(scale), dtype);
+    run_kernel("chunk_attention", q, cpu::chunk_attention, KERNELS_LAUNCHER(chunk_attention), out.data_ptr(),
+               q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), tables, starts, lens, ctx, tokens, batch,
+               n_heads, n_kv_heads, head_dim, block_size, max_blocks, static_cast<float>(scale), dtype);
     return out;
 }
 

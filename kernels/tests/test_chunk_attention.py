@@ -169,7 +169,7 @@ void chunk(void* out, const void* q, const void* k, const void* v, const int32_t
            const int32_t* lens, const int32_t* ctx, int batch, int n_heads, int n_kv_heads, int head_dim,
            int block_size, int max_blocks, float scale, int bug) {
     planted_bug = bug;
-    cpu::chunk_attention(out, q, int64_t(n_heads) * head_dim, k, v, tables, starts, lens, ctx, batch, n_heads,
+    cpu::chunk_attention(out, q, int64_t(n_heads) * head_dim, k, v, tables, starts, lens, ctx, 0, batch, n_heads,
                          n_kv_heads, head_dim, block_size, max_blocks, scale, DType::f32);
 }
 }

@@ -231,8 +231,9 @@ KERNELS_AVX512 __attribute__((flatten)) void chunk_avx512(const ChunkArgs& a, DT
 
 void chunk_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
                      const int32_t* block_tables, const int32_t* query_start, const int32_t* query_lens,
-                     const int32_t* context_lens, int batch, int n_heads, int n_kv_heads, int head_dim, int block_size,
-                     int max_blocks, float scale, DType dtype) {
+                     const int32_t* context_lens, int tokens, int batch, int n_heads, int n_kv_heads, int head_dim,
+                     int block_size, int max_blocks, float scale, DType dtype) {
+    (void)tokens;  // the CUDA twin's grid; here the lengths are at hand
     const ChunkArgs a{out,        q,          q_stride,   k_pool,     v_pool,   block_tables, query_start, query_lens,
                       context_lens, batch,    n_heads,    n_kv_heads, head_dim, block_size,   max_blocks,  scale};
     const int group = n_heads / n_kv_heads;

@@ -59,10 +59,11 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
 //   k/v_pool     [num_blocks, block_size, n_kv_heads, head_dim]  contiguous
 //   block_tables int32 [batch, max_blocks]
 //   query_start, query_lens, context_lens  int32 [batch]; 1 <= query_lens[b] <= context_lens[b] <= max_blocks * block_size
+// tokens (T) sizes the CUDA twin's grid (its blocks find their sequence from the lengths on the device).
 void chunk_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
                      const int32_t* block_tables, const int32_t* query_start, const int32_t* query_lens,
-                     const int32_t* context_lens, int batch, int n_heads, int n_kv_heads, int head_dim, int block_size,
-                     int max_blocks, float scale, DType dtype);
+                     const int32_t* context_lens, int tokens, int batch, int n_heads, int n_kv_heads, int head_dim,
+                     int block_size, int max_blocks, float scale, DType dtype);
 
 // --- RMSNorm, with the residual add fused --------------------------------------------------
 // For each of `rows` rows of `hidden` values:
