@@ -178,12 +178,12 @@ void chunk(void* out, const void* q, const void* k, const void* v, const int32_t
 # holds them all.
 PLANTED = {
     "the causal bound lets a query read the key after it": (
-        "const int own = std::min(n, pos0 + first + qi - k0 + 1);",
-        "const int own = std::min(n, pos0 + first + qi - k0 + 1 + (planted_bug == 1));",
+        "return std::min(n, pos0 + first + r / group - k0 + 1); };",
+        "return std::min(n, pos0 + first + r / group - k0 + 1 + (planted_bug == 1)); };",
     ),
     "the accumulator is not rescaled when the max rises": (
-        "const V va = S::set1(alpha);",
-        "const V va = S::set1(planted_bug == 2 ? 1.f : alpha);",
+        "    return alpha;\n}",
+        "    return planted_bug == 2 ? 1.f : alpha;\n}",
     ),
     "a key is read through its tile's first block-table entry": (
         "int64_t(table[pos / bs])",
