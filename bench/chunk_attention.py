@@ -156,7 +156,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(x), [f"{n} tokens" for n in lengths])
     ax.set_yscale("log")
     ax.set_ylabel(f"ms per layer ({result['clock']} time, 1 thread)")
-    ax.set_title(f"Prompt attention, one SmolLM2-135M layer, bf16 pool ({result['isa']})")
+    ax.set_title(f"Prompt attention, one SmolLM2-135M layer, bf16 pool\n({result['isa']})", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
