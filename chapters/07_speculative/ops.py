@@ -5,7 +5,8 @@ a CPU) where they can, and on chapter 05's PyTorch elsewhere. The forward pass (
 five operations below through one of two objects with the same methods:
 
     KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged
-                decode attention (flash-decoding, reading K/V where they lie in the pool), SwiGLU's
+                decode attention (flash-decoding, reading K/V where they lie in the pool) and, on a
+                CPU, prompt-chunk attention (tiles of queries x keys, the same way), SwiGLU's
                 silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls on a CPU,
                 and on a CPU each layer of a decode step as one call (DecoderLayer)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)

@@ -17,6 +17,10 @@
 // result is then computed by the same operations in the same order whatever chunk it came in, and
 // whichever tile of queries it sits in (its scores are one FMA chain over head_dim per key, the
 // rows of a tile do not mix). A prompt cut into other chunks, or a row alone, gives the same bits.
+//
+// A step's decode rows (one query each) stay with paged_attention.cpp (the engine's choice,
+// chapter 06's ops.py): its partitions spread one query's long context over threads, where here a
+// lone query would be one task per kv head.
 #include <omp.h>
 
 #include <algorithm>
