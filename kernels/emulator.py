@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 CUDA = CSRC / "cuda"
 EMU = CSRC / "emulator"
-KERNEL_SOURCES = ["paged_attention.cu", "norm_rope.cu", "quant_linear.cu", "gemm.cu"]
+KERNEL_SOURCES = ["paged_attention.cu", "chunk_attention.cu", "norm_rope.cu", "quant_linear.cu", "gemm.cu"]
 FLAGS = ["-std=c++20", "-O1", "-fPIC", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{EMU / 'include'}", f"-I{CUDA}"]
 # Unoptimised: the sanitized build compiles in half the time, and its test cases are small.
 SANITIZE = ["-O0", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
@@ -178,6 +178,7 @@ class Emulated:
         self.lib.emu_paged_decode_attention.argtypes = (
             [ctypes.c_void_p, ctypes.c_void_p, i64] + [ctypes.c_void_p] * 5 + [i] * 7 + [f, i]
         )
+        self.lib.emu_chunk_attention.argtypes = [ctypes.c_void_p] * 2 + [i64] + [ctypes.c_void_p] * 6 + [i] * 7 + [f, i]
         self.lib.emu_add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [i, i, f, i]
         self.lib.emu_rope.argtypes = [ctypes.c_void_p] * 3 + [i, i, i, i64, i]
         self.lib.emu_rope_cache.argtypes = [ctypes.c_void_p] * 6 + [i] * 5
@@ -238,6 +239,19 @@ class Emulated:
             DTYPE_CODES[str(q.dtype)],
         )
         self._check(err, "paged_decode_attention")
+        return out
+
+    def chunk_attention(self, q, k_pool, v_pool, block_tables, query_start, query_lens, context_lens, scale):
+        """As the extension's, except that rows no chunk names are NaN (the extension zeroes them first)."""
+        tokens, n_heads, head_dim = q.shape
+        block_size, n_kv_heads = k_pool.shape[1], k_pool.shape[2]
+        out = _unwritten(q.shape, q.dtype)
+        err = self.lib.emu_chunk_attention(
+            *map(_ptr, (out, q)), q.stride(0), *map(_ptr, (k_pool, v_pool, block_tables, query_start, query_lens)),
+            _ptr(context_lens), tokens, block_tables.shape[0], n_heads, n_kv_heads, head_dim, block_size,
+            block_tables.shape[1], scale, DTYPE_CODES[str(q.dtype)],
+        )  # fmt: skip
+        self._check(err, "chunk_attention")
         return out
 
     def add_rms_norm(self, x, delta, weight, eps):

@@ -26,6 +26,10 @@ def register() -> None:
     def _(q, k_pool, v_pool, block_tables, context_lens, scale, partition_size):
         return q.new_empty(q.shape)  # [batch, n_heads, head_dim], contiguous
 
+    @torch.library.register_fake(lib + "chunk_attention")
+    def _(q, k_pool, v_pool, block_tables, query_start, query_lens, context_lens, scale):
+        return q.new_empty(q.shape)  # [tokens, n_heads, head_dim], contiguous
+
     @torch.library.register_fake(lib + "add_rms_norm")
     def _(x, delta, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -70,6 +70,29 @@ def flash_decoding(q, k_pool, v_pool, block_tables, context_lens, scale, partiti
     return out.to(q.dtype)
 
 
+def chunk_attention(q, k_pool, v_pool, block_tables, query_start, query_lens, context_lens, scale) -> torch.Tensor:
+    """Causal attention of prompt chunks over the paged cache: sequence b's queries are rows
+    query_start[b] .. + query_lens[b] - 1 of q, at positions context_lens[b] - query_lens[b] ..
+    context_lens[b] - 1, and each reads the keys from position 0 up to its own (the chunk's own keys
+    are in the pool already). Gather the sequence's keys, mask the ones after each query, softmax.
+    q [T, n_heads, D]; pools [num_blocks, block_size, n_kv_heads, D]; block_tables [B, max_blocks];
+    the rest [B]  -> [T, n_heads, D], zeros in rows no chunk names"""
+    block_size = k_pool.shape[1]
+    group = q.shape[1] // k_pool.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(block_tables.shape[0]):
+        n, new, first = int(context_lens[b]), int(query_lens[b]), int(query_start[b])
+        blocks = block_tables[b, : -(-n // block_size)].long()
+        keys = k_pool[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, n_heads, D]
+        values = v_pool[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        positions = torch.arange(n - new, n, device=q.device)  # [new]
+        causal = torch.arange(n, device=q.device)[None, :] <= positions[:, None]  # [new, n]
+        scores = torch.einsum("qhd,khd->hqk", q[first : first + new].float(), keys) * scale  # [n_heads, new, n]
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out[first : first + new] = torch.einsum("hqk,khd->qhd", weights, values)
+    return out.to(q.dtype)
+
+
 def add_rms_norm(x, delta, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (x + delta rounded to x's dtype: the new residual stream, rms_norm of it times weight)."""
     if delta is not None:

@@ -5,7 +5,8 @@ a CPU) where they can, and on chapter 05's PyTorch elsewhere. The forward pass (
 five operations below through one of two objects with the same methods:
 
     KernelOps   kernels/: fused residual-add + RMSNorm, RoPE fused with the KV cache write, paged
-                decode attention (flash-decoding, reading K/V where they lie in the pool), SwiGLU's
+                decode attention (flash-decoding, reading K/V where they lie in the pool) and, on a
+                CPU, prompt-chunk attention (tiles of queries x keys, the same way), SwiGLU's
                 silu(gate) * up in one pass, int4/int8 matmuls, bf16 matmuls on a CPU,
                 and on a CPU each layer of a decode step as one call (DecoderLayer)
     TorchOps    chapter 05's PyTorch code, for `--kernels off` and for devices the library lacks (mps)
@@ -165,6 +166,7 @@ class KernelOps:
         like torch.use_deterministic_algorithms), at any number of rows (no dense GEMM for big steps),
         and prompt chunks' attention through the decode kernel, one query at a time."""
         self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
+        self._chunk_note_given = False
         if self.device.type == "cpu":
             ext.set_batch_invariant(batch_invariant)
 
@@ -204,14 +206,53 @@ class KernelOps:
         return self._ext.silu_mul(gate_up)
 
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
-        """Decodes (one query per sequence) through the paged kernel; prompt chunks through
-        chapter 05's gather + SDPA, which is compute-bound there and already good at it.
-        Batch-invariant, prompt chunks too go through the decode kernel, each query as if it were
-        decoded alone: SDPA's sums over a chunk's keys depend on the chunk, which depends on what
-        else the step holds and on what the prefix cache had."""
+        """Decodes (one query per sequence) through the paged decode kernel. Prompt chunks on a CPU
+        through the chunk kernel (csrc/cpu/chunk_attention.cpp: tiles of queries x tiles of keys read
+        where they lie in the pool, no gather copy, no mask); on a GPU through chapter 05's gather +
+        SDPA, whose fused kernels are good at it, until the chunk kernel's CUDA twin has run on a GPU.
+        A mixed step keeps the decode kernel for its one-query rows: it splits one query's long
+        context over threads (partitions), where the chunk kernel's tasks are tiles of queries, of
+        which a decode row would make one per kv head.
+        Batch-invariant, prompt chunks go through the decode kernel, each query as if it were decoded
+        alone. The chunk kernel's rows do not depend on the chunk split either, but a prompt's row
+        can also come as a chunk of one (its last token after a prefix-cache hit, or a cut of
+        --chunk-size), which build_step makes a decode: the decode kernel merges its partitions in
+        another order than the chunk kernel's tiles, so the same row would round two ways."""
         if self.batch_invariant:
             groups = [g if g.decodes else one_query_each(g) for g in groups]
+        elif any(not g.decodes for g in groups) and self._chunk_kernel_serves(q, k_pool):
+            (prompts,) = [g for g in groups if not g.decodes]  # build_step makes one group of chunks
+            out = self.chunks(q, k_pool, v_pool, prompts)
+            for g in groups:
+                if g.decodes:  # a mixed step's decode rows (zeros in `out` so far)
+                    rows = g.token_index[:, 0]
+                    out[rows] = self.decode(q[rows], k_pool, v_pool, g)
+            return out
         return paged_attention(q, k_pool, v_pool, groups, decode=self.decode)
+
+    def _chunk_kernel_serves(self, q, k_pool) -> bool:
+        """Whether the chunk kernel takes this step's prompt chunks; where it cannot on a CPU, a note
+        (once) and chapter 05's gather + SDPA, never a wrong result."""
+        if self.device.type != "cpu":
+            return False
+        why = None
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"{str(q.dtype).removeprefix('torch.')} activations"
+        elif q.shape[-1] not in self._ext.head_dims() or q.shape[1] % k_pool.shape[2]:
+            why = f"heads of {q.shape[-1]} values, {q.shape[1]} query heads over {k_pool.shape[2]} kv heads"
+        if why is not None and not self._chunk_note_given:
+            self._chunk_note_given = True
+            print(f"note: prompt chunks through gather + SDPA: the chunk kernel does not serve {why}", file=sys.stderr)
+        return why is None
+
+    def chunks(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup) -> torch.Tensor:
+        """q: [T, n_heads, head_dim], the step's queries -> [T, n_heads, head_dim], the rows of g's
+        chunks attended (causally, over their sequences' cached keys and their own), zeros elsewhere.
+        A sequence's queries sit side by side in the step (build_step lays them end to end)."""
+        starts = g.token_index[:, 0].to(torch.int32)
+        lens = g.valid.sum(dim=1, dtype=torch.int32)
+        scale = q.shape[-1] ** -0.5
+        return self._ext.chunk_attention(q, k_pool, v_pool, g.block_tables, starts, lens, g.context_lens, scale)
 
     def decode(self, q: torch.Tensor, k_pool, v_pool, g: AttentionGroup | DecodeGroup) -> torch.Tensor:
         """q: [B, n_heads, head_dim], one query per sequence of the group -> the same shape."""

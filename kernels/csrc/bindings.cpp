@@ -44,6 +44,9 @@ TORCH_LIBRARY(llm_kernels, m) {
     m.def(
         "paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor context_lens, "
         "float scale, int partition_size) -> Tensor");
+    m.def(
+        "chunk_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start, "
+        "Tensor query_lens, Tensor context_lens, float scale) -> Tensor");
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
     m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
     m.def(
@@ -59,6 +62,7 @@ TORCH_LIBRARY(llm_kernels, m) {
 // CUDA launcher from its tensors), registered under each device's dispatch key.
 static void impl_all(torch::Library& m) {
     m.impl("paged_decode_attention", &ops::paged_decode_attention);
+    m.impl("chunk_attention", &ops::chunk_attention);
     m.impl("add_rms_norm", &ops::add_rms_norm);
     m.impl("rope_", &ops::rope_);
     m.impl("rope_cache_", &ops::rope_cache_);
@@ -79,6 +83,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "flash-decoding over a paged KV cache -> [batch, n_heads, head_dim]", py::arg("q"), py::arg("k_pool"),
           py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
           py::arg("partition_size") = 256);
+    m.def("chunk_attention", &ops::chunk_attention,
+          "causal attention of prompt chunks over a paged KV cache -> [tokens, n_heads, head_dim]", py::arg("q"),
+          py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("query_start"), py::arg("query_lens"),
+          py::arg("context_lens"), py::arg("scale"));
     m.def("add_rms_norm", &ops::add_rms_norm, "x += delta (in place, if given); -> rms_norm(x) * weight", py::arg("x"),
           py::arg("delta"), py::arg("weight"), py::arg("eps"));
     m.def("rope_", &ops::rope_, "rotate q and k heads in place (rotate-half)", py::arg("qk"), py::arg("cos"),

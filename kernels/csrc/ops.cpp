@@ -91,6 +91,62 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     return out;
 }
 
+// --- prompt-chunk attention ----------------------------------------------------------------------
+
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                           const at::Tensor& context_lens, double scale) {
+    check_supported_device(q);
+    TORCH_CHECK(q.dim() == 3, "q: [tokens, n_heads, head_dim] expected, got ", q.sizes());
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
+                "k_pool, v_pool: the same [num_blocks, block_size, n_kv_heads, head_dim] expected, got ",
+                k_pool.sizes(), " and ", v_pool.sizes());
+    const int64_t tokens = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
+    const int64_t block_size = k_pool.size(1), n_kv_heads = k_pool.size(2);
+    TORCH_CHECK(k_pool.size(3) == head_dim, "k_pool's head_dim ", k_pool.size(3), " differs from q's ", head_dim);
+    TORCH_CHECK(supported_head_dim(static_cast<int>(head_dim)), "head_dim ", head_dim,
+                " is not one the kernels are built for (", head_dims_text(), ": kernels.head_dims())");
+    TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads ", n_heads, " is not a multiple of n_kv_heads ",
+                n_kv_heads);
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim,
+                "q: heads must be contiguous (a token's heads side by side)");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "k_pool and v_pool must be contiguous");
+    const DType dtype = dtype_of(q, "q");
+    TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(),
+                "q, k_pool and v_pool must share a dtype");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+                "block_tables: contiguous int32 [batch, max_blocks] expected");
+    const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
+    for (const at::Tensor* t : {&query_start, &query_lens, &context_lens})
+        TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == batch && t->is_contiguous(),
+                    "query_start, query_lens, context_lens: contiguous int32 [batch] expected (batch ", batch,
+                    " from block_tables), got ", t->scalar_type(), " ", t->sizes());
+    for (const at::Tensor* t : {&k_pool, &v_pool, &block_tables, &query_start, &query_lens, &context_lens})
+        check_same_device(q, *t, "an argument");
+
+    at::Tensor out = at::zeros({tokens, n_heads, head_dim}, q.options());
+    if (batch == 0) return out;
+    const int32_t *starts = query_start.data_ptr<int32_t>(), *lens = query_lens.data_ptr<int32_t>();
+    const int32_t* ctx = context_lens.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int64_t blocks = k_pool.size(0);
+    // Lengths and tables are checked on the CPU only: on CUDA it would cost a device-to-host copy, a wait.
+    for (int64_t b = 0; q.is_cpu() && b < batch; ++b) {
+        TORCH_CHECK(lens[b] >= 1 && lens[b] <= ctx[b] && ctx[b] <= max_blocks * block_size, "sequence ", b,
+                    ": query_lens ", lens[b], " and context_lens ", ctx[b], " must satisfy 1 <= query_lens <= ",
+                    "context_lens <= ", max_blocks * block_size, " (the block table's slots)");
+        TORCH_CHECK(starts[b] >= 0 && starts[b] + lens[b] <= tokens, "sequence ", b, ": its queries ", starts[b], "..",
+                    starts[b] + lens[b] - 1, " are outside q's ", tokens, " tokens");
+        for (int64_t i = 0; i < (ctx[b] + block_size - 1) / block_size; ++i)
+            TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < blocks, "block_tables[", b,
+                        ", ", i, "] = ", tables[b * max_blocks + i], " is outside the pool's 0..", blocks - 1);
+    }
+    run_kernel("chunk_attention", q, cpu::chunk_attention, KERNELS_LAUNCHER(chunk_attention), out.data_ptr(),
+               q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), tables, starts, lens, ctx, tokens, batch,
+               n_heads, n_kv_heads, head_dim, block_size, max_blocks, static_cast<float>(scale), dtype);
+    return out;
+}
+
 // --- RMSNorm (+ residual) and RoPE -------------------------------------------------------------
 
 at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {

@@ -16,6 +16,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t partition_size);
 
+// causal attention of prompt chunks over a paged KV cache -> [T, n_heads, head_dim] (rows no chunk names: 0)
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                           const at::Tensor& context_lens, double scale);
+
 // x += delta (in place, if given); -> rms_norm(x) * weight
 at::Tensor add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 

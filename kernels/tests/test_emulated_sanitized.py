@@ -20,6 +20,7 @@ SANITIZED = textwrap.dedent(
     from kernels import emulator, reference
     from conftest import assert_close
     from test_paged_attention import make_case
+    from test_chunk_attention import make_chunks
     from test_quant_linear import int4_weight
     from test_norm_rope import rope_cache_case
     emu = emulator.load(plant={plant!r}, sanitize=True)
@@ -61,6 +62,11 @@ SANITIZED = textwrap.dedent(
             assert_close(emu.int8_gemm(x, q, s), reference.int8_linear(x, q, s))
             w = (torch.randn(70, n_in) * 0.05).bfloat16()
             assert_close(emu.bf16_gemm(x, w), reference.bf16_linear(x, w))
+        # prompt-chunk attention (chunk_attention.cu): row and key tiles with tails, heads of 64 and 256
+        for head_dim in (64, 256):
+            case = make_chunks([(0, 19), (21, 27), (3, 1)], 10, 2, head_dim, 16, torch.bfloat16)
+            out = emu.chunk_attention(*case, 0.125)
+            assert_close(out[:47], reference.chunk_attention(*case, 0.125)[:47])
     elif what == "a table naming a block past the pool":
         q, k, v, tables, lens = make_case(1, 4, 2, 64, 16, [40], torch.float32, "cpu")
         tables[0, 1] = k.shape[0]  # one block past the end of the pool

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_close
+from test_chunk_attention import make_chunks
 from test_norm_rope import rope_cache_case
 from test_paged_attention import make_case
 from test_quant_linear import int4_weight
@@ -32,6 +33,7 @@ def samples(device):
         "int8_linear": tuple(on(x, q8, torch.rand(32))),
         "bf16_linear": tuple(on(x, (torch.randn(40, 64) * 0.05).bfloat16())),
         "paged_decode_attention": (*on(*attn), 0.125, 16),
+        "chunk_attention": (*on(*make_chunks([(5, 7), (0, 3)], 4, 2, 64, 16, torch.float32)), 0.125),
     }
 
 
@@ -47,6 +49,7 @@ def samples(device):
         "int8_linear",
         "bf16_linear",
         "paged_decode_attention",
+        "chunk_attention",
     ],
 )
 def test_opcheck(ops, device, case):
@@ -58,7 +61,7 @@ def test_opcheck(ops, device, case):
 
 def test_the_pybind_functions_and_the_operators_are_the_same_kernels(ops):
     args = samples("cpu")
-    for name in ("silu_mul", "int4_linear", "int8_linear", "bf16_linear", "paged_decode_attention"):
+    for name in ("silu_mul", "int4_linear", "int8_linear", "bf16_linear", "paged_decode_attention", "chunk_attention"):
         assert torch.equal(getattr(OPS, name)(*args[name]), getattr(ops, name)(*args[name])), name
     x, delta, weight, eps = args["add_rms_norm"]
     x2 = x.clone()

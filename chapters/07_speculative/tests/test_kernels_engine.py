@@ -13,6 +13,7 @@ from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from common.tools.testing import CPU_ISAS, cpu_isa, load_neighbour  # noqa: F401  (cpu_isa: a fixture)
 from common.tools.warm_python import run_python
+from batch import Work, build_step
 from cuda_graphs import DecodeGraphs
 from engine import Engine, Request, build_engine
 from model import forward_sequence, load_model
@@ -241,3 +242,76 @@ def test_a_block_size_the_decode_kernel_cannot_read_is_refused_at_startup():
     with pytest.raises(UserError, match="at most 4096 tokens"):
         build_engine(str(d), "cpu", "float32", kernels="on", num_blocks=2, block_size=8192)
     build_engine(str(d), "cpu", "float32", kernels="off", num_blocks=2, block_size=8192)  # PyTorch reads any size
+
+
+# --- prompt chunks through the chunk attention kernel (csrc/cpu/chunk_attention.cpp) ---------------
+
+
+def mixed_step(seed: int, head_dim: int, dtype, decodes: bool = True, block_size: int = 16):
+    """A step of decodes, whole prompts, and chunks after cached keys (starting at a block's start
+    and inside one), over a pool scattered at random -> (q, k_pool, v_pool, step)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = (torch.randn(64, block_size, 2, head_dim, generator=g).to(dtype) for _ in range(2))
+    free = list(range(64))
+    rng.shuffle(free)
+    work = []
+    for start, new in [(0, 23), (37, 1), (16, 9), (21, 40), (5, 1), (rng.randrange(0, 60), rng.randrange(2, 30))]:
+        if new == 1 and not decodes:
+            continue
+        work.append(Work([0] * new, start, [free.pop() for _ in range(-(-(start + new) // block_size))]))
+    step = build_step(work, block_size, "cpu")
+    return torch.randn(len(step.tokens), 6, head_dim, generator=g).to(dtype), k_pool, v_pool, step
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_mixed_step_takes_the_chunk_kernel_and_equals_gather_and_sdpa(cpu_isa, dtype, monkeypatch):
+    ops = resolve("on", CPU)
+    served = []
+    chunks = ops.chunks
+    monkeypatch.setattr(ops, "chunks", lambda *a: served.append(a[-1]) or chunks(*a))
+    for seed in range(3):
+        q, k_pool, v_pool, step = mixed_step(seed, 64, dtype)
+        expected = TorchOps.attention(q, k_pool, v_pool, step.groups)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(ops.attention(q, k_pool, v_pool, step.groups), expected, rtol=tol, atol=tol)
+    assert len(served) == 3 and all(not g.decodes for g in served)
+
+
+def test_a_shape_the_chunk_kernel_does_not_serve_falls_back_to_sdpa_with_a_note(capsys):
+    # Heads of 48 values (a KernelOps made for another model's heads): gather + SDPA, the same result,
+    # one note for the whole run.
+    ops = resolve("on", CPU)
+    for seed in range(2):
+        q, k_pool, v_pool, step = mixed_step(seed, 48, torch.float32, decodes=False)
+        expected = TorchOps.attention(q, k_pool, v_pool, step.groups)
+        torch.testing.assert_close(ops.attention(q, k_pool, v_pool, step.groups), expected, rtol=1e-5, atol=1e-5)
+    err = capsys.readouterr().err
+    assert err.count("note: prompt chunks through gather + SDPA: the chunk kernel does not serve heads of 48") == 1
+
+
+@pytest.fixture(scope="module")
+def chapter_05_chunked(smollm2_dir):
+    """Chapter 05's greedy tokens for three chat prompts arriving at steps 0, 2 and 5, in steps of at
+    most 8 new tokens (prompt chunks starting at a block's start and inside one, beside decodes),
+    the system prompt a prefix-cache hit from the second on."""
+    ch05 = load_neighbour(5, "engine")
+    tok = Tokenizer(smollm2_dir)
+    prompts = [tok.encode_chat([{"role": "user", "content": text}]) for text in PROMPTS[:3]]
+    engine, _ = ch05.engine.build_engine(str(smollm2_dir), "cpu", "float32", num_blocks=128, max_num_batched_tokens=8)
+    reqs = [ch05.engine.Request(ids, ch05.engine.SamplingParams(temperature=0), max_tokens=10) for ids in prompts]
+    return prompts, [[c.token_ids for c in out] for out in engine.generate(reqs, [0, 2, 5])]
+
+
+@pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
+def test_chunked_prompts_through_the_chunk_kernel_give_chapter_05s_tokens(smollm2_dir, chapter_05_chunked, cpu_isa):
+    prompts, expected = chapter_05_chunked
+    engine, _ = build_engine(str(smollm2_dir), "cpu", "float32", kernels="on", num_blocks=128, max_num_batched_tokens=8)
+    served = []
+    ops = engine.model.ops
+    chunks = ops.chunks
+    ops.chunks = lambda *a: served.append(a[-1]) or chunks(*a)
+    outputs = engine.generate([Request(ids, GREEDY, max_tokens=10) for ids in prompts], [0, 2, 5])
+    assert [[c.token_ids for c in out] for out in outputs] == expected
+    assert served and any(bool((g.context_lens > g.valid.sum(1)).any()) for g in served)  # chunks after cached keys

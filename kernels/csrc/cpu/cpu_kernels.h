@@ -47,6 +47,24 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
                             int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
                             int partition_size, float scale, DType dtype);
 
+// --- prompt-chunk attention (FlashAttention-2's loop) over the paged cache ----------------------
+// Sequence b adds query_lens[b] queries, rows query_start[b] .. + query_lens[b] - 1 of q and out,
+// at positions context_lens[b] - query_lens[b] .. context_lens[b] - 1; each reads the keys from
+// position 0 up to its own, causally, through the block table (its own chunk's keys included:
+// they are in the pool already). Tiles of queries meet tiles of keys with an online softmax
+// (chunk_attention.cpp); GQA as paged_decode_attention. A row's result does not depend on how its
+// prompt was cut into chunks (the key tiles are fixed from position 0): bitwise.
+//   out          [T, n_heads, head_dim]                          contiguous; rows no chunk names untouched
+//   q            [T, n_heads, head_dim]                          token stride q_stride, heads contiguous
+//   k/v_pool     [num_blocks, block_size, n_kv_heads, head_dim]  contiguous
+//   block_tables int32 [batch, max_blocks]
+//   query_start, query_lens, context_lens  int32 [batch]; 1 <= query_lens[b] <= context_lens[b] <= max_blocks * block_size
+// tokens (T) sizes the CUDA twin's grid (its blocks find their sequence from the lengths on the device).
+void chunk_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                     const int32_t* block_tables, const int32_t* query_start, const int32_t* query_lens,
+                     const int32_t* context_lens, int tokens, int batch, int n_heads, int n_kv_heads, int head_dim,
+                     int block_size, int max_blocks, float scale, DType dtype);
+
 // --- RMSNorm, with the residual add fused --------------------------------------------------
 // For each of `rows` rows of `hidden` values:
 //   if delta: x = x + delta          (x updated in place, rounded to dtype: the residual stream)

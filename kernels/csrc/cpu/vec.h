@@ -81,6 +81,8 @@ struct Scalar {
     static V sub(V a, V b) { return a - b; }
     static V div(V a, V b) { return a / b; }
     static V min(V a, V b) { return a < b ? a : b; }
+    static V max(V a, V b) { return a > b ? a : b; }
+    static float reduce_max(V a) { return a; }
     static V exp(V x) { return std::exp(x); }
 };
 
@@ -164,6 +166,13 @@ struct Avx2 {
     KERNELS_AVX2 static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
     KERNELS_AVX2 static V div(V a, V b) { return _mm256_div_ps(a, b); }
     KERNELS_AVX2 static V min(V a, V b) { return _mm256_min_ps(a, b); }
+    KERNELS_AVX2 static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    KERNELS_AVX2 static float reduce_max(V a) {
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
     KERNELS_AVX2 static V exp(V x) {
         using namespace exp_consts;
         x = _mm256_max_ps(x, _mm256_set1_ps(lowest));
@@ -256,6 +265,8 @@ struct Avx512 {
     KERNELS_AVX512 static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
     KERNELS_AVX512 static V div(V a, V b) { return _mm512_div_ps(a, b); }
     KERNELS_AVX512 static V min(V a, V b) { return _mm512_min_ps(a, b); }
+    KERNELS_AVX512 static V max(V a, V b) { return _mm512_max_ps(a, b); }
+    KERNELS_AVX512 static float reduce_max(V a) { return _mm512_reduce_max_ps(a); }
     KERNELS_AVX512 static V exp(V x) {
         using namespace exp_consts;
         x = _mm512_max_ps(x, _mm512_set1_ps(lowest));

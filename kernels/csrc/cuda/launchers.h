@@ -17,6 +17,12 @@ cudaError_t paged_decode_attention(void* out, const void* q, int64_t q_stride, c
                                    int batch, int n_heads, int n_kv_heads, int head_dim, int block_size, int max_blocks,
                                    int partition_size, float scale, DType dtype, cudaStream_t stream);
 
+cudaError_t chunk_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                            const int32_t* block_tables, const int32_t* query_start, const int32_t* query_lens,
+                            const int32_t* context_lens, int tokens, int batch, int n_heads, int n_kv_heads,
+                            int head_dim, int block_size, int max_blocks, float scale, DType dtype,
+                            cudaStream_t stream);
+
 cudaError_t add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
                          DType dtype, cudaStream_t stream);
 

@@ -17,6 +17,15 @@ int emu_paged_decode_attention(void* out, const void* q, int64_t q_stride, const
                                       static_cast<DType>(dtype), nullptr);
 }
 
+int emu_chunk_attention(void* out, const void* q, int64_t q_stride, const void* k_pool, const void* v_pool,
+                        const int32_t* block_tables, const int32_t* query_start, const int32_t* query_lens,
+                        const int32_t* context_lens, int tokens, int batch, int n_heads, int n_kv_heads, int head_dim,
+                        int block_size, int max_blocks, float scale, int dtype) {
+    return cu::chunk_attention(out, q, q_stride, k_pool, v_pool, block_tables, query_start, query_lens, context_lens,
+                               tokens, batch, n_heads, n_kv_heads, head_dim, block_size, max_blocks, scale,
+                               static_cast<DType>(dtype), nullptr);
+}
+
 int emu_add_rms_norm(void* out, void* x, const void* delta, const void* weight, int rows, int hidden, float eps,
                      int dtype) {
     return cu::add_rms_norm(out, x, delta, weight, rows, hidden, eps, static_cast<DType>(dtype), nullptr);
