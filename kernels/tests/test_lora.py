@@ -229,7 +229,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels
 # bug -> (text of lora.cpp, the same with the bug behind `planted_bug == n`), n its place here + 1
 PLANTED = {
     "the wrong slot's adapter (the previous segment's)": [
-        ("f(row, end, int(slots[i]));", "f(row, end, int(slots[planted_bug == 1 && i > 0 ? i - 1 : i]));"),
+        ("return int(slots[i]);", "return int(slots[planted_bug == 1 && i > 0 ? i - 1 : i]);"),
     ],
     "the scale applied twice": [
         ("S::set1(p.scale[s]);", "S::set1(p.scale[s] * (planted_bug == 2 ? p.scale[s] : 1.f));"),

@@ -56,18 +56,29 @@ struct Segments {
     int rank(const int32_t* ranks, int s) const {
         return s < 0 || s >= n_slots ? 0 : std::clamp(int(ranks[s]), 0, r_max);
     }
-    // Calls f(row0, row1, slot) for each run of rows of one segment inside [r0, r1).
-    template <class F>
-    void each(int r0, int r1, F&& f) const {
-        // the segment holding r0: the last start <= r0 (empty segments before it are skipped)
-        int i = int(std::upper_bound(starts, starts + n + 1, r0) - starts) - 1;
-        for (int row = r0; row < r1 && i < n; ++i) {
-            const int end = std::min(int(starts[i + 1]), r1);
+    // The segment holding `row`: the last start <= row (empty segments before it are skipped).
+    int first(int row) const { return int(std::upper_bound(starts, starts + n + 1, row) - starts) - 1; }
+    int slot(int i) const { return int(slots[i]); }
+};
+
+// The runs of rows of one segment each inside rows [r0, r1) of a task:
+//     for (Run run{seg, r0, r1}; run.next();) ... run.row .. run.end - 1, all of slot run.slot
+// (a loop, not a callback: GCC's flatten did not reach into a lambda's callees, and the vector
+// members were left as calls).
+struct Run {
+    const Segments& seg;
+    int row, r1;
+    int i = seg.first(row), end = row, slot = -1;
+    bool next() {
+        row = end;
+        for (; row < r1 && i < seg.n; ++i) {
+            end = std::min(int(seg.starts[i + 1]), r1);
             if (end > row) {
-                f(row, end, int(slots[i]));
-                row = end;
+                slot = seg.slot(i++);
+                return true;
             }
         }
+        return false;
     }
 };
 
@@ -166,15 +177,16 @@ KERNELS_INLINE void shrink_rest(const ShrinkArgs& p, int rows, int r0, int s, in
 template <class S, DType DX, DType DW>
 KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1) {
     constexpr int MR = Tile<S>::MR;
-    p.seg.each(t0, t1, [&](int row, int end, int s) {
-        const int rk = p.seg.rank(p.ranks, s);
+    for (Run run{p.seg, t0, t1}; run.next();) {
+        const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
+        int row = run.row;
         if (rk == 0) {
-            for (int r = row; r < end; ++r) std::fill_n(p.v + int64_t(r) * p.v_stride, p.r_max, 0.f);
-            return;
+            for (; row < end; ++row) std::fill_n(p.v + int64_t(row) * p.v_stride, p.r_max, 0.f);
+            continue;
         }
         for (; row + MR <= end; row += MR) shrink_rows<S, DX, DW, MR>(p, row, s, rk);
         if (row < end) shrink_rest<S, DX, DW, MR - 1>(p, end - row, row, s, rk);
-    });
+    }
 }
 
 // --- expand ----------------------------------------------------------------------------------------
@@ -235,12 +247,13 @@ KERNELS_INLINE void expand_rest(const ExpandArgs& p, int rows, int r0, int s, in
 template <class S, DType DY, DType DW>
 KERNELS_INLINE void expand_range(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
     constexpr int MR = Tile<S>::MR;
-    p.seg.each(t0, t1, [&](int row, int end, int s) {
-        const int rk = p.seg.rank(p.ranks, s);
-        if (rk == 0) return;  // the base model's rows (and an empty slot's) are left as they are
+    for (Run run{p.seg, t0, t1}; run.next();) {
+        const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
+        if (rk == 0) continue;  // the base model's rows (and an empty slot's) are left as they are
+        int row = run.row;
         for (; row + MR <= end; row += MR) expand_rows<S, DY, DW, MR>(p, row, s, rk, o0, o1);
         if (row < end) expand_rest<S, DY, DW, MR - 1>(p, end - row, row, s, rk, o0, o1);
-    });
+    }
 }
 
 // --- each instruction set's entries: the templates above compiled inside its target -------------
