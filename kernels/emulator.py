@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 CUDA = CSRC / "cuda"
 EMU = CSRC / "emulator"
-KERNEL_SOURCES = ["paged_attention.cu", "chunk_attention.cu", "norm_rope.cu", "quant_linear.cu", "gemm.cu"]
+KERNEL_SOURCES = ["paged_attention.cu", "chunk_attention.cu", "norm_rope.cu", "quant_linear.cu", "gemm.cu", "lora.cu"]
 FLAGS = ["-std=c++20", "-O1", "-fPIC", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{EMU / 'include'}", f"-I{CUDA}"]
 # Unoptimised: the sanitized build compiles in half the time, and its test cases are small.
 SANITIZE = ["-O0", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
@@ -164,7 +164,37 @@ def _unwritten(shape, dtype):
     return torch.full(tuple(shape), float("nan"), dtype=dtype)
 
 
-class Emulated:
+class _LoraCalls:
+    """The LoRA launchers (lora.cu), mixed into Emulated: the extension's lora_shrink and lora_expand_."""
+
+    def _lora_argtypes(self) -> None:
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self.lib.emu_lora_shrink.argtypes = [p, i64, p, i64, p, p, p, p] + [i] * 7
+        self.lib.emu_lora_expand.argtypes = [p, i64, p, i64, p, p, p, p, p] + [i] * 7
+
+    def lora_shrink(self, x, a, ranks, seg_starts, seg_slots):
+        """v float32 [rows, r_max] (NaN where the kernel writes nothing)."""
+        import torch
+
+        v = _unwritten((x.shape[0], a.shape[1]), torch.float32)
+        err = self.lib.emu_lora_shrink(
+            _ptr(v), v.stride(0), _ptr(x), x.stride(0), _ptr(a), _ptr(ranks), _ptr(seg_starts), _ptr(seg_slots),
+            x.shape[0], seg_slots.numel(), a.shape[0], x.shape[1], a.shape[1], DTYPE_CODES[str(x.dtype)],
+            DTYPE_CODES[str(a.dtype)],
+        )  # fmt: skip
+        self._check(err, "lora_shrink")
+        return v
+
+    def lora_expand_(self, y, v, b_t, ranks, scale, seg_starts, seg_slots):
+        err = self.lib.emu_lora_expand(
+            _ptr(y), y.stride(0), _ptr(v), v.stride(0), _ptr(b_t), _ptr(ranks), _ptr(scale), _ptr(seg_starts),
+            _ptr(seg_slots), y.shape[0], seg_slots.numel(), b_t.shape[0], y.shape[1], b_t.shape[1],
+            DTYPE_CODES[str(y.dtype)], DTYPE_CODES[str(b_t.dtype)],
+        )  # fmt: skip
+        self._check(err, "lora_expand")
+
+
+class Emulated(_LoraCalls):
     """The kernel library's calls (as kernels.load() gives them), each running the CUDA kernel in
     the emulator, on CPU tensors. Shapes are checked by the launchers' own checks only: this is a
     test tool, and the extension (csrc/ops.cpp) is where the user-facing checks live."""
@@ -189,6 +219,7 @@ class Emulated:
         self.lib.emu_int4_gemm.argtypes = self.lib.emu_int4_linear.argtypes
         self.lib.emu_int8_gemm.argtypes = self.lib.emu_int8_linear.argtypes
         self.lib.emu_bf16_gemm.argtypes = self.lib.emu_bf16_linear.argtypes
+        self._lora_argtypes()
 
     def set_sm_count(self, n: int) -> None:
         """The SM count the emulated device reports (132 by default, an H100 SXM's): the attention

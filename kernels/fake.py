@@ -57,3 +57,11 @@ def register() -> None:
     @torch.library.register_fake(lib + "bf16_linear")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake(lib + "lora_shrink")
+    def _(x, a, ranks, seg_starts, seg_slots):
+        return x.new_empty(x.shape[0], a.shape[1], dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "lora_expand_")
+    def _(y, v, b_t, ranks, scale, seg_starts, seg_slots):
+        return None

@@ -149,3 +149,59 @@ def int8_linear(x, q, scale) -> torch.Tensor:
 
 def bf16_linear(x, w) -> torch.Tensor:
     return (x.float() @ w.float().T).to(x.dtype)
+
+
+# --- LoRA: many adapters in one batch (shrink, expand) -------------------------------------------
+# A step's rows laid end to end are cut into segments (seg_starts int32 [n_seg + 1], from 0 to rows),
+# each with one adapter slot (seg_slots int32 [n_seg], -1: the base model, no delta). A prompt chunk
+# is a segment; a decode row is a segment of one. Slot s holds A[s] = a[s, :ranks[s]] ([r, n_in], as
+# PEFT's lora_A.weight) and B[s].T = b_t[s, :ranks[s]] ([r, n_out]: lora_B.weight transposed, see
+# csrc/cpu/lora.cpp for why); rows past ranks[s] are padding that no kernel reads.
+#     y[row] += scale[s] * B[s] @ (A[s] @ x[row])
+
+
+def lora_segments(row_slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment table of a step from each row's slot (int [rows]): runs of equal slots merged.
+    -> (seg_starts int32 [n_seg + 1], seg_slots int32 [n_seg])."""
+    row_slots = torch.as_tensor(row_slots, dtype=torch.int32).flatten()
+    if row_slots.numel() == 0:
+        return torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    change = torch.nonzero(row_slots[1:] != row_slots[:-1]).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), change, torch.tensor([row_slots.numel()])])
+    return starts.to(torch.int32), row_slots[starts[:-1]].to(torch.int32)
+
+
+def lora_row_slots(seg_starts, seg_slots) -> torch.Tensor:
+    """Each row's slot, int64 [rows]: the segment table unrolled."""
+    lengths = (seg_starts[1:] - seg_starts[:-1]).long()
+    return torch.repeat_interleave(seg_slots.long(), lengths)
+
+
+def lora_shrink(x, a, ranks, seg_starts, seg_slots) -> torch.Tensor:
+    """v = A[s] @ x[row] for each row, float32 [rows, r_max]; zeros past the slot's rank and on
+    rows of slot -1."""
+    v = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32)
+    for i, s in enumerate(seg_slots.tolist()):
+        rows = slice(int(seg_starts[i]), int(seg_starts[i + 1]))
+        if s >= 0:
+            r = int(ranks[s])
+            v[rows, :r] = x[rows].float() @ a[s, :r].float().T
+    return v
+
+
+def lora_expand(y, v, b_t, ranks, scale, seg_starts, seg_slots) -> torch.Tensor:
+    """y + scale[s] * B[s] @ v[row, :r] for each row, rounded once to y's dtype; rows of slot -1
+    as they were (bit for bit). A new tensor."""
+    out = y.clone()
+    for i, s in enumerate(seg_slots.tolist()):
+        rows = slice(int(seg_starts[i]), int(seg_starts[i + 1]))
+        if s >= 0:
+            r = int(ranks[s])
+            delta = v[rows, :r].float() @ b_t[s, :r].float()
+            out[rows] = (y[rows].float() + float(scale[s]) * delta).to(y.dtype)
+    return out
+
+
+def lora(y, x, a, b_t, ranks, scale, seg_starts, seg_slots) -> torch.Tensor:
+    """Both: y[row] + scale[s] * B[s] @ (A[s] @ x[row]), with v in float32 between them."""
+    return lora_expand(y, lora_shrink(x, a, ranks, seg_starts, seg_slots), b_t, ranks, scale, seg_starts, seg_slots)

@@ -77,6 +77,34 @@ TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { impl_all(m); }
 TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) { impl_all(m); }
 #endif
 
+// --- LoRA (shrink, expand): a block of its own, registered beside the others ---------------------
+TORCH_LIBRARY_FRAGMENT(llm_kernels, m) {
+    m.def("lora_shrink(Tensor x, Tensor a, Tensor ranks, Tensor seg_starts, Tensor seg_slots) -> Tensor");
+    m.def(
+        "lora_expand_(Tensor(a!) y, Tensor v, Tensor b_t, Tensor ranks, Tensor scale, Tensor seg_starts, "
+        "Tensor seg_slots) -> ()");
+}
+
+static void impl_lora(torch::Library& m) {
+    m.impl("lora_shrink", &ops::lora_shrink);
+    m.impl("lora_expand_", &ops::lora_expand_);
+}
+
+TORCH_LIBRARY_IMPL(llm_kernels, CPU, m) { impl_lora(m); }
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(llm_kernels, CUDA, m) { impl_lora(m); }
+#endif
+
+static void bind_lora(py::module_& m) {
+    m.def("lora_shrink", &ops::lora_shrink,
+          "LoRA shrink over segments of rows: v[row] = A[slot] @ x[row] -> float32 [rows, r_max]", py::arg("x"),
+          py::arg("a"), py::arg("ranks"), py::arg("seg_starts"), py::arg("seg_slots"));
+    m.def("lora_expand_", &ops::lora_expand_,
+          "LoRA expand over segments of rows, in place: y[row] += scale[slot] * B[slot] @ v[row]", py::arg("y"),
+          py::arg("v"), py::arg("b_t"), py::arg("ranks"), py::arg("scale"), py::arg("seg_starts"),
+          py::arg("seg_slots"));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Paged decode attention, RMSNorm, RoPE and quantized linear layers: CPU (C++) and CUDA twins";
     m.def("paged_decode_attention", &ops::paged_decode_attention,
@@ -132,4 +160,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     m.attr("with_cuda") = false;
 #endif
+    bind_lora(m);
 }

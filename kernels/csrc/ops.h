@@ -40,4 +40,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 
+// LoRA for many adapters in one batch (cpu/cpu_kernels.h has the contract): the shrink -> v float32
+// [rows, r_max]; the expand adds scale * B v to y in place. Rows are cut into segments
+// (seg_starts [n_seg + 1], seg_slots [n_seg], slot -1: no adapter); a decode row is a segment of one.
+at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks, const at::Tensor& seg_starts,
+                       const at::Tensor& seg_slots);
+void lora_expand_(at::Tensor& y, const at::Tensor& v, const at::Tensor& b_t, const at::Tensor& ranks,
+                  const at::Tensor& scale, const at::Tensor& seg_starts, const at::Tensor& seg_slots);
+
 }  // namespace kernels::ops

@@ -137,4 +137,29 @@ void bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, in
 // `steps` steps of independent FMA chains (peak.cpp): the ceiling gemm.cpp's GFLOP/s compare to.
 double fma_peak_gflops(int64_t steps);
 
+// --- LoRA: many adapters in one batch, a shrink then an expand (lora.cpp) ------------------------
+// A step's rows are cut into segments: seg_starts int32 [n_seg + 1] (0 = starts[0] <= starts[1] <=
+// ... <= starts[n_seg] = rows), seg_slots int32 [n_seg], each -1 (the base model: no delta) or an
+// adapter slot 0..slots-1. A prompt chunk is a segment, a decode row a segment of one. Slot s has
+// rank ranks[s] (int32 [slots], 0..r_max); weight rows past it are padding that is never read.
+//   shrink: v[row, k] = sum_i a[s, k, i] * x[row, i]   for k < ranks[s]; 0 for k >= ranks[s]
+//           and on every row of slot -1.
+//     x   [rows, n_in], row stride x_stride, dtype (elements contiguous along n_in)
+//     a   [slots, r_max, n_in] contiguous, w_dtype (f32 or bf16): PEFT's lora_A.weight per slot
+//     v   float32 [rows, r_max], row stride v_stride
+//   expand: y[row, o] += scale[s] * sum_{k < ranks[s]} v[row, k] * b_t[s, k, o], rounded once to
+//           dtype; rows of slot -1 are not touched (not even read).
+//     y   [rows, n_out], row stride y_stride, dtype, updated in place
+//     b_t [slots, r_max, n_out] contiguous, w_dtype: lora_B.weight ([n_out, r]) transposed
+//     scale float32 [slots] (alpha / r, or alpha / sqrt(r) for rsLoRA: given, not computed)
+// n_slots: the slots in a and b_t. Computed in float32. ops.cpp checks the tables on a CPU; on a
+// GPU it cannot without a wait, so both halves count a slot outside 0..n_slots-1 as -1 and clamp a
+// rank to 0..r_max: a bad table gives wrong numbers, never a read outside the weights.
+void lora_shrink(float* v, int64_t v_stride, const void* x, int64_t x_stride, const void* a, const int32_t* ranks,
+                 const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg, int n_slots, int n_in,
+                 int r_max, DType dtype, DType w_dtype);
+void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, const void* b_t, const int32_t* ranks,
+                 const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
+                 int n_slots, int n_out, int r_max, DType dtype, DType w_dtype);
+
 }  // namespace kernels::cpu

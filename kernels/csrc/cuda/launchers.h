@@ -55,4 +55,14 @@ cudaError_t int8_gemm(void* y, const void* x, const int8_t* q, const float* scal
 cudaError_t bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype,
                       cudaStream_t stream);
 
+// LoRA for many adapters in one batch (lora.cu), the twin of cpu/lora.cpp: a shrink, then an expand.
+cudaError_t lora_shrink(float* v, int64_t v_stride, const void* x, int64_t x_stride, const void* a,
+                        const int32_t* ranks, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
+                        int n_slots, int n_in, int r_max, DType dtype, DType w_dtype, cudaStream_t stream);
+
+cudaError_t lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, const void* b_t,
+                        const int32_t* ranks, const float* scale, const int32_t* seg_starts, const int32_t* seg_slots,
+                        int rows, int n_seg, int n_slots, int n_out, int r_max, DType dtype, DType w_dtype,
+                        cudaStream_t stream);
+
 }  // namespace kernels::cuda

@@ -74,4 +74,18 @@ int emu_bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in,
     return cu::bf16_gemm(y, x, w, rows, n_in, n_out, static_cast<DType>(dtype), nullptr);
 }
 
+int emu_lora_shrink(float* v, int64_t v_stride, const void* x, int64_t x_stride, const void* a, const int32_t* ranks,
+                    const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg, int n_slots, int n_in,
+                    int r_max, int dtype, int w_dtype) {
+    return cu::lora_shrink(v, v_stride, x, x_stride, a, ranks, seg_starts, seg_slots, rows, n_seg, n_slots, n_in, r_max,
+                           static_cast<DType>(dtype), static_cast<DType>(w_dtype), nullptr);
+}
+
+int emu_lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, const void* b_t, const int32_t* ranks,
+                    const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
+                    int n_slots, int n_out, int r_max, int dtype, int w_dtype) {
+    return cu::lora_expand(y, y_stride, v, v_stride, b_t, ranks, scale, seg_starts, seg_slots, rows, n_seg, n_slots,
+                           n_out, r_max, static_cast<DType>(dtype), static_cast<DType>(w_dtype), nullptr);
+}
+
 }  // extern "C"

@@ -1,0 +1,372 @@
+// LoRA for many adapters in one batch: y[row] += scale[s] * B[s] @ (A[s] @ x[row]), s the row's
+// adapter slot, as two kernels (Punica's and S-LoRA's split): a shrink, v = A[s] x (r numbers per
+// row, float32), and an expand, y += scale B[s] v. The contract is in cpu_kernels.h.
+//
+// One form for prompt chunks and decode rows. Punica names two kernels, SGMV for segments of rows
+// that share an adapter (a prompt chunk) and BGMV for rows that each have their own (decode). Here
+// both are one kernel over segments, a decode row being a segment of one: the engine lays a step's
+// rows end to end (chunks and decode rows mixed) and passes one table, and the kernel's tiles of
+// rows are cut at segment ends, so a decode row gets a 1-row tile (a matrix-vector product, the
+// adapter's A read once for it) and a chunk gets full tiles (each A row reused by every row of the
+// tile from registers). The two forms of Punica differ in how a GPU block is mapped to rows; on
+// the CPU they are the same loops with a different row count, and one kernel means one set of
+// tests for both.
+//
+// Why the two halves have different layouts. The shrink is r dot products of length n_in per row:
+// A[s] as PEFT stores it ([r, n_in], lora_A.weight) has each of them contiguous, so it is an
+// inner-product tile (as gemm.cpp's): MR rows of x times NO rows of A, vectors along the inputs,
+// one horizontal sum per (row, rank) at the end, r * rows of them, few. The expand is n_out dot
+// products of length r per row, r being 8..64: as inner products that would be one horizontal sum
+// per output, as costly as the products themselves. So the expand runs as an outer product along
+// the outputs: per rank k, y[row, o .. o + W) += v[row, k] * B[s][o .. o + W, k], which needs B
+// with the outputs contiguous: the slot table stores lora_B.weight transposed, b_t [r, n_out],
+// once at load time. No horizontal sums, and y is read and written once per tile.
+//
+// Ranks. Slots hold up to r_max ranks; an adapter of rank r < r_max leaves rows r.. of its slot as
+// padding, which no loop here reaches (the tests fill it with NaN). A rank tile of NO that runs
+// past the rank reads the last real row again for the missing ones and drops their sums: the same
+// instructions for every rank, no read of padding, and odd ranks cost at most NO - 1 wasted rows.
+//
+// Threads: the shrink takes tasks of MR rows (cut at segment ends inside), the expand tasks of
+// MR rows by kOutTile outputs; one thread below a few tens of thousands of multiply-adds.
+#include <omp.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "cpu_kernels.h"
+#include "vec.h"
+
+KERNELS_VECTOR_CODE_BEGIN
+
+namespace kernels::cpu {
+
+namespace {
+
+constexpr int64_t kParallelMacs = int64_t(1) << 15;
+constexpr int kOutTile = 256;  // outputs per expand task
+
+struct Segments {
+    const int32_t* starts;  // [n + 1]
+    const int32_t* slots;   // [n]
+    int n;
+    int n_slots, r_max;
+    // The rank of slot s: 0 for the base model (s = -1) and, defensively, for a slot outside the
+    // table; clamped to r_max (cpu_kernels.h).
+    int rank(const int32_t* ranks, int s) const {
+        return s < 0 || s >= n_slots ? 0 : std::clamp(int(ranks[s]), 0, r_max);
+    }
+    // The segment holding `row`: the last start <= row (empty segments before it are skipped).
+    int first(int row) const { return int(std::upper_bound(starts, starts + n + 1, row) - starts) - 1; }
+    int slot(int i) const { return int(slots[i]); }
+};
+
+// The runs of rows of one segment each inside rows [r0, r1) of a task:
+//     for (Run run{seg, r0, r1}; run.next();) ... run.row .. run.end - 1, all of slot run.slot
+// (a loop, not a callback: GCC's flatten did not reach into a lambda's callees, and the vector
+// members were left as calls).
+struct Run {
+    const Segments& seg;
+    int row, r1;
+    int i = seg.first(row), end = row, slot = -1;
+    bool next() {
+        row = end;
+        for (; row < r1 && i < seg.n; ++i) {
+            end = std::min(int(seg.starts[i + 1]), r1);
+            if (end > row) {
+                slot = seg.slot(i++);
+                return true;
+            }
+        }
+        return false;
+    }
+};
+
+struct ShrinkArgs {
+    float* v;
+    int64_t v_stride;
+    const void* x;
+    int64_t x_stride;
+    const void* a;
+    const int32_t* ranks;
+    Segments seg;
+    int rows, n_in, r_max;
+};
+
+struct ExpandArgs {
+    void* y;
+    int64_t y_stride;
+    const float* v;
+    int64_t v_stride;
+    const void* b;
+    const int32_t* ranks;
+    const float* scale;
+    Segments seg;
+    int rows, n_out, r_max;
+};
+
+// Register tiles per instruction set: MR rows by NO ranks (shrink) or NO vectors of outputs
+// (expand). AVX2 has 16 vector registers: 3 x 4 accumulators, 3 broadcasts or rows, 1 weight vector.
+template <class S>
+struct Tile {
+    static constexpr int MR = 4, NO = 4;
+};
+#ifdef KERNELS_X86
+template <>
+struct Tile<Avx2> {
+    static constexpr int MR = 3, NO = 4;
+};
+#endif
+
+// --- shrink ----------------------------------------------------------------------------------------
+
+// MR rows of x (from r0) times NO rows of A (from element a0; rows past nk repeat row nk - 1),
+// over all n_in inputs -> sums[r * NO + n].
+template <class S, DType DX, DType DW, int MR, int NO>
+KERNELS_INLINE void shrink_tile(const ShrinkArgs& p, int r0, int64_t a0, int nk, float* sums) {
+    using V = typename S::V;
+    int64_t xo[MR], ao[NO];
+    for (int r = 0; r < MR; ++r) xo[r] = int64_t(r0 + r) * p.x_stride;
+    for (int n = 0; n < NO; ++n) ao[n] = a0 + int64_t(std::min(n, nk - 1)) * p.n_in;
+    V acc[MR][NO];
+    for (int r = 0; r < MR; ++r)
+        for (int n = 0; n < NO; ++n) acc[r][n] = S::zero();
+    int i = 0;
+    for (; i + S::W <= p.n_in; i += S::W) {
+        V xv[MR];
+        for (int r = 0; r < MR; ++r) xv[r] = S::template load_as<DX>(p.x, xo[r] + i);
+        for (int n = 0; n < NO; ++n) {
+            const V w = S::template load_as<DW>(p.a, ao[n] + i);
+            for (int r = 0; r < MR; ++r) acc[r][n] = S::fma(xv[r], w, acc[r][n]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int n = 0; n < NO; ++n) sums[r * NO + n] = S::reduce_add(acc[r][n]);
+    for (; i < p.n_in; ++i)  // n_in past the last whole vector (AVX512 at n_in = 8 mod 16)
+        for (int r = 0; r < MR; ++r)
+            for (int n = 0; n < NO; ++n)
+                sums[r * NO + n] += load_as_float<DX>(p.x, xo[r] + i) * load_as_float<DW>(p.a, ao[n] + i);
+}
+
+// Rows r0 .. r0 + MR - 1, all of slot s (rank rk >= 1): every rank tile, then zeros to r_max.
+template <class S, DType DX, DType DW, int MR>
+KERNELS_INLINE void shrink_rows(const ShrinkArgs& p, int r0, int s, int rk) {
+    constexpr int NO = Tile<S>::NO;
+    float sums[MR * NO];
+    for (int k0 = 0; k0 < rk; k0 += NO) {
+        const int nk = std::min(NO, rk - k0);
+        shrink_tile<S, DX, DW, MR, NO>(p, r0, (int64_t(s) * p.r_max + k0) * p.n_in, nk, sums);
+        for (int r = 0; r < MR; ++r)
+            for (int n = 0; n < nk; ++n) p.v[int64_t(r0 + r) * p.v_stride + k0 + n] = sums[r * NO + n];
+    }
+    for (int r = 0; r < MR; ++r) {
+        float* row = p.v + int64_t(r0 + r) * p.v_stride;
+        std::fill(row + rk, row + p.r_max, 0.f);
+    }
+}
+
+// A tile of the last rows of a run: fewer than MR.
+template <class S, DType DX, DType DW, int R>
+KERNELS_INLINE void shrink_rest(const ShrinkArgs& p, int rows, int r0, int s, int rk) {
+    if constexpr (R > 0) {
+        if (rows == R) return shrink_rows<S, DX, DW, R>(p, r0, s, rk);
+        shrink_rest<S, DX, DW, R - 1>(p, rows, r0, s, rk);
+    }
+}
+
+template <class S, DType DX, DType DW>
+KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1) {
+    constexpr int MR = Tile<S>::MR;
+    for (Run run{p.seg, t0, t1}; run.next();) {
+        const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
+        int row = run.row;
+        if (rk == 0) {
+            for (; row < end; ++row) std::fill_n(p.v + int64_t(row) * p.v_stride, p.r_max, 0.f);
+            continue;
+        }
+        for (; row + MR <= end; row += MR) shrink_rows<S, DX, DW, MR>(p, row, s, rk);
+        if (row < end) shrink_rest<S, DX, DW, MR - 1>(p, end - row, row, s, rk);
+    }
+}
+
+// --- expand ----------------------------------------------------------------------------------------
+
+// MR rows (from r0) of slot s by NO vectors of outputs from o: acc = sum_k v[row, k] * b_t[s, k, o..],
+// then y = y + scale * acc, rounded once.
+template <class S, DType DY, DType DW, int MR, int NO>
+KERNELS_INLINE void expand_tile(const ExpandArgs& p, int r0, int s, int rk, int o) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    V acc[MR][NO];
+    for (int r = 0; r < MR; ++r)
+        for (int n = 0; n < NO; ++n) acc[r][n] = S::zero();
+    const int64_t b0 = int64_t(s) * p.r_max * p.n_out + o;
+    for (int k = 0; k < rk; ++k) {
+        V vk[MR];
+        for (int r = 0; r < MR; ++r) vk[r] = S::set1(p.v[int64_t(r0 + r) * p.v_stride + k]);
+        for (int n = 0; n < NO; ++n) {
+            const V w = S::template load_as<DW>(p.b, b0 + int64_t(k) * p.n_out + n * W);
+            for (int r = 0; r < MR; ++r) acc[r][n] = S::fma(vk[r], w, acc[r][n]);
+        }
+    }
+    const V scale = S::set1(p.scale[s]);
+    for (int r = 0; r < MR; ++r)
+        for (int n = 0; n < NO; ++n) {
+            const int64_t at = int64_t(r0 + r) * p.y_stride + o + n * W;
+            S::template store_as<DY>(p.y, at, S::fma(scale, acc[r][n], S::template load_as<DY>(p.y, at)));
+        }
+}
+
+// Outputs o0 .. o1 - 1 of rows r0 .. r0 + MR - 1 (slot s): whole tiles of NO vectors, single
+// vectors, then the last outputs one by one.
+template <class S, DType DY, DType DW, int MR>
+KERNELS_INLINE void expand_rows(const ExpandArgs& p, int r0, int s, int rk, int o0, int o1) {
+    constexpr int W = S::W, NO = Tile<S>::NO;
+    int o = o0;
+    for (; o + NO * W <= o1; o += NO * W) expand_tile<S, DY, DW, MR, NO>(p, r0, s, rk, o);
+    for (; o + W <= o1; o += W) expand_tile<S, DY, DW, MR, 1>(p, r0, s, rk, o);
+    const int64_t b0 = int64_t(s) * p.r_max * p.n_out;
+    for (; o < o1; ++o)
+        for (int r = 0; r < MR; ++r) {
+            float sum = 0.f;
+            for (int k = 0; k < rk; ++k)
+                sum += p.v[int64_t(r0 + r) * p.v_stride + k] * load_as_float<DW>(p.b, b0 + int64_t(k) * p.n_out + o);
+            const int64_t at = int64_t(r0 + r) * p.y_stride + o;
+            store_from_float<DY>(p.y, at, load_as_float<DY>(p.y, at) + p.scale[s] * sum);
+        }
+}
+
+template <class S, DType DY, DType DW, int R>
+KERNELS_INLINE void expand_rest(const ExpandArgs& p, int rows, int r0, int s, int rk, int o0, int o1) {
+    if constexpr (R > 0) {
+        if (rows == R) return expand_rows<S, DY, DW, R>(p, r0, s, rk, o0, o1);
+        expand_rest<S, DY, DW, R - 1>(p, rows, r0, s, rk, o0, o1);
+    }
+}
+
+template <class S, DType DY, DType DW>
+KERNELS_INLINE void expand_range(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
+    constexpr int MR = Tile<S>::MR;
+    for (Run run{p.seg, t0, t1}; run.next();) {
+        const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
+        if (rk == 0) continue;  // the base model's rows (and an empty slot's) are left as they are
+        int row = run.row;
+        for (; row + MR <= end; row += MR) expand_rows<S, DY, DW, MR>(p, row, s, rk, o0, o1);
+        if (row < end) expand_rest<S, DY, DW, MR - 1>(p, end - row, row, s, rk, o0, o1);
+    }
+}
+
+// --- each instruction set's entries: the templates above compiled inside its target -------------
+
+template <class S>
+struct Entry {
+    template <DType DX, DType DW>
+    static void shrink(const ShrinkArgs& p, int t0, int t1) {
+        shrink_range<S, DX, DW>(p, t0, t1);
+    }
+    template <DType DY, DType DW>
+    static void expand(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
+        expand_range<S, DY, DW>(p, t0, t1, o0, o1);
+    }
+};
+
+#ifdef KERNELS_X86
+template <>
+struct Entry<Avx2> {
+    template <DType DX, DType DW>
+    KERNELS_AVX2 __attribute__((flatten)) static void shrink(const ShrinkArgs& p, int t0, int t1) {
+        shrink_range<Avx2, DX, DW>(p, t0, t1);
+    }
+    template <DType DY, DType DW>
+    KERNELS_AVX2 __attribute__((flatten)) static void expand(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
+        expand_range<Avx2, DY, DW>(p, t0, t1, o0, o1);
+    }
+};
+
+template <>
+struct Entry<Avx512> {
+    template <DType DX, DType DW>
+    KERNELS_AVX512 __attribute__((flatten)) static void shrink(const ShrinkArgs& p, int t0, int t1) {
+        shrink_range<Avx512, DX, DW>(p, t0, t1);
+    }
+    template <DType DY, DType DW>
+    KERNELS_AVX512 __attribute__((flatten)) static void expand(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
+        expand_range<Avx512, DY, DW>(p, t0, t1, o0, o1);
+    }
+};
+#endif
+
+using ShrinkFn = void (*)(const ShrinkArgs&, int, int);
+using ExpandFn = void (*)(const ExpandArgs&, int, int, int, int);
+
+// The entry of this ISA for x's (y's) dtype and the weights' (f32 or bf16).
+template <class S>
+std::pair<ShrinkFn, ExpandFn> entries_of(DType dtype, DType w_dtype) {
+    using E = Entry<S>;
+    constexpr DType f32 = DType::f32, bf16 = DType::bf16, f16 = DType::f16;
+    const bool wf = w_dtype == f32;
+    switch (dtype) {
+        case f32:
+            return wf ? std::pair{&E::template shrink<f32, f32>, &E::template expand<f32, f32>}
+                      : std::pair{&E::template shrink<f32, bf16>, &E::template expand<f32, bf16>};
+        case bf16:
+            return wf ? std::pair{&E::template shrink<bf16, f32>, &E::template expand<bf16, f32>}
+                      : std::pair{&E::template shrink<bf16, bf16>, &E::template expand<bf16, bf16>};
+        case f16:
+            return wf ? std::pair{&E::template shrink<f16, f32>, &E::template expand<f16, f32>}
+                      : std::pair{&E::template shrink<f16, bf16>, &E::template expand<f16, bf16>};
+    }
+    return {nullptr, nullptr};
+}
+
+std::pair<ShrinkFn, ExpandFn> entries(DType dtype, DType w_dtype) {
+#ifdef KERNELS_X86
+    const Isa level = isa();
+    if (level >= Isa::avx512) return entries_of<Avx512>(dtype, w_dtype);
+    if (level == Isa::avx2) return entries_of<Avx2>(dtype, w_dtype);
+#endif
+    return entries_of<Scalar>(dtype, w_dtype);
+}
+
+int row_tile() {
+#ifdef KERNELS_X86
+    if (isa() == Isa::avx2) return Tile<Avx2>::MR;
+#endif
+    return Tile<Scalar>::MR;  // AVX512's too
+}
+
+}  // namespace
+
+void lora_shrink(float* v, int64_t v_stride, const void* x, int64_t x_stride, const void* a, const int32_t* ranks,
+                 const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg, int n_slots, int n_in,
+                 int r_max, DType dtype, DType w_dtype) {
+    if (rows <= 0) return;
+    const Segments seg{seg_starts, seg_slots, n_seg, n_slots, r_max};
+    const ShrinkArgs p{v, v_stride, x, x_stride, a, ranks, seg, rows, n_in, r_max};
+    const ShrinkFn fn = entries(dtype, w_dtype).first;
+    const int mr = row_tile(), tasks = (rows + mr - 1) / mr;
+    const bool parallel = int64_t(rows) * n_in * r_max > kParallelMacs && tasks > 1;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int t = 0; t < tasks; ++t) fn(p, t * mr, std::min(rows, (t + 1) * mr));
+}
+
+void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, const void* b_t, const int32_t* ranks,
+                 const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
+                 int n_slots, int n_out, int r_max, DType dtype, DType w_dtype) {
+    if (rows <= 0 || n_out <= 0) return;
+    const Segments seg{seg_starts, seg_slots, n_seg, n_slots, r_max};
+    const ExpandArgs p{y, y_stride, v, v_stride, b_t, ranks, scale, seg, rows, n_out, r_max};
+    const ExpandFn fn = entries(dtype, w_dtype).second;
+    const int mr = row_tile(), row_tasks = (rows + mr - 1) / mr, out_tiles = (n_out + kOutTile - 1) / kOutTile;
+    const int tasks = row_tasks * out_tiles;
+    const bool parallel = int64_t(rows) * n_out * r_max > kParallelMacs && tasks > 1;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int t = 0; t < tasks; ++t) {
+        const int rt = t / out_tiles, ot = t % out_tiles;
+        fn(p, rt * mr, std::min(rows, (rt + 1) * mr), ot * kOutTile, std::min(n_out, (ot + 1) * kOutTile));
+    }
+}
+
+}  // namespace kernels::cpu
+
+KERNELS_VECTOR_CODE_END

@@ -1,0 +1,312 @@
+"""LoRA shrink and expand on the CPU (csrc/cpu/lora.cpp) against reference.py: every row count from 1
+to 70 under four slot patterns (mixed segments with base-model rows, all rows on the base model, one
+adapter for every row, every row a segment of its own), ranks 1, 7, 8, 16 and 64 in slots of 64, in
+float32, bf16 and fp16 activations with float32 and bf16 adapters, on every instruction-set path
+the CPU offers; inputs and outputs that are multiples of 8 but end inside every tile. The weights'
+padding past each rank is NaN and the rows of the base model start as -0.0, so a read of the padding
+or a write to such a row (even of y + 0) fails. Then the operators' checks, and bugs planted in a
+torch-free copy of the source, each of which the same comparison must catch."""
+
+import ctypes
+import functools
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_close
+from kernels import reference
+
+RANKS = [1, 8, 16, 64, 7]  # per slot; r_max 64
+PATTERNS = ["mixed", "all base", "one adapter", "segments of 1"]
+# (n_in, n_out): 200 = 12 * 16 + 8 and 328 = 256 + 64 + 8 end inside AVX512's 16 lanes, AVX2's
+# tiles of 3 rows and 4 x 8 outputs, AVX512's 4 x 16 and an expand task's 256 outputs; 24 -> 40 is
+# smaller than most of them.
+SHAPES = [(200, 328), (24, 40)]
+
+
+def row_slots(rows: int, pattern: str, slots: int, rng: random.Random) -> list[int]:
+    if pattern == "all base":
+        return [-1] * rows
+    if pattern == "one adapter":
+        return [rng.randrange(slots)] * rows
+    if pattern == "segments of 1":  # decode rows: neighbours differ, so no two merge into a segment
+        out = []
+        for _ in range(rows):
+            out.append(rng.choice([s for s in range(-1, slots) if not out or s != out[-1]]))
+        return out
+    out = []  # prompt chunks of 1..9 rows and decode rows, with the base model among them
+    while len(out) < rows:
+        out += [rng.randrange(-1, slots)] * rng.randint(1, 9)
+    return out[:rows]
+
+
+@functools.lru_cache(maxsize=None)
+def adapters(n_in, n_out, w_dtype, ranks, r_max, seed):
+    """The slot table's weights (cached: the sweeps reuse them), padding past each rank NaN."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    a = torch.randn(len(ranks), r_max, n_in, generator=g) * n_in**-0.5
+    b_t = torch.randn(len(ranks), r_max, n_out, generator=g) * 0.2
+    for s, r in enumerate(ranks):
+        a[s, r:], b_t[s, r:] = float("nan"), float("nan")
+    scale = torch.rand(len(ranks), generator=g) * 1.5 + 0.5  # not 1: a scale applied twice shows
+    return a.to(w_dtype), b_t.to(w_dtype), torch.tensor(ranks, dtype=torch.int32), scale
+
+
+def make_case(rows, n_in, n_out, pattern, dtype, w_dtype, seed=0, ranks=RANKS, r_max=64):
+    """-> (x, y, a, b_t, ranks, scale, seg_starts, seg_slots): padding past each rank NaN, rows of the
+    base model in y -0.0."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    a, b_t, ranks_t, scale = adapters(n_in, n_out, w_dtype, tuple(ranks), r_max, seed % 2)
+    x = torch.randn(rows, n_in, generator=g).to(dtype)
+    starts, seg_slots = reference.lora_segments(row_slots(rows, pattern, len(ranks), rng))
+    y = torch.randn(rows, n_out, generator=g).to(dtype)
+    y[reference.lora_row_slots(starts, seg_slots) < 0] = -0.0
+    return x, y, a, b_t, ranks_t, scale, starts, seg_slots
+
+
+def check(v, y_out, case, what):
+    x, y, a, b_t, ranks, scale, starts, seg_slots = case
+    v_expected = reference.lora_shrink(x, a, ranks, starts, seg_slots)
+    assert_close(v, v_expected, f"{what}: v")
+    # zeros past each rank and on base rows, exactly (the expand may be handed v with another table)
+    assert torch.equal(v[v_expected == 0], v_expected[v_expected == 0]), what
+    assert_close(y_out, reference.lora_expand(y, v_expected, b_t, ranks, scale, starts, seg_slots), f"{what}: y")
+    base = reference.lora_row_slots(starts, seg_slots) < 0
+    assert torch.equal(y_out[base].view(torch.uint8), y[base].view(torch.uint8)), f"{what}: a base row was written"
+
+
+def run(ops, case):
+    x, y, a, b_t, ranks, scale, starts, seg_slots = case
+    v = ops.lora_shrink(x, a, ranks, starts, seg_slots)
+    y_out = y.clone()
+    ops.lora_expand_(y_out, v, b_t, ranks, scale, starts, seg_slots)
+    return v, y_out
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_f32", "w_bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_every_row_count_and_pattern_on_every_cpu_path(ops, isa, dtype, w_dtype):
+    # every row count where x and the weights share a dtype; tile edges for the other pairs
+    every = dtype == w_dtype
+    for n_in, n_out in SHAPES:
+        for rows in range(1, 71) if every else [1, 2, 3, 4, 5, 16, 17, 33, 70]:
+            # every pattern at each of the first rows and at tile edges; one in turn elsewhere
+            patterns = PATTERNS if rows <= 5 or rows in (16, 17, 33, 64, 70) else [PATTERNS[rows % 4]]
+            for pattern in patterns:
+                case = make_case(rows, n_in, n_out, pattern, dtype, w_dtype, seed=rows)
+                check(*run(ops, case), case, f"{isa} {pattern} {rows} rows {n_in} -> {n_out}")
+
+
+def test_segments_may_be_empty_and_strided_rows_work(ops, isa):
+    # A table can hold empty segments (a request with nothing in this step); x, y and v may be views
+    # with a row stride (a slice of a fused projection's output).
+    case = make_case(9, 200, 328, "mixed", torch.bfloat16, torch.bfloat16, seed=3)
+    x, y, a, b_t, ranks, scale, _, _ = case
+    starts = torch.tensor([0, 0, 4, 4, 5, 9, 9], dtype=torch.int32)
+    seg_slots = torch.tensor([2, 1, 0, -1, 3, 4], dtype=torch.int32)
+    y[5:9] = -0.0
+    wide_x = torch.randn(9, 300).bfloat16()
+    wide_x[:, 40:240] = x
+    wide_y = torch.randn(9, 400).bfloat16()
+    wide_y[:, 8:336] = y
+    v = ops.lora_shrink(wide_x[:, 40:240], a, ranks, starts, seg_slots)
+    wide_v = torch.zeros(9, 80)
+    wide_v[:, 16:] = v
+    ops.lora_expand_(wide_y[:, 8:336], wide_v[:, 16:], b_t, ranks, scale, starts, seg_slots)
+    check(v, wide_y[:, 8:336], (x, y, a, b_t, ranks, scale, starts, seg_slots), f"{isa} strided")
+
+
+def test_a_segment_gives_the_rows_what_they_get_alone(ops, isa):
+    # A prompt chunk (one segment of many rows: full row tiles) and the same rows as decode rows
+    # (segments of one: matrix-vector products) compute each row in the same order: the same bits.
+    case = make_case(37, 200, 328, "one adapter", torch.bfloat16, torch.bfloat16, seed=5)
+    x, y, a, b_t, ranks, scale, starts, seg_slots = case
+    v, y_out = run(ops, case)
+    ones = torch.arange(38, dtype=torch.int32)
+    each = torch.full((37,), int(seg_slots[0]), dtype=torch.int32)
+    v1 = ops.lora_shrink(x, a, ranks, ones, each)
+    y1 = y.clone()
+    ops.lora_expand_(y1, v1, b_t, ranks, scale, ones, each)
+    assert torch.equal(v, v1) and torch.equal(y_out, y1), isa
+
+
+def test_lora_segments_merges_runs_of_a_slot():
+    starts, slots = reference.lora_segments([3, 3, -1, 0, 0, 0, 3])
+    assert starts.tolist() == [0, 2, 3, 6, 7] and slots.tolist() == [3, -1, 0, 3]
+    assert reference.lora_row_slots(starts, slots).tolist() == [3, 3, -1, 0, 0, 0, 3]
+    starts, slots = reference.lora_segments([])
+    assert starts.tolist() == [0] and slots.tolist() == []
+
+
+def test_the_operators_pass_opcheck_and_equal_the_module(ops):
+    case = make_case(6, 24, 40, "mixed", torch.float32, torch.bfloat16, seed=1)
+    x, y, a, b_t, ranks, scale, starts, seg_slots = case
+    a, b_t = a.nan_to_num(), b_t.nan_to_num()  # opcheck compares runs of the op, NaN != NaN
+    lk = torch.ops.llm_kernels
+    torch.library.opcheck(lk.lora_shrink, (x, a, ranks, starts, seg_slots))
+    v = lk.lora_shrink(x, a, ranks, starts, seg_slots)
+    torch.library.opcheck(lk.lora_expand_, (y.clone(), v, b_t, ranks, scale, starts, seg_slots))
+    assert torch.equal(v, ops.lora_shrink(x, a, ranks, starts, seg_slots))
+    y1, y2 = y.clone(), y.clone()
+    lk.lora_expand_(y1, v, b_t, ranks, scale, starts, seg_slots)
+    ops.lora_expand_(y2, v, b_t, ranks, scale, starts, seg_slots)
+    assert torch.equal(y1, y2)
+
+
+def test_bad_calls_are_clear_errors(ops):
+    x, y, a, b_t, ranks, scale, starts, seg_slots = make_case(5, 24, 40, "mixed", torch.float32, torch.float32)
+    v = ops.lora_shrink(x, a, ranks, starts, seg_slots)
+    shrink = lambda **kw: ops.lora_shrink(  # noqa: E731
+        *[kw.get(k, d) for k, d in zip(["x", "a", "ranks", "starts", "slots"], [x, a, ranks, starts, seg_slots])]
+    )
+
+    def expand(**kw):
+        args = dict(y=y.clone(), v=v, b_t=b_t, ranks=ranks, scale=scale, starts=starts, slots=seg_slots) | kw
+        ops.lora_expand_(*args.values())
+
+    bad_rank = ranks.clone()
+    bad_rank[2] = 65
+    with pytest.raises(RuntimeError, match=r"ranks\[2\] = 65 is outside 0..64"):
+        shrink(ranks=bad_rank)
+    with pytest.raises(RuntimeError, match=r"ranks\[2\] = 65 is outside 0..64"):
+        expand(ranks=bad_rank)
+    with pytest.raises(RuntimeError, match=r"seg_slots\[0\] = 5 is outside -1..4"):
+        shrink(slots=torch.full_like(seg_slots, 5))
+    with pytest.raises(RuntimeError, match=r"seg_slots\[0\] = -2 is outside -1..4"):
+        expand(slots=torch.full_like(seg_slots, -2))
+    with pytest.raises(RuntimeError, match="x has 24 inputs, the adapters' A \\(a\\) 32"):
+        shrink(a=torch.zeros(5, 64, 32))
+    with pytest.raises(RuntimeError, match="y has 40 outputs, the adapters' B"):
+        expand(b_t=torch.zeros(5, 64, 48))
+    with pytest.raises(RuntimeError, match="v: float32 \\[rows, r_max\\] = \\[5, 64\\]"):
+        expand(v=v[:, :16])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 adapter weights expected, got Half"):
+        shrink(a=a.half())
+    with pytest.raises(RuntimeError, match="x: float32, bfloat16 or float16 expected, got Int"):
+        shrink(x=x.int())
+    with pytest.raises(RuntimeError, match="ranks: contiguous int32"):
+        shrink(ranks=ranks.long())
+    with pytest.raises(RuntimeError, match="scale: contiguous float32 \\[slots\\] expected \\(5 slots\\)"):
+        expand(scale=scale[:4])
+    with pytest.raises(RuntimeError, match="seg_starts must run from 0 to the call's 5 rows"):
+        shrink(starts=torch.tensor([0, 4], dtype=torch.int32), slots=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="seg_starts must not decrease"):
+        shrink(starts=torch.tensor([0, 3, 2, 5], dtype=torch.int32), slots=torch.tensor([1, 2, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="seg_slots: contiguous int32 \\[n_seg\\] expected"):
+        shrink(slots=seg_slots[:-1])
+
+
+# --- planted bugs: the CPU half compiled on its own (it is torch-free), with bugs put into a copy ----
+# One copy holds every bug, each behind a switch (planted_bug == n) the test sets through ctypes: one
+# compile instead of one per bug.
+
+CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
+SHIM = """
+#include "cpu_kernels.h"
+using namespace kernels;
+int planted_bug = 0;
+extern "C" {
+void plant(int bug) { planted_bug = bug; }
+int set_isa(int level) { try { cpu::set_isa(cpu::Isa(level)); return 0; } catch (...) { return 1; } }
+void shrink(float* v, const void* x, const void* a, const int32_t* ranks, const int32_t* starts, const int32_t* slots,
+            int rows, int n_seg, int n_slots, int n_in, int r_max, int dtype, int w_dtype) {
+    cpu::lora_shrink(v, r_max, x, n_in, a, ranks, starts, slots, rows, n_seg, n_slots, n_in, r_max, DType(dtype),
+                     DType(w_dtype));
+}
+void expand(void* y, const float* v, const void* b, const int32_t* ranks, const float* scale, const int32_t* starts,
+            const int32_t* slots, int rows, int n_seg, int n_slots, int n_out, int r_max, int dtype, int w_dtype) {
+    cpu::lora_expand(y, n_out, v, r_max, b, ranks, scale, starts, slots, rows, n_seg, n_slots, n_out, r_max,
+                     DType(dtype), DType(w_dtype));
+}
+}
+"""
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernels.h's DType
+# bug -> (text of lora.cpp, the same with the bug behind `planted_bug == n`), n its place here + 1
+PLANTED = {
+    "the wrong slot's adapter (the previous segment's)": [
+        ("return int(slots[i]);", "return int(slots[planted_bug == 1 && i > 0 ? i - 1 : i]);"),
+    ],
+    "the scale applied twice": [
+        ("S::set1(p.scale[s]);", "S::set1(p.scale[s] * (planted_bug == 2 ? p.scale[s] : 1.f));"),
+        ("+ p.scale[s] * sum", "+ p.scale[s] * (planted_bug == 2 ? p.scale[s] : 1.f) * sum"),
+    ],
+    "the rank padding read as if it held weights": [
+        (
+            "for (int k = 0; k < rk; ++k) {\n        V vk[MR];",
+            "for (int k = 0; k < (planted_bug == 3 ? p.r_max : rk); ++k) {\n        V vk[MR];",
+        ),
+    ],
+    "a run's tail rows (past the last whole row tile) skipped": [
+        ("if (row < end) expand_rest<", "if (row < end && planted_bug != 4) expand_rest<"),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The CPU LoRA kernels built with every bug above in a copy of lora.cpp, as a plain shared library."""
+    folder = tmp_path_factory.mktemp("planted")
+    (folder / "cpu").mkdir()
+    for f in CPU.iterdir():
+        (folder / "cpu" / f.name).write_bytes(f.read_bytes())
+    (folder / "kernels.h").write_bytes((CPU.parent / "kernels.h").read_bytes())
+    source = (folder / "cpu" / "lora.cpp").read_text()
+    for old, new in (change for changes in PLANTED.values() for change in changes):
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    source = source.replace("namespace kernels::cpu {", "extern int planted_bug;\nnamespace kernels::cpu {", 1)
+    (folder / "cpu" / "lora.cpp").write_text(source)
+    (folder / "cpu" / "shim.cpp").write_text(SHIM)
+    sources = [str(folder / "cpu" / n) for n in ("shim.cpp", "lora.cpp", "isa.cpp")]
+    cxx = os.environ.get("CXX", "c++")
+    command = [cxx, "-O1", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-o", str(folder / "planted.so"), *sources]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the planted copy")
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"the planted copy does not compile: {e.stderr}")
+    return ctypes.CDLL(str(folder / "planted.so"))
+
+
+def planted_run(lib, case):
+    x, y, a, b_t, ranks, scale, starts, seg_slots = case
+    rows, n_in, n_out, r_max = x.shape[0], x.shape[1], y.shape[1], a.shape[1]
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    v = torch.full((rows, r_max), float("nan"))
+    n_seg, n_slots, dt, wdt = seg_slots.numel(), a.shape[0], DTYPE_CODES[x.dtype], DTYPE_CODES[a.dtype]
+    tables = (ptr(ranks), ptr(starts), ptr(seg_slots))
+    lib.shrink(ptr(v), ptr(x), ptr(a), *tables, rows, n_seg, n_slots, n_in, r_max, dt, wdt)
+    y_out = y.clone()
+    lib.expand(ptr(y_out), ptr(v), ptr(b_t), ptr(ranks), ptr(scale), *tables[1:], rows, n_seg, n_slots, n_out, r_max,
+               dt, wdt)  # fmt: skip
+    return v, y_out
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_a_planted_bug_fails_the_check(ops, planted, bug):
+    levels = range(["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa()) + 1)
+    cases = [(17, "mixed"), (7, "one adapter"), (12, "segments of 1")]
+    try:
+        planted.plant(0)  # the copy is right without its bugs
+        for seed, (rows, pattern) in enumerate(cases):
+            case = make_case(rows, 200, 328, pattern, torch.bfloat16, torch.bfloat16, seed=seed)
+            check(*planted_run(planted, case), case, f"{pattern}, no bug planted")
+        planted.plant(list(PLANTED).index(bug) + 1)
+        for level in levels:
+            assert planted.set_isa(level) == 0
+            caught = []
+            for seed, (rows, pattern) in enumerate(cases):
+                case = make_case(rows, 200, 328, pattern, torch.bfloat16, torch.bfloat16, seed=seed)
+                try:
+                    check(*planted_run(planted, case), case, bug)
+                except AssertionError:
+                    caught.append(pattern)
+            assert caught, f"{bug}: not caught at ISA level {level}"
+    finally:
+        planted.plant(0)
