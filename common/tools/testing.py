@@ -31,6 +31,19 @@ def shared(make: Callable[..., T], *args, **kwargs) -> T:
     return _SHARED[key]
 
 
+def dequantized_once(model):
+    """`model` with each of its dequantize-and-multiply weights (qmatmul's ReferenceLinear, what
+    matmul="reference" prepares) replaced by the tensor it dequantizes to: the same products bit
+    for bit (the reference dequantizes to the activations' dtype, the model's, at every call)
+    without dequantizing every weight of the model again at every forward pass, which took most of
+    a reference decode step on SmolLM2. -> the model, changed in place."""
+    for holder in (model, *model.layers):
+        for name, value in list(vars(holder).items()):
+            if type(value).__name__ == "ReferenceLinear":
+                setattr(holder, name, value.weight.dequantize(model.dtype))
+    return model
+
+
 def load_neighbour(number: int, *module_names: str) -> types.SimpleNamespace:
     """load_chapter(), or a skip with the reason when chapter `number` is not there (a chapter
     copied out of the repository on its own): the comparison needs both chapters."""

@@ -24,6 +24,7 @@ when it forks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -192,6 +193,24 @@ def _start(env: dict[str, str]) -> None:
         ready = None
     if ready != {"ready": True}:
         _stop()
+    else:
+        atexit.register(_close)
+
+
+def _close() -> None:
+    """At exit: the helper ends (its stdin closed) and this process waits for it, so the CPU time
+    of the scripts it ran counts among this process's children, as a plain subprocess's would
+    (`time make test`, /usr/bin/time pytest); left alone, it would end unwaited for, its time
+    uncounted. A helper that does not end within 10 s is killed."""
+    global _helper
+    if _helper is not None and _helper.poll() is None:
+        _helper.stdin.close()
+        try:
+            _helper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _helper.kill()
+            _helper.wait()
+    _helper = None
 
 
 def _stop() -> None:

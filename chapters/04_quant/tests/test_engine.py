@@ -17,7 +17,17 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="module")
 def engine():
+    """SmolLM2 in float32: for what needs a reply that makes sense and ends on its own."""
     d = resolve_model("smollm2-135m")
+    return Engine(load_model(d), Tokenizer(d), Engine.read_generation_config(d))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """tiny-llama3 in float32 (random weights; SmolLM2's tokenizer): for what needs tokens and text,
+    not sense. A step costs a seventh of SmolLM2's, whose float32 weights (540 MB) every decode
+    step reads; its replies run to max_tokens."""
+    d = resolve_model("tiny-llama3")
     return Engine(load_model(d), Tokenizer(d), Engine.read_generation_config(d))
 
 
@@ -36,15 +46,17 @@ def chat(engine, text):
     return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-def test_greedy_equals_chapter_02(engine):
+def test_greedy_equals_chapter_02(tiny):
+    # float32 on both sides: the same tokens (SmolLM2's are chained through every chapter in
+    # tests/test_chapters.py)
     ch02 = load_neighbour(2, "model", "generate")
-    d = resolve_model("smollm2-135m")
-    prompts = [chat(engine, "Write a haiku about the sea."), chat(engine, "What is 2 + 2?")]
+    d = resolve_model("tiny-llama3")
+    prompts = [chat(tiny, "Write a haiku about the sea."), chat(tiny, "What is 2 + 2?")]
     expected = ch02.generate.generate_all(ch02.model.load_model(d), prompts, 24)
     for prompt, ids in zip(prompts, expected):
-        text, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=24))[0]
-        assert [t for t in tokens if t not in engine.eos_ids] == ids
-        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+        text, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=24))[0]
+        assert [t for t in tokens if t not in tiny.eos_ids] == ids
+        assert text == tiny.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_finish_reasons_stop_and_length(engine):
@@ -66,39 +78,39 @@ def test_min_tokens_and_ignore_eos(engine):
     assert len(tokens) == 20 and finish == "length"
 
 
-def test_stop_token_ids(engine):
-    prompt = chat(engine, "Write a haiku about the sea.")
-    _, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=20))[0]
-    text, stopped, finish = run(engine, Request(prompt, GREEDY, max_tokens=20, stop_token_ids=[tokens[5]]))[0]
+def test_stop_token_ids(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    _, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=20))[0]
+    text, stopped, finish = run(tiny, Request(prompt, GREEDY, max_tokens=20, stop_token_ids=[tokens[5]]))[0]
     assert finish == "stop" and stopped == tokens[: tokens.index(tokens[5]) + 1]
-    assert text == engine.tokenizer.decode(stopped[:-1], skip_special_tokens=True)
+    assert text == tiny.tokenizer.decode(stopped[:-1], skip_special_tokens=True)
 
 
-def test_stop_string_across_token_boundaries(engine):
-    prompt = chat(engine, "Write a haiku about the sea.")
-    full, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=30))[0]
+def test_stop_string_across_token_boundaries(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    full, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=30))[0]
     # a stop string that starts inside one token and ends inside a later one
-    pieces = [engine.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True) for i in range(len(tokens))]
+    pieces = [tiny.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True) for i in range(len(tokens))]
     start = len(pieces[3]) - 2
     stop = full[start : len(pieces[6]) - 1]
     assert len(stop) > 4
-    text, _, finish = run(engine, Request(prompt, GREEDY, max_tokens=30, stop=[stop]))[0]
+    text, _, finish = run(tiny, Request(prompt, GREEDY, max_tokens=30, stop=[stop]))[0]
     assert finish == "stop" and text == full[: full.index(stop)]
-    text, _, _ = run(engine, Request(prompt, GREEDY, max_tokens=30, stop=[stop], include_stop_str_in_output=True))[0]
+    text, _, _ = run(tiny, Request(prompt, GREEDY, max_tokens=30, stop=[stop], include_stop_str_in_output=True))[0]
     assert text == full[: full.index(stop) + len(stop)]
 
 
-def test_streamed_text_equals_one_shot_decode_with_sampling(engine):
+def test_streamed_text_equals_one_shot_decode_with_sampling(tiny):
     params = SamplingParams(temperature=1.0, seed=3)
     text, tokens, _ = run(
-        engine, Request(chat(engine, "Say something in Chinese and use emoji."), params, max_tokens=40)
+        tiny, Request(chat(tiny, "Say something in Chinese and use emoji."), params, max_tokens=40)
     )[0]
-    assert text == engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
+    assert text == tiny.tokenizer.decode([t for t in tokens if t not in tiny.eos_ids], skip_special_tokens=True)
 
 
-def test_seeded_n_choices(engine):
-    req = Request(chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=11), max_tokens=12, n=3)
-    a, b = run(engine, req), run(engine, req)
+def test_seeded_n_choices(tiny):
+    req = Request(chat(tiny, "Tell me a story."), SamplingParams(temperature=1.0, seed=11), max_tokens=12, n=3)
+    a, b = run(tiny, req), run(tiny, req)
     assert a == b
     assert len({text for text, _, _ in a}) > 1
 
@@ -186,25 +198,25 @@ def test_max_model_len_caps_the_context(engine):
         limited(engine, max_model_len=10**6)
 
 
-def test_cache_starts_small_and_grows_without_changing_the_tokens(engine, monkeypatch):
+def test_cache_starts_small_and_grows_without_changing_the_tokens(tiny, monkeypatch):
     import memory
 
-    prompt = chat(engine, "Write a haiku about the sea.")
+    prompt = chat(tiny, "Write a haiku about the sea.")
     req = Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)
-    expected = run(engine, req)[0][1]
+    expected = run(tiny, req)[0][1]
     built = record_caches(monkeypatch)
     monkeypatch.setattr(memory, "CACHE_CHUNK", 8)
-    assert run(engine, req)[0][1] == expected  # grown 3 times on the way: every copy kept its slots
+    assert run(tiny, req)[0][1] == expected  # grown 3 times on the way: every copy kept its slots
     ((shape, cache),) = built
     assert shape[2] == len(prompt) + 8  # not the prompt + 40 max_tokens asked for
     assert cache.max_seq == len(prompt) + 40 and cache.length == len(prompt) + 39  # grown in place, capped
 
 
-def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
+def test_the_prompt_runs_once_for_n_choices(tiny, monkeypatch):
     import engine as engine_module
 
-    prompt = chat(engine, "Name a colour.")
-    one = run(engine, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
+    prompt = chat(tiny, "Name a colour.")
+    one = run(tiny, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
     shapes = []
     real_forward = engine_module.forward
     monkeypatch.setattr(
@@ -212,7 +224,7 @@ def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
         "forward",
         lambda m, tokens, *a, **k: shapes.append(tuple(tokens.shape)) or real_forward(m, tokens, *a, **k),
     )
-    out = run(engine, Request(prompt, GREEDY, max_tokens=6, n=3, ignore_eos=True))
+    out = run(tiny, Request(prompt, GREEDY, max_tokens=6, n=3, ignore_eos=True))
     assert shapes[0] == (1, len(prompt)) and shapes[1:] == [(3, 1)] * 5
     assert [tokens for _, tokens, _ in out] == [one] * 3
 
@@ -228,19 +240,19 @@ def test_memory_estimate_counts_n_max_tokens_and_the_prompt(engine):
     assert engine.memory_needed(Request([5] * 1000)).kv_cache == per_token * (1000 + engine.max_tokens_default)
 
 
-def test_the_estimate_covers_the_caches_a_request_builds(engine, monkeypatch):
+def test_the_estimate_covers_the_caches_a_request_builds(tiny, monkeypatch):
     import memory
 
     built = record_caches(monkeypatch)
     monkeypatch.setattr(memory, "CACHE_CHUNK", 8)  # so it grows to full size within 40 tokens
     req = Request(
-        chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=1), max_tokens=40, n=2, ignore_eos=True
+        chat(tiny, "Tell me a story."), SamplingParams(temperature=1.0, seed=1), max_tokens=40, n=2, ignore_eos=True
     )
-    run(engine, req)
+    run(tiny, req)
     ((shape, cache),) = built
     assert shape[0] == 1  # the prompt's pass
     assert cache.shape[0] == 2 and cache.max_seq == len(req.prompt_ids) + 40
-    assert cache.nbytes <= engine.memory_needed(req).kv_cache
+    assert cache.nbytes <= tiny.memory_needed(req).kv_cache
 
 
 def test_a_request_over_the_memory_budget_is_refused_before_it_runs(engine):

@@ -151,7 +151,9 @@ def test_greedy_equals_chapter_01_numpy():
     assert generate_all(model, [prompt], 24)[0] == list(ch01.generate.generate(ch01.model.load_model(d), prompt, 24))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "smollm2-135m"])
+# tiny-llama3 in float32: a masking or a padding slip changes its tokens. On SmolLM2 the batched
+# tokens are checked against HF's, prompt for prompt, by test_batched_greedy_equals_hf_generate_per_prompt.
+@pytest.mark.parametrize("name", ["tiny-llama3"])
 def test_padded_batch_equals_each_prompt_alone(name, device):
     _, model, tok = engine(name, device)
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS]

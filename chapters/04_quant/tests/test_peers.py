@@ -11,6 +11,7 @@ import peers
 from common.models import resolve_model
 from common.prepare_models import find_gguf
 from common.tokenizer import Tokenizer
+from common.tools.testing import shared
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -25,7 +26,7 @@ needs_llama_cpp = pytest.mark.skipif(peers.llama_cpp_available() is not None, re
 
 @pytest.fixture(scope="module")
 def q4():
-    return gguf.GGUFReader(find_gguf())
+    return shared(gguf.GGUFReader, find_gguf())  # parsed once, with test_gguf.py
 
 
 @pytest.fixture(scope="module", params=["F16", "BF16"])

@@ -10,6 +10,7 @@ import torch
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from common.tools.testing import dequantized_once
 from common.tools.warm_python import run_python
 from kv_cache import KVCache
 from model import forward, load_model
@@ -62,7 +63,8 @@ def smollm2_parity():
     hf = torch.from_numpy(hf_hidden_states(d, ids)["logits"])  # [n, vocab], HF fp32
 
     def ours(spec):
-        model = load_model(d, "cpu", torch.float32, spec, matmul="reference")  # the same maths, quick on a prompt
+        # the same maths, quick on a prompt; each weight dequantized once (the same products)
+        model = dequantized_once(load_model(d, "cpu", torch.float32, spec, matmul="reference"))
         with torch.inference_mode():
             return forward(model, torch.tensor([ids]), KVCache(model.config, 1, len(ids), model.device, model.dtype))[0]
 
@@ -133,7 +135,8 @@ def macbeth_ppl():
 
     @functools.cache  # the bf16 baseline serves three tests
     def ppl(spec):
-        model = load_model(d, "cpu", torch.float32, spec, matmul="reference")
+        # each weight dequantized once, not in each of the 3 windows' 121 matmuls: the same products
+        model = dequantized_once(load_model(d, "cpu", torch.float32, spec, matmul="reference"))
         return perplexity(model, ids, context=512, stride=256).ppl
 
     return ppl

@@ -5,10 +5,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from common.tools.warm_python import start_python
 
 REACHES = ["bench.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
@@ -49,29 +51,26 @@ SMALL = [
 
 
 def run(*args, timeout=300):
-    """bench.py in a session of its own: on a timeout the whole group goes (servers included).
-    -> (the completed process, whether its group is empty now that it has exited)."""
-    proc = subprocess.Popen(
-        [sys.executable, "bench.py", *args],
-        cwd=CHAPTER,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"bench.py did not finish in {timeout} s")
-    try:
-        os.killpg(proc.pid, 0)  # anything left in its process group: a server it did not stop
-        left = True
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        left = False
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), not left
+    """bench.py in a fork of the warm interpreter (it starts 2.5 s later into its life, torch
+    imported), leading a process group of its own: on a timeout the whole group goes (servers
+    included). -> (the completed process, whether its group is empty now that it has exited)."""
+    with tempfile.TemporaryDirectory(prefix="bench-io-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = start_python(["bench.py", *args], cwd=CHAPTER, stdout=out, stderr=err)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"bench.py did not finish in {timeout} s")
+        try:
+            os.killpg(proc.pid, 0)  # anything left in its process group: a server it did not stop
+            left = True
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            left = False
+        completed = subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
+    return completed, not left
 
 
 def test_bench_runs_every_part_and_saves_figures(tmp_path):

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.tools.testing import require
+from common.tools.testing import require, shared
 
 require("gguf")  # before the imports that need them: without them, this module skips
 
@@ -26,10 +26,11 @@ CHAPTER = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def reader():
-    """The gguf package's own reading of the file (parsing its vocabulary takes seconds: once)."""
+    """The gguf package's own reading of the file (parsing its vocabulary takes seconds: once, shared
+    with test_peers.py)."""
     import gguf
 
-    return gguf.GGUFReader(find_gguf())
+    return shared(gguf.GGUFReader, find_gguf())
 
 
 @pytest.fixture(scope="module")

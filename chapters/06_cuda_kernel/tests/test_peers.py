@@ -13,6 +13,7 @@ import peers
 from common.models import resolve_model
 from common.prepare_models import find_gguf
 from common.tokenizer import Tokenizer
+from common.tools.testing import shared
 
 needs_llama_cpp = pytest.mark.skipif(
     peers.llama_cpp_available() is not None, reason=f"optional llama.cpp peer: {peers.llama_cpp_available()}"
@@ -27,7 +28,7 @@ def readers(tmp_path_factory):
     """(Q4_1 reader, reader of a fresh BF16 conversion): the code under test, not a cached file."""
     gguf = pytest.importorskip("gguf")
     path = peers.convert_gguf(find_gguf(), tmp_path_factory.mktemp("gguf") / "model.BF16.gguf", "BF16")
-    return gguf.GGUFReader(find_gguf()), gguf.GGUFReader(path)
+    return shared(gguf.GGUFReader, find_gguf()), gguf.GGUFReader(path)  # the Q4_1 one parsed once, with test_gguf.py
 
 
 def test_bf16_gguf_same_metadata_and_tensors_within_rounding(readers):

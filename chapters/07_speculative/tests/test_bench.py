@@ -2,13 +2,12 @@
 asserted)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import peers
+from common.tools.warm_python import run_python
 
 REACHES = ["bench.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
@@ -17,13 +16,7 @@ SMALL = ["--ks", "1,3", "--max-tokens", "6", "--batches", "2", "--batch-tokens",
 
 
 def run(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, str(CHAPTER / "bench.py"), *args],
-        cwd=CHAPTER,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python([str(CHAPTER / "bench.py"), *args], cwd=CHAPTER, timeout=timeout)
 
 
 def test_bench_runs_every_part_and_saves_figures(tmp_path):

@@ -21,7 +21,17 @@ POOL_BLOCKS = 512
 
 @pytest.fixture(scope="module")
 def engine():
+    """SmolLM2 in float32: for what needs a reply that makes sense and ends on its own."""
     d = resolve_model("smollm2-135m")
+    return Engine(load_model(d), Tokenizer(d), Engine.read_generation_config(d), num_blocks=POOL_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """tiny-llama3 in float32 (random weights; SmolLM2's tokenizer): for what needs tokens and text,
+    not sense. A step costs a seventh of SmolLM2's, whose float32 weights (540 MB) every decode
+    step reads; its replies run to max_tokens."""
+    d = resolve_model("tiny-llama3")
     return Engine(load_model(d), Tokenizer(d), Engine.read_generation_config(d), num_blocks=POOL_BLOCKS)
 
 
@@ -40,19 +50,20 @@ def chat(engine, text):
     return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-def test_greedy_equals_chapter_04(engine):
+def test_greedy_equals_chapter_04(tiny):
     """The paged, batched engine picks the tokens of the previous chapter's contiguous cache, one
-    request at a time and with both requests in the same steps."""
+    request at a time and with both requests in the same steps (float32 on both sides: the same
+    tokens. SmolLM2's are chained through every chapter in tests/test_chapters.py)."""
     ch04 = load_neighbour(4, "model", "generate")
-    d = resolve_model("smollm2-135m")
-    prompts = [chat(engine, "Write a haiku about the sea."), chat(engine, "What is 2 + 2?")]
+    d = resolve_model("tiny-llama3")
+    prompts = [chat(tiny, "Write a haiku about the sea."), chat(tiny, "What is 2 + 2?")]
     expected = ch04.generate.generate_all(ch04.model.load_model(d), prompts, 24)
     for prompt, ids in zip(prompts, expected):
-        text, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=24))[0]
-        assert [t for t in tokens if t not in engine.eos_ids] == ids
-        assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
-    together = engine.generate([Request(p, GREEDY, max_tokens=24) for p in prompts])
-    assert [[t for t in out.token_ids if t not in engine.eos_ids] for (out,) in together] == expected
+        text, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=24))[0]
+        assert [t for t in tokens if t not in tiny.eos_ids] == ids
+        assert text == tiny.tokenizer.decode(ids, skip_special_tokens=True)
+    together = tiny.generate([Request(p, GREEDY, max_tokens=24) for p in prompts])
+    assert [[t for t in out.token_ids if t not in tiny.eos_ids] for (out,) in together] == expected
 
 
 def test_finish_reasons_stop_and_length(engine):
@@ -74,39 +85,39 @@ def test_min_tokens_and_ignore_eos(engine):
     assert len(tokens) == 20 and finish == "length"
 
 
-def test_stop_token_ids(engine):
-    prompt = chat(engine, "Write a haiku about the sea.")
-    _, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=20))[0]
-    text, stopped, finish = run(engine, Request(prompt, GREEDY, max_tokens=20, stop_token_ids=[tokens[5]]))[0]
+def test_stop_token_ids(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    _, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=20))[0]
+    text, stopped, finish = run(tiny, Request(prompt, GREEDY, max_tokens=20, stop_token_ids=[tokens[5]]))[0]
     assert finish == "stop" and stopped == tokens[: tokens.index(tokens[5]) + 1]
-    assert text == engine.tokenizer.decode(stopped[:-1], skip_special_tokens=True)
+    assert text == tiny.tokenizer.decode(stopped[:-1], skip_special_tokens=True)
 
 
-def test_stop_string_across_token_boundaries(engine):
-    prompt = chat(engine, "Write a haiku about the sea.")
-    full, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=30))[0]
+def test_stop_string_across_token_boundaries(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    full, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=30))[0]
     # a stop string that starts inside one token and ends inside a later one
-    pieces = [engine.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True) for i in range(len(tokens))]
+    pieces = [tiny.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True) for i in range(len(tokens))]
     start = len(pieces[3]) - 2
     stop = full[start : len(pieces[6]) - 1]
     assert len(stop) > 4
-    text, _, finish = run(engine, Request(prompt, GREEDY, max_tokens=30, stop=[stop]))[0]
+    text, _, finish = run(tiny, Request(prompt, GREEDY, max_tokens=30, stop=[stop]))[0]
     assert finish == "stop" and text == full[: full.index(stop)]
-    text, _, _ = run(engine, Request(prompt, GREEDY, max_tokens=30, stop=[stop], include_stop_str_in_output=True))[0]
+    text, _, _ = run(tiny, Request(prompt, GREEDY, max_tokens=30, stop=[stop], include_stop_str_in_output=True))[0]
     assert text == full[: full.index(stop) + len(stop)]
 
 
-def test_streamed_text_equals_one_shot_decode_with_sampling(engine):
+def test_streamed_text_equals_one_shot_decode_with_sampling(tiny):
     params = SamplingParams(temperature=1.0, seed=3)
     text, tokens, _ = run(
-        engine, Request(chat(engine, "Say something in Chinese and use emoji."), params, max_tokens=40)
+        tiny, Request(chat(tiny, "Say something in Chinese and use emoji."), params, max_tokens=40)
     )[0]
-    assert text == engine.tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
+    assert text == tiny.tokenizer.decode([t for t in tokens if t not in tiny.eos_ids], skip_special_tokens=True)
 
 
-def test_seeded_n_choices(engine):
-    req = Request(chat(engine, "Tell me a story."), SamplingParams(temperature=1.0, seed=11), max_tokens=12, n=3)
-    a, b = run(engine, req), run(engine, req)
+def test_seeded_n_choices(tiny):
+    req = Request(chat(tiny, "Tell me a story."), SamplingParams(temperature=1.0, seed=11), max_tokens=12, n=3)
+    a, b = run(tiny, req), run(tiny, req)
     assert a == b
     assert len({text for text, _, _ in a}) > 1
 
@@ -189,11 +200,11 @@ def test_max_model_len_caps_the_context(engine):
         limited(engine, max_model_len=10**6)
 
 
-def test_blocks_are_taken_as_the_sequence_grows_without_changing_the_tokens(engine):
-    prompt = chat(engine, "Write a haiku about the sea.")
+def test_blocks_are_taken_as_the_sequence_grows_without_changing_the_tokens(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
     req = Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)
-    expected = run(engine, req)[0][1]
-    small = limited(engine, block_size=4)  # blocks of 4 tokens: a new one every fourth step
+    expected = run(tiny, req)[0][1]
+    small = limited(tiny, block_size=4)  # blocks of 4 tokens: a new one every fourth step
     tokens, used = [], []
     for events in small.stream(req):
         tokens += [t for ev in events for t in ev.token_ids]
@@ -205,12 +216,12 @@ def test_blocks_are_taken_as_the_sequence_grows_without_changing_the_tokens(engi
     assert used[-1] == 0  # its last token given, every block goes back at once
 
 
-def test_the_prompt_runs_once_for_n_choices(engine, monkeypatch):
+def test_the_prompt_runs_once_for_n_choices(tiny, monkeypatch):
     import runner as runner_module
 
-    prompt = chat(engine, "Name a colour.")
-    one = run(engine, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
-    fresh = limited(engine)  # an empty prefix cache: the prompt's blocks are not found there
+    prompt = chat(tiny, "Name a colour.")
+    one = run(tiny, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
+    fresh = limited(tiny)  # an empty prefix cache: the prompt's blocks are not found there
     steps = []  # (new tokens, sequences) of each forward pass
     real_forward = runner_module.forward
     monkeypatch.setattr(
