@@ -1,6 +1,10 @@
-"""Fixtures for the kernel tests: the built module, each device, and each CPU instruction-set path."""
+"""Fixtures for the kernel tests: the built module, each device, each CPU instruction-set path, and
+the torch-free build of a CPU source with planted bugs."""
 
+import ctypes
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,3 +59,33 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
     torch.testing.assert_close(
         actual.float().cpu(), expected.float().cpu(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}"
     )
+
+
+CPU_SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
+
+
+def build_planted(folder: Path, source: str, changes, shim: str, also: tuple[str, ...], prologue: str = ""):
+    """The CPU half's `source` (e.g. "gemm.cpp") with planted bugs, built torch-free as a plain shared
+    library with a test's C shim, from copies of csrc/cpu/ in `folder`. changes: (old, new) text pairs,
+    each `old` found exactly once, so a bug never silently misses its place; also: the other sources it
+    needs; prologue: text put before the source, or a function of it. No compiler: the test skips."""
+    (folder / "cpu").mkdir()
+    for f in CPU_SOURCES.iterdir():
+        (folder / "cpu" / f.name).write_bytes(f.read_bytes())
+    (folder / "kernels.h").write_bytes((CPU_SOURCES.parent / "kernels.h").read_bytes())
+    text = (folder / "cpu" / source).read_text()
+    for old, new in changes:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (folder / "cpu" / source).write_text(prologue(text) if callable(prologue) else prologue + text)
+    (folder / "cpu" / "shim.cpp").write_text(shim)
+    sources = [str(folder / "cpu" / n) for n in ("shim.cpp", source, *also)]
+    cxx = os.environ.get("CXX", "c++")
+    command = [cxx, "-O1", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-o", str(folder / "planted.so"), *sources]
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip(f"no C++ compiler ({cxx}) to build the planted copy")
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"the planted copy does not compile: {e.stderr}")
+    return ctypes.CDLL(str(folder / "planted.so"))

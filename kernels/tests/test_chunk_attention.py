@@ -6,15 +6,12 @@ each of which the same check must catch."""
 
 import ctypes
 import math
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
+from conftest import assert_close, build_planted
 from kernels import reference
 
 
@@ -158,7 +155,6 @@ def test_bad_arguments_are_clear_errors(ops):
 
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with bugs put into a copy ---
 
-CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SHIM = """
 #include "cpu_kernels.h"
 using namespace kernels;
@@ -198,28 +194,10 @@ PLANTED = {
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("planted_chunk")
-    (folder / "cpu").mkdir()
-    for f in CPU.iterdir():
-        (folder / "cpu" / f.name).write_bytes(f.read_bytes())
-    (folder / "kernels.h").write_bytes((CPU.parent / "kernels.h").read_bytes())
-    source = (folder / "cpu" / "chunk_attention.cpp").read_text()
-    for old, new in PLANTED.values():
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    source = 'extern "C" int planted_bug;\n' + source
-    (folder / "cpu" / "chunk_attention.cpp").write_text(source)
-    (folder / "cpu" / "shim.cpp").write_text(SHIM)
-    sources = [str(folder / "cpu" / n) for n in ("shim.cpp", "chunk_attention.cpp", "isa.cpp")]
-    cxx = os.environ.get("CXX", "c++")
-    command = [cxx, "-O1", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-o", str(folder / "planted.so"), *sources]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip(f"no C++ compiler ({cxx}) to build the planted copy")
-    except subprocess.CalledProcessError as e:
-        pytest.fail(f"the planted copy does not compile: {e.stderr}")
-    return ctypes.CDLL(str(folder / "planted.so"))
+    return build_planted(
+        tmp_path_factory.mktemp("planted_chunk"), "chunk_attention.cpp", PLANTED.values(), SHIM, ("isa.cpp",),
+        'extern "C" int planted_bug;\n',
+    )
 
 
 def planted_call(lib, case, bug):

@@ -5,14 +5,11 @@ gemm_min_rows the matrix-vector kernels answer, so the sweep covers the hand-ove
 planted in a copy of the source, each of which the same check must catch."""
 
 import ctypes
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, build_planted
 from kernels import reference
 from test_quant_linear import assert_int4_close, int4_weight
 
@@ -89,7 +86,6 @@ def test_the_startup_line_names_the_path(ops, isa):
 
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
 
-CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SHIM = """
 #include "cpu_kernels.h"
 using namespace kernels;
@@ -139,27 +135,8 @@ SHOWN_BY = {
 def planted(tmp_path_factory):
     """The CPU half built once with every bug above in its copy of gemm.cpp (their shapes and row
     counts hardly overlap), as a plain shared library; None where there is no compiler."""
-    folder = tmp_path_factory.mktemp("planted")
-    (folder / "cpu").mkdir()
-    for f in CPU.iterdir():
-        (folder / "cpu" / f.name).write_bytes(f.read_bytes())
-    (folder / "kernels.h").write_bytes((CPU.parent / "kernels.h").read_bytes())
-    gemm = (folder / "cpu" / "gemm.cpp").read_text()
-    for old, new in (change for changes in PLANTED.values() for change in changes):
-        assert gemm.count(old) == 1, old
-        gemm = gemm.replace(old, new)
-    (folder / "cpu" / "gemm.cpp").write_text(gemm)
-    (folder / "cpu" / "shim.cpp").write_text(SHIM)
-    sources = [str(folder / "cpu" / n) for n in ("shim.cpp", "gemm.cpp", "quant_linear.cpp", "isa.cpp")]
-    cxx = os.environ.get("CXX", "c++")
-    command = [cxx, "-O1", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-o", str(folder / "planted.so"), *sources]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip(f"no C++ compiler ({cxx}) to build the planted copy")
-    except subprocess.CalledProcessError as e:
-        pytest.fail(f"the planted copy does not compile: {e.stderr}")
-    return ctypes.CDLL(str(folder / "planted.so"))
+    changes = [change for changes in PLANTED.values() for change in changes]
+    return build_planted(tmp_path_factory.mktemp("planted"), "gemm.cpp", changes, SHIM, ("quant_linear.cpp", "isa.cpp"))
 
 
 def planted_call(lib, kind, x, w, n_out):

@@ -9,15 +9,12 @@ torch-free copy of the source, each of which the same comparison must catch."""
 
 import ctypes
 import functools
-import os
 import random
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, build_planted
 from kernels import reference
 
 RANKS = [1, 8, 16, 64, 7]  # per slot; r_max 64
@@ -205,7 +202,6 @@ def test_bad_calls_are_clear_errors(ops):
 # One copy holds every bug, each behind a switch (planted_bug == n) the test sets through ctypes: one
 # compile instead of one per bug.
 
-CPU = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 SHIM = """
 #include "cpu_kernels.h"
 using namespace kernels;
@@ -250,28 +246,12 @@ PLANTED = {
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """The CPU LoRA kernels built with every bug above in a copy of lora.cpp, as a plain shared library."""
-    folder = tmp_path_factory.mktemp("planted")
-    (folder / "cpu").mkdir()
-    for f in CPU.iterdir():
-        (folder / "cpu" / f.name).write_bytes(f.read_bytes())
-    (folder / "kernels.h").write_bytes((CPU.parent / "kernels.h").read_bytes())
-    source = (folder / "cpu" / "lora.cpp").read_text()
-    for old, new in (change for changes in PLANTED.values() for change in changes):
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    source = source.replace("namespace kernels::cpu {", "extern int planted_bug;\nnamespace kernels::cpu {", 1)
-    (folder / "cpu" / "lora.cpp").write_text(source)
-    (folder / "cpu" / "shim.cpp").write_text(SHIM)
-    sources = [str(folder / "cpu" / n) for n in ("shim.cpp", "lora.cpp", "isa.cpp")]
-    cxx = os.environ.get("CXX", "c++")
-    command = [cxx, "-O1", "-std=c++20", "-fopenmp", "-shared", "-fPIC", "-o", str(folder / "planted.so"), *sources]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip(f"no C++ compiler ({cxx}) to build the planted copy")
-    except subprocess.CalledProcessError as e:
-        pytest.fail(f"the planted copy does not compile: {e.stderr}")
-    return ctypes.CDLL(str(folder / "planted.so"))
+    changes = [change for changes in PLANTED.values() for change in changes]
+
+    def declare(source):  # the switch the bugs read, defined by the shim
+        return source.replace("namespace kernels::cpu {", "extern int planted_bug;\nnamespace kernels::cpu {", 1)
+
+    return build_planted(tmp_path_factory.mktemp("planted"), "lora.cpp", changes, SHIM, ("isa.cpp",), declare)
 
 
 def planted_run(lib, case):
