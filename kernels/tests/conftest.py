@@ -31,6 +31,29 @@ def device(request, ops):
     return torch.device(request.param)
 
 
+@pytest.fixture
+def cuda(ops):
+    """The GPU, for the tests of the CUDA twins against the CPU: skips where there is none."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (run on a GPU node: slurm/gpu_check.sh)")
+    if not ops.with_cuda:
+        pytest.skip("kernels/ was built without its CUDA half (a CPU torch, or no nvcc)")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """The CUDA kernels built for the CPU by the emulator (kernels/emulator.py)."""
+    from kernels import emulator
+
+    try:
+        return emulator.load()
+    except emulator.EmulatorError as e:
+        if "no C++ compiler" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
 ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 
 

@@ -12,15 +12,6 @@ from conftest import assert_close
 from test_chunk_attention import CHUNKS, GQA, make_chunks, sdpa
 
 
-@pytest.fixture
-def cuda(ops):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device (run on a GPU node: slurm/gpu_check.sh)")
-    if not ops.with_cuda:
-        pytest.skip("kernels/ was built without its CUDA half (a CPU torch, or no nvcc)")
-    return torch.device("cuda")
-
-
 def check(ops, case, what):
     scale = 1 / math.sqrt(case[0].shape[-1])
     out = ops.chunk_attention(*case, scale)

@@ -16,16 +16,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    try:
-        return emulator.load()
-    except emulator.EmulatorError as e:
-        if "no C++ compiler" in str(e):
-            pytest.skip(str(e))
-        raise
-
-
 # --- paged decode attention ------------------------------------------------------------------------
 
 SHAPES = [  # n_heads, n_kv_heads: GQA groups of 1, 3, 4, 8 and 16 (two blocks of 8 heads); every head_dim

@@ -16,16 +16,6 @@ from kernels import emulator
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    try:
-        return emulator.load()
-    except emulator.EmulatorError as e:
-        if "no C++ compiler" in str(e):
-            pytest.skip(str(e))
-        raise
-
-
 def check(emu, case, what):
     scale = 1 / math.sqrt(case[0].shape[-1])
     out = emu.chunk_attention(*case, scale)

@@ -22,16 +22,6 @@ ROWS = [1, 15, 16, 17, 33, 100]  # tiles of 16, 32, 64 rows: one row, full tiles
 SHAPES = {"int4": [(70, 320)], "int8": [(70, 100), (33, 104)], "bf16": [(70, 104), (21, 13)]}
 
 
-@pytest.fixture(scope="module")
-def emu():
-    try:
-        return emulator.load()
-    except emulator.EmulatorError as e:
-        if "no C++ compiler" in str(e):
-            pytest.skip(str(e))
-        raise
-
-
 def weights(kind, n_out, n_in, seed=0):
     g = torch.Generator().manual_seed(seed)
     if kind == "int4":

@@ -24,16 +24,6 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (tor
 DTYPE_IDS = ["f32-w_f32", "bf16-w_bf16", "f16-w_bf16"]
 
 
-@pytest.fixture(scope="module")
-def emu():
-    try:
-        return emulator.load()
-    except emulator.EmulatorError as e:
-        if "no C++ compiler" in str(e):
-            pytest.skip(str(e))
-        raise
-
-
 def run(emu, case):
     x, y, a, b_t, ranks, scale, starts, seg_slots = case
     v = emu.lora_shrink(x, a, ranks, starts, seg_slots)

@@ -20,15 +20,6 @@ SHAPES = {"int4": [(70, 320), (960, 576)], "int8": [(70, 100), (960, 576)], "bf1
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture
-def cuda(ops):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device (run on a GPU node: slurm/gpu_check.sh)")
-    if not ops.with_cuda:
-        pytest.skip("kernels/ was built without its CUDA half (a CPU torch, or no nvcc)")
-    return torch.device("cuda")
-
-
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
 def test_every_row_count_on_cuda(ops, cuda, kind, dtype):

@@ -13,15 +13,6 @@ from kernels import reference
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)]
 
 
-@pytest.fixture
-def cuda(ops):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device (run on a GPU node: slurm/gpu_check.sh)")
-    if not ops.with_cuda:
-        pytest.skip("kernels/ was built without its CUDA half (a CPU torch, or no nvcc)")
-    return torch.device("cuda")
-
-
 def run_on(ops, case, device):
     x, y, a, b_t, ranks, scale, starts, seg_slots = (t.to(device) for t in case)
     v = ops.lora_shrink(x, a, ranks, starts, seg_slots)
