@@ -6,6 +6,7 @@ Usage, from this chapter's folder:
     python cli.py --prompt "Tell me a joke" --temperature 0.7 --seed 1
     python cli.py --raw --prompt "Once upon a time"   # plain completion
     python cli.py --quant int4 --group-size 32        # int4 weights, quantized on load
+    python cli.py --tensor-parallel-size 2 --model tiny-llama3   # every layer split across 2 processes
 
 In the chat: /reset forgets the history, /quit (or Ctrl-D) leaves. Statistics go to stderr.
 """
@@ -17,9 +18,11 @@ import time
 
 from common.cli import base_parser, run_main
 from common.errors import UserError
-from engine import Engine, Request, build_engine
+from engine import Engine, Request
 from loading import add_quant_args, quant_spec
 import ops
+import parallel
+from parallel import build_engine
 from proposers import add_speculative_args, speculative_args
 from sampling import SamplingParams
 
@@ -43,6 +46,7 @@ def parse_args():
     ap.add_argument("--dtype", default="auto")
     add_quant_args(ap)
     add_speculative_args(ap)
+    parallel.add_arguments(ap)
     for name, kind in SAMPLING_FLAGS.items():
         ap.add_argument(
             f"--{name.replace('_', '-')}", type=kind, default=None, help="default: the model's generation_config.json"
@@ -119,6 +123,7 @@ def chat_loop(engine: Engine, args) -> None:
 
 
 def main() -> int:
+    parallel.become_worker_if_torchrun()
     args = parse_args()
     # One conversation, one sequence: a pool for one full context (a server sizes it for many).
     engine, name = build_engine(
@@ -129,6 +134,8 @@ def main() -> int:
         args.matmul,
         ops.from_args(args),
         max_num_seqs=1,
+        tensor_parallel_size=parallel.size_from(args),
+        tensor_parallel_timeout=args.tensor_parallel_timeout,
         **speculative_args(args),
     )
     m = engine.model

@@ -5,6 +5,7 @@ Usage, from this chapter's folder:
     python generate.py --chat --prompt "What is the capital of France?" --quant int4
     python generate.py --model ../../models/smollm2-135m-int8 --prompt "The sky is"
     python generate.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --chat
+    python generate.py --model smollm2-135m --tensor-parallel-size 3 --prompt "The sky is"
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, r
 from common.device import synchronize
 from common.errors import UserError
 from common.tokenizer import Tokenizer
-from batch import Work, build_step
+from batch import Work
 from loading import add_quant_args, load, quant_spec
 import ops
-from model import Model, forward
-from paged_cache import PagedKVCache
+import parallel
+from model import Model
+from runner import ModelRunner
 
 # This chapter's number, from its folder's name, so that a copied chapter reports its own.
 CHAPTER = Path(__file__).resolve().parent.name[:2]
@@ -31,7 +33,12 @@ CHAPTER = Path(__file__).resolve().parent.name[:2]
 
 @torch.inference_mode()
 def generate(
-    model: Model, prompts: list[list[int]], max_new_tokens: int, max_seq: int | None = None, block_size: int = 16
+    model: Model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    max_seq: int | None = None,
+    block_size: int = 16,
+    runner=ModelRunner,
 ):
     """Greedy decoding of a batch of prompts of any lengths. Yields, once per step, one entry per
     prompt: its new token id, or None once that prompt has finished (EOS or context end).
@@ -39,8 +46,9 @@ def generate(
     No padding any more: the first step runs every prompt, end to end, as one batch of their
     tokens; each later step runs one token per unfinished sequence. Each sequence owns a fixed
     range of blocks of a pool sized for all of them (the engine hands blocks out as they are
-    needed instead: engine.py)."""
-    config, device = model.config, model.device
+    needed instead: engine.py). runner: makes the model runner (runner.ModelRunner; at tensor-parallel
+    size N, parallel.Group.runner: the same steps, sent to every rank first)."""
+    config = model.config
     for p in prompts:
         check_context(len(p), max_new_tokens, config.max_position_embeddings)
     longest = max(len(p) for p in prompts)
@@ -50,11 +58,11 @@ def generate(
     if longest >= max_seq:
         raise UserError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")
     per_seq = -(-max_seq // block_size)  # blocks per sequence
-    cache = PagedKVCache(config, per_seq * len(prompts), block_size, device, model.dtype)
+    run = runner(model, per_seq * len(prompts), block_size, len(prompts), per_seq, cuda_graphs=False).run
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(len(prompts))]
 
     work = [Work(list(p), 0, tables[b]) for b, p in enumerate(prompts)]
-    logits = forward(model, build_step(work, block_size, device), cache)  # prefill: [batch, vocab]
+    logits = run(work)  # prefill: [batch, vocab]
     lengths = [len(p) for p in prompts]
     finished = [False] * len(prompts)
     for i in range(max_new_tokens):
@@ -75,7 +83,7 @@ def generate(
         work = [Work([t], lengths[b], tables[b]) for b, t in enumerate(step) if t is not None]
         for b, t in enumerate(step):
             lengths[b] += t is not None
-        logits = forward(model, build_step(work, block_size, device), cache)  # decode: [live, vocab]
+        logits = run(work)  # decode: [live, vocab]
 
 
 def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
@@ -88,6 +96,7 @@ def generate_all(model: Model, prompts: list[list[int]], max_new_tokens: int, **
 
 
 def main() -> int:
+    parallel.become_worker_if_torchrun()
     ap = base_parser(__doc__, batch=True)
     ap.add_argument("--device", default=None, help="auto, cpu, cuda, mps (default: $DEVICE, else auto)")
     ap.add_argument(
@@ -100,8 +109,17 @@ def main() -> int:
         "--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
     )
     add_quant_args(ap)
+    parallel.add_arguments(ap)
     args = ap.parse_args()
-    model, model_dir = load(args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args))
+    tp, runner = parallel.size_from(args), ModelRunner
+    if tp == 1:
+        model, model_dir = load(args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args))
+    else:
+        model, model_dir, group = parallel.load(
+            args.model, args.device, args.dtype, quant_spec(args), args.matmul, ops.from_args(args), tp,
+            args.tensor_parallel_timeout,
+        )
+        runner = group.runner
     device, dtype = model.device, model.dtype
     tokenizer = Tokenizer(model_dir)
     prompts = [prompt_ids(tokenizer, p, args.chat) for p in (args.prompt or [DEFAULT_PROMPT])]
@@ -110,7 +128,7 @@ def main() -> int:
     step_times = []
     synchronize(device)
     t0 = time.perf_counter()
-    for step in generate(model, prompts, args.max_new_tokens, args.max_seq):
+    for step in generate(model, prompts, args.max_new_tokens, args.max_seq, runner=runner):
         step_times.append(time.perf_counter())  # .tolist() inside generate already waited for the GPU
         for b, token in enumerate(step):
             if token is not None:
@@ -124,7 +142,7 @@ def main() -> int:
         decoded = sum(len(o) for o in outputs) - len([o for o in outputs if o])
         print(
             f"[ch{CHAPTER} torch {device.type} {str(dtype).removeprefix('torch.')}, {model.quant.name if model.quant else 'no quantization'}, "
-            f"{model.weight_bytes / 1e6:.0f} MB of weights] batch {len(prompts)}, "
+            f"{model.weight_bytes / 1e6:.0f} MB of weights{f' per rank, TP={tp}' if tp > 1 else ''}] batch {len(prompts)}, "
             f"prompt {n_prompt} tokens, TTFT {ttft * 1e3:.0f} ms (prefill {n_prompt / ttft:.0f} tok/s), "
             f"decode {decoded} tokens at {decoded / decode_s if decode_s else float('nan'):.1f} tok/s",
             file=sys.stderr,

@@ -43,12 +43,14 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from detokenizer import IncrementalDetokenizer, token_bytes
-from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request, build_engine
+from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
 from memory import GiB
 import ops
+import parallel
+from parallel import build_engine
 from proposers import add_speculative_args, speculative_args
 from protocol import ChatRequest, CompletionRequest, chat_request, completion_request
 from sampling import TokenLogprob
@@ -711,10 +713,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="never reuse the KV blocks of a prompt prefix seen before",
     )
     add_speculative_args(ap)
+    parallel.add_arguments(ap)
     return ap.parse_args(argv)
 
 
 def main() -> int:
+    parallel.become_worker_if_torchrun()
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
     named = {}
@@ -735,6 +739,8 @@ def main() -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             chunked_prefill=args.chunked_prefill,
             prefix_caching=args.prefix_caching,
+            tensor_parallel_size=parallel.size_from(args),
+            tensor_parallel_timeout=args.tensor_parallel_timeout,
             **speculative_args(args),
         )
         return engine
@@ -766,7 +772,19 @@ def main() -> int:
         file=sys.stderr,
         flush=True,
     )
-    GracefulServer(config, app.state.server).run()
+    server = GracefulServer(config, app.state.server)
+    group = getattr(engine, "tensor_parallel", None)
+    if group is not None:  # a lost rank: the step's requests and new ones get a 503, and the server exits
+        group.make_error = lambda reason: shutting_down(f"tensor parallel: {reason}; the server is stopping")
+
+        def on_lost(reason: str) -> None:
+            app.state.server.stopping = True
+            server.should_exit = True  # uvicorn's main loop polls it
+
+        group.on_lost.append(on_lost)
+    server.run()
+    if group is not None and group.lost_reason is not None:
+        raise SystemExit(f"error: tensor parallel: {group.lost_reason}; the server stopped")
     return 0
 
 
