@@ -17,7 +17,7 @@ from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from common.tools.warm_python import run_python, start_python
 
-REACHES = ["generate.py", "server.py", "parallel.py"]  # scripts run in a subprocess (common/tools/carried.py)
+REACHES = ["generate.py", "cli.py", "server.py", "parallel.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
 CHAPTER = Path(__file__).resolve().parents[1]
 PROMPTS = ["The sky is", "Once upon a time, there was"]
@@ -74,6 +74,22 @@ def test_generate_tp3_equals_tp1_on_smollm2():
     assert r.returncode == 0, r.stderr
     assert "tensor parallel: 3 ranks" in r.stderr
     assert r.stdout.rstrip("\n") == tp1_texts("smollm2-135m", PROMPTS[:1], 4)[0]
+
+
+def test_cli_chat_at_tp2_says_what_tp1_says():
+    """Two turns and a /reset through the chat CLI: the history and the single sequence's pool
+    work the same when every layer is split across two processes."""
+    chat = "Hello there\nAnd again?\n/reset\nHi\n/quit\n"
+    flags = ["--model", "tiny-llama3", "--temperature", "0", "--max-new-tokens", "6", "--dtype", "float32"]
+    runs = [
+        run_python(["cli.py", *flags, *tp], input=chat, cwd=CHAPTER, timeout=300)
+        for tp in ([], ["--tensor-parallel-size", "2"])
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks" in runs[1].stderr
+    assert runs[0].stdout.count("model> ") == 3
+    assert runs[1].stdout == runs[0].stdout
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts():
