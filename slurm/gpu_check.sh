@@ -3,7 +3,7 @@
 #   1. build kernels/ with its CUDA half, for the GPU that is present (once: CI compiles every .cu
 #      for sm_80 and sm_90 with -Werror, `make kernels-check`)
 #   2. every CUDA test of chapters 02-07 and kernels/ (DEVICE=cuda; the CPU-only tests are CI's job),
-#      the suites side by side, each with its own timeout
+#      the suites side by side, each with its own timeout; with 2 GPUs, chapter 08 at TP=2 (NCCL)
 #   3. a batch-1 decode benchmark (slurm/gpu_decode_bench.py) and chapter 06's kernel timings: the
 #      kernels against PyTorch, then the linears on their own (1 to 512 rows: from 16 the library's
 #      matrix product, kernels/csrc/cuda/gemm.cu, against cuBLAS on a dense bf16 copy)
@@ -105,6 +105,18 @@ for suite in "${suites[@]}"; do
   elif [ $rc -eq 124 ]; then note "FAILED $suite: over its 150 s"
   else note "FAILED $suite (rc $rc): $line"; fi
 done
+
+# --- 2b. chapter 08's tensor parallelism over 2 GPUs (NCCL): its greedy tokens against TP=1 -------
+ngpu=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${ngpu:-0}" -ge 2 ]; then
+  tp_run() { timeout 150 $PY chapters/08_tensor_parallel/generate.py --model tiny-llama3 --device cuda --dtype float32 \
+    --prompt "The sky is" --prompt "Once upon a time" --max-new-tokens 8 "$@" 2>>"$logs/tp.txt"; }
+  tp1=$(tp_run) ; tp2=$(tp_run --tensor-parallel-size 2)
+  if [ -n "$tp1" ] && [ "$tp1" = "$tp2" ]; then note "TP=2 over 2 GPUs (NCCL): greedy tokens equal TP=1's"
+  else note "FAILED: TP=2 over 2 GPUs (NCCL) against TP=1 (see $logs/tp.txt)"; fi
+else
+  note "TP cases skipped: ${ngpu:-0} GPU here, chapter 08's NCCL run needs 2 (sbatch --gres=gpu:2)"
+fi
 
 # --- 3. speed ---------------------------------------------------------------------------------
 timeout 90 $PY slurm/gpu_decode_bench.py --repeats 2 --out "$OUT_DIR/gpu_decode.json" 2>&1 | tee "$logs/decode.txt" \
