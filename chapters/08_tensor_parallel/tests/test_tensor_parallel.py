@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -90,6 +91,33 @@ def test_cli_chat_at_tp2_says_what_tp1_says():
     assert "tensor parallel: 2 ranks" in runs[1].stderr
     assert runs[0].stdout.count("model> ") == 3
     assert runs[1].stdout == runs[0].stdout
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun ARGS` (torch.distributed.run) in this chapter's folder; its stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args], cwd=CHAPTER, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_torchrun_starts_the_ranks_and_generate_says_what_tp1_says():
+    flags = [a for p in PROMPTS for a in ("--prompt", p)]
+    r = torchrun(
+        "--standalone", "--nproc-per-node", "2", "generate.py", "--model", "tiny-llama3", *flags,
+        "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks" in r.stderr and "TP=2" in r.stderr
+    want = tp1_texts("tiny-llama3", PROMPTS, 8)
+    assert r.stdout.splitlines() == [line for text in want for line in text.split("\n")]
+
+
+def test_torchrun_with_master_port_0_is_refused_instead_of_hanging():
+    r = torchrun("--nproc-per-node", "2", "--master-port", "0", "generate.py", "--model", "tiny-llama3", "--prompt", "hi", timeout=120)
+    assert r.returncode != 0  # and within the timeout: each rank said why and stopped
+    # (torchrun then prints its own report of the failed ranks, a traceback of its agent included)
+    assert r.stderr.count("error: torchrun passed MASTER_PORT=0 (--master-port 0)") == 2, r.stderr[-3000:]
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts():
