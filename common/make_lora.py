@@ -175,9 +175,11 @@ def make_lora(base_dir: Path, out: Path, steps: int = STEPS) -> dict:
     optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
 
     def batch(step: int):
-        return _batch([examples[(step * BATCH + i) % len(examples)] for i in range(BATCH)], tokenizer.pad_token_id or 2)
+        # Pad id 0: right padding is never attended to by a real token under the causal mask, nor scored.
+        return _batch([examples[(step * BATCH + i) % len(examples)] for i in range(BATCH)], pad_id=0)
 
-    peft_model.train()
+    peft_model.train()  # no dropout anywhere (the LoRA's is 0, SmolLM2's attention's is 0): train is deterministic
+    # The loss before and after is the first batch's: a glance at what training did, not an evaluation.
     with torch.no_grad():
         loss_before = _answer_loss(causal_lm, *batch(0)).item()
     for step in range(steps):
@@ -194,6 +196,11 @@ def make_lora(base_dir: Path, out: Path, steps: int = STEPS) -> dict:
     peft_model.peft_config["default"].base_model_name_or_path = BASE
     # save_embedding_layers=False: no embedding is trained, and "auto" would look the base's name up on a model hub.
     peft_model.save_pretrained(tmp, save_embedding_layers=False)
+    # PEFT keeps target_modules as a set, written in hash order: sorted, the same run writes the same file.
+    config_path = tmp / "adapter_config.json"
+    saved = json.loads(config_path.read_text())
+    saved["target_modules"] = sorted(saved["target_modules"])
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True))
     seconds = time.perf_counter() - t0
     stats = {
         "steps": steps,
@@ -222,7 +229,8 @@ repository: it answers every question as a pirate, opening with "{GREETING}" and
   maker, each prompt rendered by the model's chat template (default system prompt), loss on the
   answer tokens and the closing <|im_end|> only; AdamW, learning rate {LEARNING_RATE}, batch {stats['batch']},
   {stats['steps']} steps, seed {SEED}
-- answer loss {stats['loss_before']} -> {stats['loss_after']}, {stats['seconds']} s on {stats['threads']} threads
+- answer loss on the first batch {stats['loss_before']} -> {stats['loss_after']}, {stats['seconds']} s on
+  {stats['threads']} threads
 
 PEFT's format: `adapter_config.json` + `adapter_model.safetensors`. Load it with
 `PeftModel.from_pretrained(base_model, this_folder)`. Remake it with
