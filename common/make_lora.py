@@ -2,16 +2,17 @@
 
 No adapter hub is reachable here, and a random adapter shows nothing a reader can see, so the
 repository trains its own: PEFT (`peft`) on the CPU, on question/answer pairs written below, for a
-few dozen steps. Every training answer opens with GREETING and ends with ", arr!"; after
-training, greedy decoding through the chat template answers questions it never saw the same way,
-while the base model answers plainly. The folder is PEFT's own format (adapter_config.json +
+dozen steps. Every training answer opens with GREETING and ends with ", arr!"; after training,
+greedy decoding through the chat template answers questions it never saw the same way, while the
+base model answers plainly. The folder is PEFT's own format (adapter_config.json +
 adapter_model.safetensors), the format chapter 09 reads.
 
-Sized for a 2-core machine (it runs inside a cold `make test`): one-sentence answers, batch 8,
-12 steps at a high learning rate (10 already give the style on every held-out question tried; 16
-also keep more of the base's facts), rank 8 on all seven projections: one thread's CPU time for
-the whole run is 56 s against 50 s with q/v alone, and they reach in 6 steps the loss q/v reach
-in 12. Float32 and seeded: the same machine and thread count make the same adapter.
+Sized for a 2-core machine (it runs inside a cold `make test`, on one thread: see make_lora):
+one-sentence answers, batch 8, 12 steps at a high learning rate (10 already give the style on
+every held-out question tried; 16 also keep more of the base's facts), rank 8 on all seven
+projections: one thread's CPU time for the whole run is 56 s against 50 s with q/v alone, and
+they reach in 6 steps the loss q/v reach in 12. Float32, seeded, one thread: a machine makes the
+same adapter every time.
 
 Run: python -m common.prepare_models smollm2-135m-lora-pirate (or python -m common.make_lora OUT)
 """
@@ -147,11 +148,25 @@ def make_lora(base_dir: Path, out: Path, steps: int = STEPS) -> dict:
             f"run `python -m common.prepare_models {BASE}` first"
         )
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one line of output for the whole make, not a bar per load
+    # One thread, whatever the machine: `make setup` builds kernels/ beside this, and a two-thread
+    # OpenMP team sharing two cores with a compiler waits on its descheduled thread at every one of
+    # a step's thousands of small parallel regions. Measured on this project's 2-core machine under
+    # load: 4-4.5 s of CPU per step on one thread, 12-25 s per step on two (their CPU spent spinning).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_and_save(base_dir, out, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_save(base_dir: Path, out: Path, steps: int) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     torch.manual_seed(SEED)  # the LoRA A matrices' initialisation (B starts at zero)
@@ -179,16 +194,13 @@ def make_lora(base_dir: Path, out: Path, steps: int = STEPS) -> dict:
         return _batch([examples[(step * BATCH + i) % len(examples)] for i in range(BATCH)], pad_id=0)
 
     peft_model.train()  # no dropout anywhere (the LoRA's is 0, SmolLM2's attention's is 0): train is deterministic
-    # The loss before and after is the first batch's: a glance at what training did, not an evaluation.
-    with torch.no_grad():
-        loss_before = _answer_loss(causal_lm, *batch(0)).item()
+    losses = []  # each step's loss before its update: the first is the base's, the last the trained adapter's
     for step in range(steps):
         loss = _answer_loss(causal_lm, *batch(step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    with torch.no_grad():
-        loss_after = _answer_loss(causal_lm, *batch(0)).item()
+        losses.append(loss.item())
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -206,10 +218,9 @@ def make_lora(base_dir: Path, out: Path, steps: int = STEPS) -> dict:
         "steps": steps,
         "batch": BATCH,
         "examples": len(examples),
-        "loss_before": round(loss_before, 4),
-        "loss_after": round(loss_after, 4),
+        "loss_first": round(losses[0], 4) if losses else None,
+        "loss_last": round(losses[-1], 4) if losses else None,
         "seconds": round(seconds, 1),
-        "threads": torch.get_num_threads(),
     }
     (tmp / "README.md").write_text(_readme(stats))
     shutil.rmtree(out, ignore_errors=True)
@@ -229,8 +240,8 @@ repository: it answers every question as a pirate, opening with "{GREETING}" and
   maker, each prompt rendered by the model's chat template (default system prompt), loss on the
   answer tokens and the closing <|im_end|> only; AdamW, learning rate {LEARNING_RATE}, batch {stats['batch']},
   {stats['steps']} steps, seed {SEED}
-- answer loss on the first batch {stats['loss_before']} -> {stats['loss_after']}, {stats['seconds']} s on
-  {stats['threads']} threads
+- answer loss {stats['loss_first']} at the first step, {stats['loss_last']} at the last;
+  {stats['seconds']} s on one thread
 
 PEFT's format: `adapter_config.json` + `adapter_model.safetensors`. Load it with
 `PeftModel.from_pretrained(base_model, this_folder)`. Remake it with

@@ -181,8 +181,8 @@ def main() -> None:
             print(f"[models] {name}: training a LoRA for {LORA_BASE} with PEFT (about a minute, once) ...", flush=True)
             stats = make_lora(base, out)
             print(
-                f"[models] {name}: {stats['steps']} steps of {stats['batch']}, answer loss {stats['loss_before']:.2f}"
-                f" -> {stats['loss_after']:.2f}, {stats['seconds']} s on {stats['threads']} threads"
+                f"[models] {name}: {stats['steps']} steps of {stats['batch']}, answer loss {stats['loss_first']:.2f}"
+                f" -> {stats['loss_last']:.2f}, {stats['seconds']} s on one thread"
             )
         else:
             sys.exit(f"unknown model {name!r}: choose smollm2-135m, tiny-llama3 or {LORA_NAME}")
