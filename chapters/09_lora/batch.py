@@ -8,6 +8,7 @@ are per sequence, and this file builds them once per step for all 30 layers:
     positions  [tokens]   where each token sits in its own sequence (RoPE)
     slots      [tokens]   where its K/V go in the block pool: table[pos // bs] * bs + pos % bs
     groups                how attention finds each token's sequence (paged_attention.py)
+    lora                  which LoRA adapter slot each token's rows use (lora.py), or None
 
 Attention runs in two batched calls: one for the sequences adding a single token (decode), one
 for those adding several (prefill chunks), so that fifteen decodes are not padded to the length
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lora import StepLora, step_lora
+
 
 @dataclass
 class Work:
@@ -29,6 +32,7 @@ class Work:
     tokens: list[int]  # the new tokens, at positions start .. start + len - 1
     start: int  # tokens of this sequence already in the cache
     block_table: list[int]  # must cover start + len(tokens) slots
+    lora_slot: int = -1  # the slot of its LoRA adapter (lora_slots.py); -1: the base model
 
 
 @dataclass
@@ -77,10 +81,11 @@ class StepBatch:
     groups: list[AttentionGroup | DecodeGroup]
     last: torch.Tensor  # [S] index of each sequence's last new token: its logits are sampled
     all_logits: bool = False  # logits for every token (parity, perplexity), not just `last`
+    lora: StepLora | None = None  # the rows' adapter slots; None: every row is the base model's
 
 
 def build_step(work: list[Work], block_size: int, device, all_logits: bool = False) -> StepBatch:
-    tokens, positions, slots, first = [], [], [], []
+    tokens, positions, slots, first, row_slots = [], [], [], [], []
     for w in work:
         if not w.tokens:
             raise ValueError("a sequence in a step must add at least one token")
@@ -90,6 +95,7 @@ def build_step(work: list[Work], block_size: int, device, all_logits: bool = Fal
             )
         first.append(len(tokens))  # where this sequence's tokens start in the flat list
         tokens += w.tokens
+        row_slots += [w.lora_slot] * len(w.tokens)
         for p in range(w.start, w.start + len(w.tokens)):
             positions.append(p)
             slots.append(w.block_table[p // block_size] * block_size + p % block_size)
@@ -98,7 +104,15 @@ def build_step(work: list[Work], block_size: int, device, all_logits: bool = Fal
     prefill = [(f, w) for f, w in zip(first, work) if len(w.tokens) > 1]
     groups = [_group(g, block_size, device, whole_step=len(g) == len(work)) for g in (decode, prefill) if g]
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return StepBatch(as_tensor(tokens), as_tensor(positions), as_tensor(slots), groups, as_tensor(last), all_logits)
+    return StepBatch(
+        as_tensor(tokens),
+        as_tensor(positions),
+        as_tensor(slots),
+        groups,
+        as_tensor(last),
+        all_logits,
+        step_lora(row_slots, device),
+    )
 
 
 def _group(work: list[tuple[int, Work]], block_size: int, device, whole_step: bool) -> AttentionGroup:

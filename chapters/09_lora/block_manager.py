@@ -28,10 +28,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def block_hash(previous: int | None, tokens: tuple[int, ...]) -> int:
-    """The name of a full block: its tokens and, through `previous`, every token before them.
-    Python's hash of a tuple of ints is deterministic (no PYTHONHASHSEED for ints)."""
-    return hash((previous, tokens))
+def block_hash(previous: int | None, tokens: tuple[int, ...], adapter: int | None = None) -> int:
+    """The name of a full block: its tokens and, through `previous`, every token before them, and
+    the LoRA adapter that computed its K/V (lora_slots.py's uid; None: the base model): the same
+    tokens through another adapter are other K/V. Python's hash of a tuple of ints is deterministic
+    (no PYTHONHASHSEED for ints)."""
+    return hash((previous, tokens)) if adapter is None else hash((previous, tokens, adapter))
 
 
 @dataclass
@@ -41,6 +43,7 @@ class CachedBlock:
     hash: int
     tokens: tuple[int, ...]
     parent: tuple[int, int] | None  # (block, its use count) computed just before; None: a sequence's first block
+    adapter: int | None = None  # the LoRA adapter's uid that computed it (None: the base model)
 
 
 class OutOfBlocks(RuntimeError):
@@ -93,10 +96,11 @@ class BlockManager:
 
     # --- a sequence's table ---------------------------------------------------------------------
 
-    def take_prefix(self, table: list[int], tokens: list[int]) -> int:
-        """Starts an empty `table` with the cached blocks of `tokens`' longest cached prefix, and
-        returns how many tokens they hold. At least the last token is left out, so the caller
-        always computes one (its logits are what the next token is sampled from)."""
+    def take_prefix(self, table: list[int], tokens: list[int], adapter: int | None = None) -> int:
+        """Starts an empty `table` with the cached blocks of `tokens`' longest cached prefix
+        computed with `adapter` (a LoRA uid; None: the base model), and returns how many tokens
+        they hold. At least the last token is left out, so the caller always computes one (its
+        logits are what the next token is sampled from)."""
         assert not table, "a prefix is only taken by a sequence that holds no blocks"
         if not self.prefix_caching:
             return 0
@@ -104,10 +108,15 @@ class BlockManager:
         previous = None
         for i in range(full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            h = block_hash(previous, chunk)
+            h = block_hash(previous, chunk, adapter)
             block = self._by_hash.get(h)
             entry = self._cached.get(block) if block is not None else None
-            if entry is None or entry.tokens != chunk or entry.parent != self._parent_of(table, i):
+            if (
+                entry is None
+                or entry.tokens != chunk
+                or entry.parent != self._parent_of(table, i)
+                or entry.adapter != adapter
+            ):
                 break  # a miss, or a collision: the blocks from here on are computed again
             self._ref(block)
             table.append(block)
@@ -132,9 +141,10 @@ class BlockManager:
         for _ in range(need):
             table.append(self._take_free())
 
-    def register(self, table: list[int], tokens: list[int], n_computed: int) -> None:
-        """Names the full blocks among the first `n_computed` tokens (their K/V are in the cache),
-        so that later sequences can share them. A block already named stays as it is."""
+    def register(self, table: list[int], tokens: list[int], n_computed: int, adapter: int | None = None) -> None:
+        """Names the full blocks among the first `n_computed` tokens (their K/V are in the cache,
+        computed with `adapter`), so that later sequences of the same adapter can share them. A
+        block already named stays as it is."""
         if not self.prefix_caching:
             return
         previous = None
@@ -143,13 +153,13 @@ class BlockManager:
             entry = self._cached.get(block)
             if entry is None:
                 chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-                h = block_hash(previous, chunk)
+                h = block_hash(previous, chunk, adapter)
                 if h in self._by_hash:
                     # The same prefix computed twice (two sequences started together), or a
                     # collision: the first copy stays the one that is shared, and this table's
                     # later blocks, computed after a block nobody can find, are not named.
                     return
-                entry = self._cached[block] = CachedBlock(h, chunk, self._parent_of(table, i))
+                entry = self._cached[block] = CachedBlock(h, chunk, self._parent_of(table, i), adapter)
                 self._by_hash[h] = block
             previous = entry.hash
 

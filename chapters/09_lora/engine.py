@@ -23,6 +23,11 @@ block_manager.py); a request that could never fit it is refused in `validate`. O
 Speculative decoding (speculative.py's Speculator) gives a decoding sequence k + 1 rows in a step:
 its pending token and k guesses, verified at the price of reading the weights once.
 
+LoRA adapters (lora.py, lora_slots.py): a request names its adapter (Request.adapter; None: the
+base model); up to max_loras adapters sit in the model's slot table at once, and one step runs rows
+of many adapters and of the base model together. `load_lora`, `unload_lora` and `lora_names` are
+what a server calls to manage them while requests run.
+
 `add`, `abort` and `step` are all a server needs (worker.py drives them from one thread);
 `stream` runs a single request to the end and `generate` a list of them, for scripts and tests.
 """
@@ -42,6 +47,7 @@ from common.errors import UserError
 from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
 from loading import load
+from lora_slots import AdapterSlots
 from memory import GiB
 from model import Model
 from ops import KernelFlags
@@ -80,6 +86,8 @@ class Engine:
         proposer=None,
         num_speculative_tokens: int = 6,
         speculative_max_batch: int = 2,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         """max_model_len: the context, at most the model's (default: the model's).
         The pool: `num_blocks` blocks of `block_size` tokens, or as many as `kv_cache_bytes` hold
@@ -88,7 +96,8 @@ class Engine:
         without chunked prefill a prompt runs whole, so the token budget becomes the context.
         cuda_graphs: replay decode steps as CUDA graphs (runner.py) where the model's ops can.
         proposer: guesses drafts for speculative decoding (proposers.py; None: off), up to
-        num_speculative_tokens per sequence and step, while at most speculative_max_batch run."""
+        num_speculative_tokens per sequence and step, while at most speculative_max_batch run.
+        max_loras: LoRA adapters resident at once (0: none served), of rank up to max_lora_rank."""
         self.model = model
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
@@ -108,6 +117,15 @@ class Engine:
         max_blocks = -(-self.context // block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_blocks, cuda_graphs)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.adapters = None
+        if max_loras:
+            if max_lora_rank < 1:
+                raise UserError(f"--max-lora-rank must be at least 1, got {max_lora_rank}")
+            self.runner.enable_lora(max_loras, max_lora_rank)
+            # Late-bound: a tensor-parallel engine swaps in a runner that reaches every rank.
+            self.adapters = AdapterSlots(
+                max_loras, lambda path: self.runner.read_lora(path), lambda s, a: self.runner.write_lora(s, a)
+            )
         self.limits = RequestLimits(
             self.context, max_tokens_default, model.config.vocab_size, self.eos_ids, self.blocks
         )
@@ -117,6 +135,7 @@ class Engine:
             max_num_seqs,
             max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, self.context),
             chunked_prefill,
+            self.adapters,
         )
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -142,6 +161,30 @@ class Engine:
     def validate(self, req: Request) -> None:
         """Raises UserError with a message fit for the client (request.RequestLimits)."""
         self.limits.validate(req)
+        if req.adapter is not None:
+            if self.adapters is None:
+                raise UserError(f"LoRA adapter {req.adapter!r}: this engine serves no adapters (max_loras is 0)")
+            self.adapters.check(req.adapter)
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Registers the PEFT adapter at `path` as `name` (read and checked now: UserError for a
+        bad one or a name in use); it takes a slot when a request of it first runs."""
+        if self.adapters is None:
+            raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
+        self.adapters.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """No new request may name `name` (UserError for an unknown name); requests already added
+        finish with it, and it is dropped with the last of them."""
+        if self.adapters is None:
+            raise UserError(f"no LoRA adapter named {name!r} is loaded (this engine serves none)")
+        self.adapters.unregister(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters a request may name now."""
+        return [] if self.adapters is None else self.adapters.names()
 
     # --- the server's interface -----------------------------------------------------------------
 
@@ -167,6 +210,7 @@ class Engine:
                     detokenizer=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, req.prompt_ids),
                     matcher=StopStringMatcher(req.stop, req.include_stop_str_in_output),
                     parent=seqs[0] if seqs else None,
+                    adapter=req.adapter,
                 )
             )
         self.requests[rid] = RequestState(req, seqs, self.limits.stop_ids(req))
@@ -197,7 +241,10 @@ class Engine:
         self.last_plan = plan  # for the notebook and the bench: who ran what in the latest step
         plain = [(seq, n) for seq, n in plan.work if not seq.draft]
         drafted = [seq for seq, _ in plan.work if seq.draft]
-        work = [Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table) for seq, n in plain]
+        work = [
+            Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table, seq.lora_slot)
+            for seq, n in plain
+        ]
         logits = self.runner.run(work + self.speculator.verify_rows(drafted))  # [rows, vocab]
         ready = [(row, seq) for row, (seq, n) in enumerate(plain) if self._computed(seq, n)]
         verified = self.speculator.verify(logits[len(plain) :], drafted, self.requests)
@@ -207,7 +254,8 @@ class Engine:
         """`seq`'s n tokens of this step have K/V now. -> whether it samples its next token."""
         seq.n_computed += n
         if seq.n_computed // self.blocks.block_size > (seq.n_computed - n) // self.blocks.block_size:
-            self.blocks.register(seq.block_table, seq.tokens, seq.n_computed)  # a block filled up: share it
+            # a block filled up: share it (with sequences of the same adapter)
+            self.blocks.register(seq.block_table, seq.tokens, seq.n_computed, seq.adapter_uid)
         return seq.n_uncomputed == 0
 
     def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> list[NewTokens]:
@@ -304,6 +352,7 @@ class Engine:
             "prefix_cache_hit_rate": round(b.hit_rate, 4),
             "preemptions": self.scheduler.n_preemptions,
             **self.speculator.stats.report(),
+            **(self.adapters.stats() if self.adapters is not None else {}),
         }
 
 
@@ -317,13 +366,19 @@ def build_engine(
     speculative: str = "off",
     draft_model: str | None = None,
     draft_quant: QuantSpec | None = QuantSpec(4, 32),
+    lora_modules: dict[str, str | Path] | None = None,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
     **limits,
 ) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
     quantized on load when `quant` is given, onto a device, with the kernel flags (ops.from_args, or
     a --kernels choice), and a proposer by its --speculative name (proposers.py): for "draft",
     `draft_model` (default: the model itself) quantized on load with `draft_quant`; -> the engine,
-    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
+    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...,
+    ...). LoRA: `lora_modules` {name: PEFT directory} loaded at start, more by Engine.load_lora;
+    `max_loras` resident at once (0: none served; the slot table's memory is taken on the first
+    load), of rank up to `max_lora_rank`."""
     check_proposer_name(speculative)  # a bad name fails before anything loads
     loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
     tokenizer, draft = Tokenizer(model_dir), None
@@ -332,7 +387,17 @@ def build_engine(
         if limits.get("num_blocks") is None:  # one KV budget pays for both pools
             limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
     proposer = make_proposer(speculative, draft)
-    engine = Engine(loaded, tokenizer, Engine.read_generation_config(model_dir), proposer=proposer, **limits)
+    engine = Engine(
+        loaded,
+        tokenizer,
+        Engine.read_generation_config(model_dir),
+        proposer=proposer,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        **limits,
+    )
+    for name, path in (lora_modules or {}).items():
+        engine.load_lora(name, path)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name
 

@@ -25,6 +25,14 @@ the model is loaded (`dense_linear`, `quant_linear`: a kernel of the library, to
 qmatmul.py, or per step the faster of one and a dense GEMM), and `linear` multiplies by any of them.
 A quantized tied embedding is looked up by dequantizing only the rows of the tokens.
 
+LoRA (lora.py): with adapters resident (`model.lora`) and a step whose rows use them, each of the
+four matmuls adds its projections' deltas for those rows right after it runs:
+
+    qkv = linear(h, wqkv);  qkv += lora deltas of q_proj, k_proj, v_proj   (one row's adapter each)
+
+A row-parallel weight (o_proj, down_proj under tensor parallelism, sharding.py) takes its delta
+before its all-reduce: the delta of a shard's inputs is a partial sum like the product's.
+
 A step of decodes only, with the kernels on a CPU, runs each layer's two lines as one C++ call
 (Layer.one_call, built by ops.KernelOps.build_one_call_layer): the same kernels in the same order,
 bit for bit the same result, without the Python between them. Prompt chunks, `--kernels off` and
@@ -40,6 +48,7 @@ import torch
 
 from common.config import LlamaConfig, load_config
 from batch import StepBatch, Work, build_step
+from lora import LoraWeights
 from ops import Ops, TorchOps, resolve
 from paged_cache import PagedKVCache
 from qmatmul import DEFAULT_PATH, PerStepLinear, linear
@@ -73,6 +82,7 @@ class Model:
     weight_bytes: int = 0  # bytes of all weights as loaded (codes, scales and floats)
     dense_copy_bytes: int = 0  # bytes of the dense copies kept beside quantized weights (matmul "auto")
     ops: Ops = field(default_factory=TorchOps)  # ops.KernelOps or ops.TorchOps
+    lora: LoraWeights | None = None  # the resident LoRA adapters' slot table, when the engine serves any
 
     @property
     def device(self) -> torch.device:
@@ -152,17 +162,29 @@ def attention(h, layer: Layer, i: int, cos, sin, cache: PagedKVCache, step: Step
     config, ops = model.config, model.ops
     n = h.shape[0]
     nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    qkv = linear(h, layer.wqkv).view(n, nh + 2 * nkv, hd)
+    qkv = linear_lora(h, layer.wqkv, model, i, "qkv", step).view(n, nh + 2 * nkv, hd)
     ops.rope_cache_(qkv, cos, sin, cache, i, step.slots)  # q rotated in place; k rotated and v stored in the pool
     q = qkv[:, :nh]  # [tokens, nh, hd]
     out = ops.attention(q, cache.k[i], cache.v[i], step.groups)  # [tokens, nh, hd]
-    return linear(out.reshape(n, nh * hd), layer.wo)
+    return linear_lora(out.reshape(n, nh * hd), layer.wo, model, i, "o", step)
 
 
-def mlp(h: torch.Tensor, layer: Layer, ops: Ops) -> torch.Tensor:
+def mlp(h: torch.Tensor, layer: Layer, i: int, step: StepBatch, model: Model) -> torch.Tensor:
     """SwiGLU: down( silu(gate(h)) * up(h) ).  [tokens, hidden] -> [tokens, hidden]"""
-    gate_up = linear(h, layer.w_gate_up)  # [tokens, 2 * intermediate]: gate, then up
-    return linear(ops.silu_mul(gate_up), layer.w_down)
+    gate_up = linear_lora(h, layer.w_gate_up, model, i, "gate_up", step)  # [tokens, 2 * intermediate]: gate, then up
+    return linear_lora(model.ops.silu_mul(gate_up), layer.w_down, model, i, "down", step)
+
+
+def linear_lora(x: torch.Tensor, w, model: Model, i: int, group: str, step: StepBatch) -> torch.Tensor:
+    """linear(x, w), plus the LoRA deltas of the projections in `group` (lora.GROUPS) for the rows
+    of the step that use an adapter. A row-parallel weight (sharding.RowParallelLinear) adds them
+    to its partial sum, before the all-reduce."""
+    if step.lora is None:
+        return linear(x, w)
+    row_parallel = hasattr(w, "reduce")
+    y = w.partial(x) if row_parallel else linear(x, w)
+    model.lora.add_(y, x, i, group, step.lora, model.ops)
+    return w.reduce(y) if row_parallel else y
 
 
 def decodes_only(step: StepBatch) -> bool:
@@ -185,14 +207,15 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     if capture is not None:
         capture["embedding"] = x.float().cpu().numpy().copy()  # a copy: x is updated in place
     h = ops.add_rms_norm(x, None, layers[0].attn_norm, eps)
-    one_call = capture is None and layers[0].one_call is not None and decodes_only(step)
+    # (the C++ layer has no LoRA: a step with adapter rows runs each layer as Python)
+    one_call = capture is None and layers[0].one_call is not None and decodes_only(step) and step.lora is None
     for i, layer in enumerate(layers):
         next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
         if one_call:  # the two lines below, in C++ (kernels/csrc/decoder_layer.cpp, DecoderLayer::decode)
             h = ops.run_one_call_layer(layer, i, x, h, cos, sin, cache, step, next_norm)
             continue
         h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)
-        h = ops.add_rms_norm(x, mlp(h, layer, ops), next_norm, eps)
+        h = ops.add_rms_norm(x, mlp(h, layer, i, step, model), next_norm, eps)
         if capture is not None:
             capture[f"layer.{i}"] = x.float().cpu().numpy().copy()
     if not step.all_logits:

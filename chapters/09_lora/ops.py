@@ -41,6 +41,7 @@ import torch
 
 from batch import AttentionGroup, DecodeGroup, one_query_each
 from common.errors import UserError
+from lora import StepLora, torch_delta_
 from paged_attention import paged_attention
 from paged_cache import PagedKVCache
 from qmatmul import PerStepLinear, aligned, prepare
@@ -65,6 +66,9 @@ class Ops(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def attention(self, q, k_pool, v_pool, groups: list[AttentionGroup | DecodeGroup]) -> torch.Tensor: ...
+    def lora_(self, y, x, a, b_t, ranks, scale, step: StepLora) -> None:
+        """y [rows, n_out] += scale[s] * B[s] (A[s] x[row]) for each row's slot s (lora.py), in place;
+        rows of slot -1 untouched. y may be a column slice of a wider matmul output."""
 
     def quant_linear(
         self, w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str
@@ -129,6 +133,10 @@ class TorchOps:
     @staticmethod
     def attention(q, k_pool, v_pool, groups: list[AttentionGroup]) -> torch.Tensor:
         return paged_attention(q, k_pool, v_pool, groups)
+
+    @staticmethod
+    def lora_(y, x, a, b_t, ranks, scale, step: StepLora) -> None:
+        torch_delta_(y, x, a, b_t, ranks, scale, step)
 
     @staticmethod
     def quant_linear(w: QuantWeight, device: torch.device, dtype: torch.dtype, path: str):
@@ -229,6 +237,15 @@ class KernelOps:
                     out[rows] = self.decode(q[rows], k_pool, v_pool, g)
             return out
         return paged_attention(q, k_pool, v_pool, groups, decode=self.decode)
+
+    def lora_(self, y, x, a, b_t, ranks, scale, step: StepLora) -> None:
+        """The library's shrink, then expand in place (csrc/cpu/lora.cpp, csrc/cuda/lora.cu): one call
+        each over every segment of the step, v [rows, r_max] in float32 between them. Weights the
+        kernels do not read (float16) go through torch, by slot."""
+        if a.dtype not in (torch.float32, torch.bfloat16) or y.dtype != a.dtype:
+            return torch_delta_(y, x, a, b_t, ranks, scale, step)
+        v = self._ext.lora_shrink(x, a, ranks, step.seg_starts, step.seg_slots)
+        self._ext.lora_expand_(y, v, b_t, ranks, scale, step.seg_starts, step.seg_slots)
 
     def _chunk_kernel_serves(self, q, k_pool) -> bool:
         """Whether the chunk kernel takes this step's prompt chunks; where it cannot on a CPU, a note

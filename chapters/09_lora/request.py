@@ -43,6 +43,7 @@ class Request:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    adapter: str | None = None  # a LoRA adapter's name (Engine.load_lora); None: the base model
 
 
 @dataclass

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+
 from batch import Work, build_step
 from common.errors import UserError
 from cuda_graphs import DecodeGraphs
+from lora import Adapter, LoraWeights, read_adapter
 from memory import default_kv_bytes
 from model import Model, forward
 from paged_cache import PagedKVCache
@@ -50,6 +53,23 @@ class ModelRunner:
         )
         self.graphs = DecodeGraphs(model, self.cache, max_rows, max_blocks, num_blocks, capture=True) if graphs else None
 
+    def enable_lora(self, n_slots: int, max_rank: int) -> None:
+        """A slot table for `n_slots` adapters of rank up to `max_rank` (its memory is taken on the
+        first load)."""
+        m = self.model
+        m.lora = LoraWeights(m.config, n_slots, max_rank, m.dtype, m.device)
+
+    def read_lora(self, path: Path) -> Adapter:
+        """A PEFT directory, checked against this model (UserError for a bad one)."""
+        return read_adapter(path, self.model.config, self.model.lora.max_rank, self.model.dtype)
+
+    def write_lora(self, slot: int, adapter: Adapter | None) -> None:
+        """Fills `slot` of the model's table with `adapter`, or empties it (None)."""
+        if adapter is None:
+            self.model.lora.free(slot)
+        else:
+            self.model.lora.load(slot, adapter)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: a block shared by several sequences, about to be written by one of them."""
         for src, dst in copies:
@@ -59,6 +79,8 @@ class ModelRunner:
     def run(self, work: list[Work]) -> torch.Tensor:
         """One forward pass: every row's tokens through the model, their K/V into the pool.
         -> [rows, vocab], the logits at each row's last token."""
-        if self.graphs is not None and all(len(w.tokens) == 1 for w in work) and self.graphs.bucket(len(work)):
+        # A captured graph holds no LoRA segment table: steps with adapter rows run eagerly.
+        graphable = all(len(w.tokens) == 1 and w.lora_slot < 0 for w in work)
+        if self.graphs is not None and graphable and self.graphs.bucket(len(work)):
             return self.graphs.run(work)  # a decode step: one replay
         return forward(self.model, build_step(work, self.block_size, self.model.device), self.cache)

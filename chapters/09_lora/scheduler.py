@@ -17,6 +17,9 @@ step's total new tokens, which bounds its time and activation memory) and a sequ
    then runs what is left: all of it, or with chunked prefill as much as the budget leaves (the
    rest next step). Without chunking, one long prompt would fill a whole step and stall every
    running stream for its duration.
+   A sequence of a LoRA adapter also needs a slot for it (lora_slots.py); while every slot is busy
+   with other adapters it stays at its place in the queue and the sequences behind it may start
+   (the base model's, or another resident adapter's): a request waits for a slot, not for them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from block_manager import BlockManager, OutOfBlocks
+from lora_slots import AdapterSlots
 from sequence import Sequence, Status
 
 
@@ -39,9 +43,16 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunked_prefill: bool = True,
+        adapters: AdapterSlots | None = None,
     ):
+        """adapters: the engine's LoRA slots (None: the base model only)."""
         self.blocks = blocks
+        self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -53,6 +64,8 @@ class Scheduler:
         self.n_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.adapter is not None:
+            seq.adapter_uid = self.adapters.enter(seq.adapter)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -65,6 +78,9 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
+        self._release_slot(seq)
+        if seq.adapter is not None:
+            self.adapters.leave(seq.adapter)
         seq.status = Status.FINISHED
 
     def schedule(self) -> Scheduled:
@@ -91,17 +107,42 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. waiting sequences, in order, unless this step had to preempt (no room)
+        no_slot: list[Sequence] = []  # sequences whose adapter has no slot this step: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             seq = self.waiting[0]
+            if not self._take_slot(seq):
+                no_slot.append(self.waiting.popleft())
+                continue
             n = self._admit(seq, budget, plan)
             if n == 0:
+                self._release_slot(seq)
                 break  # first come, first served: nobody overtakes the sequence at the front
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             plan.work.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(no_slot))
         return plan
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        """The slot of the sequence's adapter (copied in if it is not resident). False: every slot
+        is busy with other adapters; the wait is counted once per sequence."""
+        if seq.adapter is None:
+            return True
+        slot = self.adapters.acquire(seq.adapter)
+        if slot is None:
+            if not seq.waited_for_slot:
+                seq.waited_for_slot = True
+                self.adapters.count_wait()
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _admit(self, seq: Sequence, budget: int, plan: Scheduled) -> int:
         """Gives the sequence at the front of the queue its first blocks, and returns how many
@@ -121,7 +162,7 @@ class Scheduler:
             if copy:
                 plan.copies.append(copy)
         else:
-            seq.n_computed = self.blocks.take_prefix(seq.block_table, seq.tokens)
+            seq.n_computed = self.blocks.take_prefix(seq.block_table, seq.tokens, seq.adapter_uid)
             lookup = not seq.n_preempted  # the hit rate counts prompts, not recomputations
         n = seq.n_uncomputed
         if n > budget and self.chunked_prefill:
@@ -143,6 +184,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
+        self._release_slot(seq)
         seq.draft, seq.draft_probs = [], None
         # Its blocks are gone, and with them a draft model's K/V (kept at the same slots of its own
         # pool): the draft runs the sequence again from the start, as the target does.

@@ -53,6 +53,12 @@ class Sequence:
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab]: the proposer's q, if it drew them
     spec_k: int = 0  # 0: not asked yet (the Speculator starts it at num_speculative_tokens)
     draft_computed: int = 0  # tokens whose K/V a draft model has in its own pool (proposers.py)
+    # LoRA (lora_slots.py): the adapter by name (None: the base model), its registration's uid (what
+    # the prefix cache keys blocks by), and the slot it holds while running (-1: none, or the base).
+    adapter: str | None = None
+    adapter_uid: int | None = None
+    lora_slot: int = -1
+    waited_for_slot: bool = False  # counted once in the adapters' waits
 
     def __post_init__(self):
         self.tokens = list(self.prompt)

@@ -224,7 +224,8 @@ class Speculator:
         rows = []
         for seq in seqs:
             tokens = [seq.tokens[seq.n_computed]] + seq.draft
-            rows += [Work([t], seq.n_computed + j, seq.block_table) for j, t in enumerate(tokens)]
+            # Verify rows run through the target with the sequence's adapter, as its decodes do.
+            rows += [Work([t], seq.n_computed + j, seq.block_table, seq.lora_slot) for j, t in enumerate(tokens)]
         return rows
 
     def verify(self, logits: torch.Tensor, seqs: list[Sequence], requests: dict[str, RequestState]) -> list[tuple]:
@@ -252,7 +253,9 @@ class Speculator:
             before = seq.n_computed
             seq.n_computed += 1 + verdict.accepted
             if seq.n_computed // bs > before // bs:
-                self.blocks.register(seq.block_table, seq.tokens + draft[: verdict.accepted], seq.n_computed)
+                self.blocks.register(
+                    seq.block_table, seq.tokens + draft[: verdict.accepted], seq.n_computed, seq.adapter_uid
+                )
             self.blocks.truncate(seq.block_table, seq.n_computed + 1)
             # Fewer guesses after a miss, more after a full hit (the schedule of HF transformers'
             # assisted generation): k follows how far this sequence's guesses tend to hold.
