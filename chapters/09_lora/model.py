@@ -226,11 +226,11 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     return linear(h, model.lm_head)
 
 
-def forward_sequence(model: Model, ids: list[int], capture: dict | None = None) -> torch.Tensor:
-    """Logits at every position of one fresh sequence, in a pool of its own: for parity checks,
-    perplexity and tests.  -> [len(ids), vocab]"""
+def forward_sequence(model: Model, ids: list[int], capture: dict | None = None, lora_slot: int = -1) -> torch.Tensor:
+    """Logits at every position of one fresh sequence, in a pool of its own, through the adapter
+    in `lora_slot` (-1: the base model): for parity checks, perplexity and tests.  -> [len(ids), vocab]"""
     block_size = 16
     n_blocks = -(-len(ids) // block_size)
     cache = PagedKVCache(model.config, n_blocks, block_size, model.device, model.dtype)
-    step = build_step([Work(list(ids), 0, list(range(n_blocks)))], block_size, model.device, all_logits=True)
+    step = build_step([Work(list(ids), 0, list(range(n_blocks)), lora_slot)], block_size, model.device, all_logits=True)
     return forward(model, step, cache, capture)

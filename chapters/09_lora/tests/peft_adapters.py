@@ -53,3 +53,28 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         torch.tensor([prompt]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
     )
     return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_capture(model, ids: list[int]) -> dict:
+    """common.hf_reference's checkpoints (embedding, each layer's output, logits) of an HF model
+    with an adapter (a PeftModel), float32 numpy, for common.parity."""
+    llama = model.get_base_model().model  # PeftModel -> LlamaForCausalLM -> LlamaModel
+    captured, handles = {}, []
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            captured[name] = out[0].float().numpy().copy()
+
+        return hook
+
+    handles.append(llama.embed_tokens.register_forward_hook(keep("embedding")))
+    for i, layer in enumerate(llama.layers):
+        handles.append(layer.register_forward_hook(keep(f"layer.{i}")))
+    try:
+        captured["logits"] = model(torch.tensor([ids])).logits[0].float().numpy()
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
