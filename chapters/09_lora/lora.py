@@ -272,6 +272,7 @@ class LoraWeights:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a.values(), *self.b_t.values()))
 
+    @torch.inference_mode()  # the table is made inside a step, as an inference tensor: writes too
     def load(self, slot: int, adapter: Adapter) -> None:
         """Copies `adapter` (already cut to this shard, see sharding.shard_adapter) into `slot`."""
         if not self.a:
@@ -287,6 +288,7 @@ class LoraWeights:
         self.scale[slot] = adapter.scale
         self.scale_of[slot] = adapter.scale
 
+    @torch.inference_mode()
     def free(self, slot: int) -> None:
         """The slot adds nothing any more (rank 0 everywhere); its rows are zeroed so no stale
         weights outlive the adapter."""

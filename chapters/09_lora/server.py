@@ -8,6 +8,11 @@ GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (bo
 "stream": true as server-sent events ending in `data: [DONE]`). Errors come back as OpenAI
 error objects with the matching HTTP status, and never take the server down.
 
+LoRA adapters: `--lora-modules pirate=path/to/peft/dir ...` at start, POST /v1/load_lora_adapter
+and /v1/unload_lora_adapter while it runs (lora_routes.py). A request's `model` chooses: the
+base model's name (or none) for the base, an adapter's name for that adapter; /v1/models lists
+both, and requests of every adapter and of the base share each step.
+
 The request lifecycle: read the body (limits.py: size and time limits) -> parse and validate it,
 tokenizing in a thread (400 before anything is queued, a request the KV pool could never hold
 included) -> hand it to the engine loop (worker.py: it joins the running batch at the next
@@ -47,6 +52,7 @@ from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
+import lora_routes
 from memory import GiB
 import ops
 import parallel
@@ -66,7 +72,7 @@ ERROR_RESPONSES = {
         "description": "Malformed JSON, a wrong type or value, or a request too long "
         "for the context or too large for the memory budget",
     },
-    404: {"model": ErrorResponse, "description": "The model named is not the one served here"},
+    404: {"model": ErrorResponse, "description": "The model named is neither the one served here nor a loaded adapter"},
     413: {"model": ErrorResponse, "description": "The body is over the server's size limit"},
     500: {"model": ErrorResponse, "description": "The engine failed"},
 }
@@ -91,6 +97,7 @@ class ServerState:
     tokenizing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TOKENIZING_AT_ONCE))
     open_jobs: dict[int, Job] = field(default_factory=dict)  # requests being answered, by id() (event loop only)
     stopping: bool = False  # a shutdown has begun: new requests get a 503
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters by name -> path (lora_routes.py)
 
 
 def state_of(http: HTTPRequest) -> ServerState:
@@ -145,14 +152,19 @@ async def on_internal_error(_http, e: Exception):
     return internal_error(e).response()
 
 
-def check_model(served: str, asked: str | None) -> None:
-    if asked is not None and asked != served:
-        raise APIError(
-            404,
-            f"The model '{asked}' does not exist; this server serves '{served}'",
-            param="model",
-            code="model_not_found",
-        )
+def adapter_of(state: ServerState, asked: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names; None for the base model (or no name)."""
+    if asked is None or asked == state.model_name:
+        return None
+    if asked in state.adapters:
+        return asked
+    adapters = f" and the LoRA adapters {', '.join(state.adapters)}" if state.adapters else ""
+    raise APIError(
+        404,
+        f"The model '{asked}' does not exist; this server serves '{state.model_name}'{adapters}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def prompt_chars(body) -> tuple[int, str]:
@@ -165,9 +177,10 @@ def prompt_chars(body) -> tuple[int, str]:
     return sum(map(len, texts)), "prompt"
 
 
-def engine_request(engine: Engine, build, body) -> Request:
-    """The body as an engine Request: templated, tokenized and validated (blocking: run in a thread).
-    A prompt that cannot fit in the context by its length alone is refused before any of that."""
+def engine_request(engine: Engine, build, body, adapter: str | None = None) -> Request:
+    """The body as an engine Request for `adapter` (None: the base model): templated, tokenized and
+    validated (blocking: run in a thread). A prompt that cannot fit in the context by its length
+    alone is refused before any of that."""
     chars, field_name = prompt_chars(body)
     most = engine.context * engine.tokenizer.max_token_chars
     if chars > most:
@@ -179,6 +192,7 @@ def engine_request(engine: Engine, build, body) -> Request:
         )
     try:
         req = build(body, engine.tokenizer, engine.default_params())
+        req.adapter = adapter
         engine.validate(req)
     except ValueError as e:  # protocol's RequestError and sampling's SamplingError name the field
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
@@ -356,7 +370,7 @@ def reply_body(state: ServerState, rid: str, req: Request, choices: list[Choice]
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": req.adapter or state.model_name,
         "choices": out,
         "usage": usage_of(req, sum(len(c.tokens) for c in choices)),
     }
@@ -460,18 +474,9 @@ async def health(http: HTTPRequest):
 @router.get("/v1/models")
 async def models(http: HTTPRequest):
     state = state_of(http)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "llm-from-scratch",
-                "max_model_len": state.engine.context,
-            }
-        ],
-    }
+    base = {"object": "model", "created": state.created, "owned_by": "llm-from-scratch", "max_model_len": state.engine.context}
+    adapters = [{"id": name, **base, "root": path, "parent": state.model_name} for name, path in state.adapters.items()]
+    return {"object": "list", "data": [{"id": state.model_name, **base}, *adapters]}
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -486,12 +491,12 @@ async def chat_completions(body: ChatRequest, http: HTTPRequest):
 
 async def respond(http: HTTPRequest, body, build, chat: bool):
     state = state_of(http)
-    check_model(state.model_name, body.model)
+    adapter = adapter_of(state, body.model)
     if state.stopping:
         raise shutting_down("the server is shutting down: no new requests")
     # Templating and tokenizing a long prompt take a while: in a thread, /health keeps answering.
     async with state.tokenizing:
-        req = await run_in_threadpool(engine_request, state.engine, build, body)
+        req = await run_in_threadpool(engine_request, state.engine, build, body, adapter)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = state.worker.submit(req)
     state.open_jobs[id(job)] = job
@@ -500,7 +505,7 @@ async def respond(http: HTTPRequest, body, build, chat: bool):
         first = await first_events(http, job)
         if body.stream:  # from here on the stream owns the job, and cancels it when it ends
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            framing = ChunkFraming(rid, state.model_name, chat, include_usage)
+            framing = ChunkFraming(rid, adapter or state.model_name, chat, include_usage)
             stream = event_stream(
                 state.engine.tokenizer, job, first, framing, lambda: state.open_jobs.pop(id(job), None)
             )
@@ -606,6 +611,7 @@ def create_app(
     app = FastAPI(title="llm-from-scratch chapter 07")
     app.state.server = ServerState(worker.engine, worker, model_name)
     app.include_router(router)
+    app.include_router(lora_routes.router)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
@@ -714,7 +720,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_speculative_args(ap)
     parallel.add_arguments(ap)
-    return ap.parse_args(argv)
+    lora = ap.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories to serve from the start; a request's `model` names one",
+    )
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (default: %(default)s)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank served (default: %(default)s)")
+    args = ap.parse_args(argv)
+    args.lora_modules = lora_modules(ap, args.lora_modules)
+    return args
+
+
+def lora_modules(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... -> {name: path}; a malformed or repeated name is a usage error."""
+    modules = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not (sep and name and path):
+            ap.error(f"--lora-modules takes NAME=PATH pairs, got {pair!r}")
+        if name in modules:
+            ap.error(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def main() -> int:
@@ -741,6 +772,9 @@ def main() -> int:
             prefix_caching=args.prefix_caching,
             tensor_parallel_size=parallel.size_from(args),
             tensor_parallel_timeout=args.tensor_parallel_timeout,
+            lora_modules=args.lora_modules,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
             **speculative_args(args),
         )
         return engine
@@ -749,6 +783,7 @@ def main() -> int:
     engine, name = worker.engine, named["name"]
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb is not None else body_limit_for(engine.context)
     app = create_app(worker, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
+    app.state.server.adapters.update(args.lora_modules)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
         app,
@@ -768,7 +803,8 @@ def main() -> int:
     print(
         f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
         f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
-        f"{engine.scheduler.max_num_batched_tokens} tokens per step; {engine.speculator.describe()})",
+        f"{engine.scheduler.max_num_batched_tokens} tokens per step; {engine.speculator.describe()}; "
+        f"LoRA: {len(args.lora_modules)} adapters, {args.max_loras} slots of rank up to {args.max_lora_rank})",
         file=sys.stderr,
         flush=True,
     )

@@ -27,7 +27,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from engine import Engine, Event, Request
 
@@ -69,6 +69,12 @@ class Job:
             self.cancelled.set()
 
 
+def _settle(done: asyncio.Future, set_outcome, value) -> None:
+    """On the event loop: a call's result to its caller, unless the caller stopped waiting."""
+    if not done.done():
+        set_outcome(value)
+
+
 def _deliver(batch: list) -> None:
     """On the event loop: a step's events to the handlers that wait for them."""
     for job, events, done in batch:
@@ -82,6 +88,7 @@ class Worker:
         """build: makes the engine, called on the engine thread (see above; a test hands in
         `lambda: engine`). Raises what it raises."""
         self._inbox: list[Job] = []  # submitted, not yet added to the engine
+        self._calls: list[tuple[Callable[[Engine], Any], asyncio.Future]] = []  # call(): run between steps
         self._jobs: dict[str, Job] = {}  # in the engine, by request id
         self._wake = threading.Condition()
         self._ids = itertools.count()
@@ -96,6 +103,15 @@ class Worker:
             self._inbox.append(job)
             self._wake.notify()
         return job
+
+    def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
+        """Runs fn(engine) on the engine thread between two steps (loading a LoRA adapter: the
+        engine belongs to that thread); -> an awaitable of its result, or of what it raised."""
+        done = asyncio.get_running_loop().create_future()
+        with self._wake:
+            self._calls.append((fn, done))
+            self._wake.notify()
+        return done
 
     def wake(self) -> None:
         with self._wake:
@@ -113,11 +129,23 @@ class Worker:
         return inbox + self.stats["waiting"]
 
     def _take_in(self) -> None:
-        """Between steps: new requests into the engine, cancelled ones out of it."""
+        """Between steps: the calls (call()), new requests into the engine, cancelled ones out of it."""
         with self._wake:
-            while not self._inbox and not self._jobs:
+            while not self._inbox and not self._jobs and not self._calls:
                 self._wake.wait()  # nothing to do until a request arrives
             arrived, self._inbox = self._inbox, []
+            calls, self._calls = self._calls, []
+        for fn, done in calls:
+            try:
+                outcome = (done.set_result, fn(self.engine))
+            except Exception as e:  # the caller's to answer (a bad adapter: a 400)
+                if not isinstance(e, ValueError):  # not a refusal (UserError): a failure, logged
+                    log.exception("a call on the engine thread failed")
+                outcome = (done.set_exception, e)
+            try:
+                done.get_loop().call_soon_threadsafe(_settle, done, *outcome)
+            except RuntimeError:  # the loop is closed (the server is shutting down): nobody waits
+                pass
         for job in arrived:
             if job.cancelled.is_set():
                 continue
