@@ -192,7 +192,8 @@ def engine_request(engine: Engine, build, body, adapter: str | None = None) -> R
         )
     try:
         req = build(body, engine.tokenizer, engine.default_params())
-        req.adapter = adapter
+        if adapter is not None:  # the base model is a Request's default
+            req.adapter = adapter
         engine.validate(req)
     except ValueError as e:  # protocol's RequestError and sampling's SamplingError name the field
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
