@@ -52,6 +52,9 @@ class ModelRunner:
             model.config, num_blocks + 1 if graphs else num_blocks, block_size, model.device, model.dtype
         )
         self.graphs = DecodeGraphs(model, self.cache, max_rows, max_blocks, num_blocks, capture=True) if graphs else None
+        # Tensor parallelism (parallel.py): (the whole model's config, this rank's sharding.ShardPlan);
+        # adapters are checked against the whole model and cut to the rank's slices.
+        self.shard = None
 
     def enable_lora(self, n_slots: int, max_rank: int) -> None:
         """A slot table for `n_slots` adapters of rank up to `max_rank` (its memory is taken on the
@@ -61,13 +64,18 @@ class ModelRunner:
 
     def read_lora(self, path: Path) -> Adapter:
         """A PEFT directory, checked against this model (UserError for a bad one)."""
-        return read_adapter(path, self.model.config, self.model.lora.max_rank, self.model.dtype)
+        config = self.model.config if self.shard is None else self.shard[0]
+        return read_adapter(path, config, self.model.lora.max_rank, self.model.dtype)
 
     def write_lora(self, slot: int, adapter: Adapter | None) -> None:
-        """Fills `slot` of the model's table with `adapter`, or empties it (None)."""
+        """Fills `slot` of the model's table with `adapter` (this rank's part of it), or empties it (None)."""
         if adapter is None:
             self.model.lora.free(slot)
         else:
+            if self.shard is not None:
+                from sharding import shard_adapter  # (sharding imports the model: only under TP)
+
+                adapter = shard_adapter(adapter, *self.shard)
             self.model.lora.load(slot, adapter)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
