@@ -168,3 +168,20 @@ def test_load_and_unload_while_requests_run(engine, paths):
     assert "late" not in eng.adapters.adapters and "late" not in eng.adapters.slot_of  # dropped with it
     eng.load_lora("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
     eng.unload_lora("late")
+
+
+def test_a_hash_collision_across_adapters_is_a_miss(monkeypatch):
+    """Even when block names collide (every name the same here), a block computed with one adapter
+    is not served to another or to the base: the check compares the adapter too."""
+    import block_manager
+
+    monkeypatch.setattr(block_manager, "block_hash", lambda previous, tokens: 0)
+    blocks = block_manager.BlockManager(8, 4)
+    tokens = [5, 6, 7, 8, 9]
+    table = []
+    blocks.grow(table, 4)
+    blocks.register(table, tokens, 4, adapter=1)
+    for adapter, hit in ((2, 0), (None, 0), (1, 4)):
+        other = []
+        assert blocks.take_prefix(other, tokens, adapter) == hit, adapter
+        blocks.free(other)
