@@ -43,7 +43,12 @@ from common.errors import UserError
 # matmuls lay their outputs: q, k, v in wqkv; gate, up in w_gate_up (model.py).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's four matmuls and the projections whose outputs they hold, side by side.
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 _MODULE = {p: ("self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for p in PROJECTIONS}
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -140,7 +145,9 @@ def _check_config(path: Path, settings: dict, max_rank: int) -> tuple[int, set[s
         raise UserError(f"{where}: peft_type {kind!r} is not LoRA")
     for key, is_on, what in _UNSUPPORTED:
         if key in settings and is_on(settings[key]):
-            raise UserError(f"{where}: {what} is not supported ({key} = {settings[key]!r}); merge or retrain without it")
+            raise UserError(
+                f"{where}: {what} is not supported ({key} = {settings[key]!r}); merge or retrain without it"
+            )
     rank = settings.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise UserError(f"{where}: r must be a positive integer, got {rank!r}")
@@ -167,7 +174,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     file = path / WEIGHTS
     if not file.is_file():
-        hint = " (adapter_model.bin, pickle, is not read: save with safe_serialization)" if (path / "adapter_model.bin").exists() else ""
+        pickled = (path / "adapter_model.bin").exists()
+        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if pickled else ""
         raise UserError(f"LoRA adapter {path}: no {WEIGHTS}{hint}")
     try:
         return load_file(str(file))
@@ -193,7 +201,8 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
             raise UserError(f"LoRA adapter {file}: {key!r} adapts {proj}, which target_modules does not list")
         if layer >= config.num_hidden_layers:
             raise UserError(
-                f"LoRA adapter {file}: {key!r} adapts layer {layer}; the base model has {config.num_hidden_layers} layers"
+                f"LoRA adapter {file}: {key!r} adapts layer {layer}; "
+                f"the base model has {config.num_hidden_layers} layers"
             )
         n_out, n_in = shapes[proj]
         want = (rank, n_in) if which == "A" else (n_out, rank)
@@ -209,7 +218,8 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
         for proj in sorted(targets):
             pair = found.get((layer, proj), {})
             if set(pair) != {"A", "B"}:
-                missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{'A' if 'A' not in pair else 'B'}.weight"
+                which = "A" if "A" not in pair else "B"
+                missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{which}.weight"
                 raise UserError(f"LoRA adapter {file}: {missing} is missing (target_modules lists {proj})")
     return {k: (v["A"].to(dtype).contiguous(), v["B"].to(dtype).contiguous()) for k, v in found.items()}
 

@@ -12,9 +12,9 @@ replays a captured CUDA graph instead of launching its kernels one by one (cuda_
 
 from __future__ import annotations
 
-import torch
-
 from pathlib import Path
+
+import torch
 
 from batch import Work, build_step
 from common.errors import UserError
@@ -23,6 +23,7 @@ from lora import Adapter, LoraWeights, read_adapter
 from memory import default_kv_bytes
 from model import Model, forward
 from paged_cache import PagedKVCache
+from sharding import shard_adapter
 
 
 def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | None) -> int:
@@ -73,8 +74,6 @@ class ModelRunner:
             self.model.lora.free(slot)
         else:
             if self.shard is not None:
-                from sharding import shard_adapter  # (sharding imports the model: only under TP)
-
                 adapter = shard_adapter(adapter, *self.shard)
             self.model.lora.load(slot, adapter)
 
