@@ -235,6 +235,7 @@ class StepLora:
     seg_slots: torch.Tensor  # int32 [n_seg]: each segment's slot, -1 for the base model
     by_slot: list[tuple[int, torch.Tensor]]  # (slot, its rows as int64 indices): the torch path's groups
     slots: frozenset[int]  # slots with rows in this step
+    adapted: dict[str, bool] = field(default_factory=dict)  # projection -> whether a slot of the step adapts it
 
 
 def step_lora(row_slots: list[int], device) -> StepLora | None:
@@ -277,6 +278,8 @@ class LoraWeights:
         for p, (n_out, n_in) in self.shapes.items():
             self.a[p] = torch.zeros(n_layers, *shape, n_in, dtype=self.dtype, device=self.device)
             self.b_t[p] = torch.zeros(n_layers, *shape, n_out, dtype=self.dtype, device=self.device)
+        # each layer's [slots, r_max, n] views, made once: a decode step reads 7 per layer
+        self._per_layer = [{p: (self.a[p][i], self.b_t[p][i]) for p in PROJECTIONS} for i in range(n_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -312,12 +315,15 @@ class LoraWeights:
     def add_(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str, step: StepLora, ops) -> None:
         """y [rows, n_out of the group's projections side by side] += each row's delta, in place,
         for the projections of `group` (GROUPS): x [rows, n_in] is the matmul's input."""
-        col = 0
+        col, tables = 0, self._per_layer[layer]
         for p in GROUPS[group]:
             n_out = self.shapes[p][0]
-            if any(self.rank_of[p][s] for s in step.slots):  # some adapter of the step adapts p
+            adapted = step.adapted.get(p)
+            if adapted is None:  # found once per step, for every layer
+                adapted = step.adapted[p] = any(self.rank_of[p][s] for s in step.slots)
+            if adapted:
                 part = y[:, col : col + n_out]  # a view: the delta lands in y
-                ops.lora_(part, x, self.a[p][layer], self.b_t[p][layer], self.ranks[p], self.scale, step)
+                ops.lora_(part, x, *tables[p], self.ranks[p], self.scale, step)
             col += n_out
 
 
