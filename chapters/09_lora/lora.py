@@ -285,6 +285,9 @@ class LoraWeights:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a.values(), *self.b_t.values()))
 
+    # Inference mode: the tables are inference tensors wherever the first load happens (in a step, or
+    # from a server's request between steps), so every write to them must be in inference mode too.
+    @torch.inference_mode()
     def load(self, slot: int, adapter: Adapter) -> None:
         """Copies `adapter` (already cut to this shard, see sharding.shard_adapter) into `slot`."""
         if not self.a:
@@ -300,6 +303,7 @@ class LoraWeights:
         self.scale[slot] = adapter.scale
         self.scale_of[slot] = adapter.scale
 
+    @torch.inference_mode()
     def free(self, slot: int) -> None:
         """The slot adds nothing any more (rank 0 everywhere); its rows are zeroed so no stale
         weights outlive the adapter."""

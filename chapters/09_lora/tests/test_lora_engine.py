@@ -167,7 +167,13 @@ def test_load_and_unload_while_requests_run(engine, paths):
     assert got == want  # its stream went on to its end, through the adapter
     assert "late" not in eng.adapters.adapters and "late" not in eng.adapters.slot_of  # dropped with it
     eng.load_lora("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
+    seq = eng.requests[eng.add(request(2, "late", 2))].seqs[0]
+    while eng.has_work():
+        eng.step()
+    eng.scheduler.finish(seq)  # finished already (an abort of a request whose choice ended): no second leave
+    assert eng.adapters.users["late"] == 0
     eng.unload_lora("late")
+    assert "late" not in eng.adapters.adapters
 
 
 def test_a_hash_collision_across_adapters_is_a_miss(monkeypatch):
