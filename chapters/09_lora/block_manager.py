@@ -14,9 +14,12 @@ table takes the cached blocks instead of computing them again. A hit is served o
 block's stored tokens equal the sequence's and the block was computed after the very block the
 sequence has just taken (its number, and which use of that number: a block is reused for other
 data after eviction). Each block's K/V then provably follow the sequence's own prefix, so a hash
-collision costs a miss, never a wrong answer. A block can be in use by several sequences at
-once (its reference count); when the count drops to zero a cached block is not wiped but parked,
-least recently used first, and reused for new data only when the free list is empty.
+collision costs a miss, never a wrong answer. With LoRA adapters (lora_slots.py) the same tokens
+through another adapter are other K/V: a block's name and its check include the adapter that
+computed it, so a prefix cached by one adapter serves only that adapter. A block can be in use
+by several sequences at once (its reference count); when the count drops to zero a cached block
+is not wiped but parked, least recently used first, and reused for new data only when the free
+list is empty.
 
 Invariant, after any sequence of calls: used + free == num_blocks, where "free" counts the
 uncached free blocks and the parked cached ones (both can be handed out now).
@@ -28,12 +31,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def block_hash(previous: int | None, tokens: tuple[int, ...], adapter: int | None = None) -> int:
-    """The name of a full block: its tokens and, through `previous`, every token before them, and
-    the LoRA adapter that computed its K/V (lora_slots.py's uid; None: the base model): the same
-    tokens through another adapter are other K/V. Python's hash of a tuple of ints is deterministic
-    (no PYTHONHASHSEED for ints)."""
-    return hash((previous, tokens)) if adapter is None else hash((previous, tokens, adapter))
+def block_hash(previous: int | None, tokens: tuple[int, ...]) -> int:
+    """The name of a full block: its tokens and, through `previous`, every token before them.
+    Python's hash of a tuple of ints is deterministic (no PYTHONHASHSEED for ints)."""
+    return hash((previous, tokens))
+
+
+def chain_start(adapter: int | None) -> int | None:
+    """The `previous` of a sequence's first block: None for the base model, else a seed of the LoRA
+    adapter (lora_slots.py's uid), so that every block name of its prefixes is its own."""
+    return None if adapter is None else hash(("lora", adapter))
 
 
 @dataclass
@@ -105,10 +112,10 @@ class BlockManager:
         if not self.prefix_caching:
             return 0
         full = (len(tokens) - 1) // self.block_size
-        previous = None
+        previous = chain_start(adapter)
         for i in range(full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            h = block_hash(previous, chunk, adapter)
+            h = block_hash(previous, chunk)
             block = self._by_hash.get(h)
             entry = self._cached.get(block) if block is not None else None
             if (
@@ -147,13 +154,13 @@ class BlockManager:
         block already named stays as it is."""
         if not self.prefix_caching:
             return
-        previous = None
+        previous = chain_start(adapter)
         for i in range(n_computed // self.block_size):
             block = table[i]
             entry = self._cached.get(block)
             if entry is None:
                 chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-                h = block_hash(previous, chunk, adapter)
+                h = block_hash(previous, chunk)
                 if h in self._by_hash:
                     # The same prefix computed twice (two sequences started together), or a
                     # collision: the first copy stays the one that is shared, and this table's

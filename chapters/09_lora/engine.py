@@ -375,8 +375,8 @@ def build_engine(
     quantized on load when `quant` is given, onto a device, with the kernel flags (ops.from_args, or
     a --kernels choice), and a proposer by its --speculative name (proposers.py): for "draft",
     `draft_model` (default: the model itself) quantized on load with `draft_quant`; -> the engine,
-    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...,
-    ...). LoRA: `lora_modules` {name: PEFT directory} loaded at start, more by Engine.load_lora;
+    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...).
+    LoRA: `lora_modules` {name: PEFT directory} loaded at start, more by Engine.load_lora;
     `max_loras` resident at once (0: none served; the slot table's memory is taken on the first
     load), of rank up to `max_lora_rank`."""
     check_proposer_name(speculative)  # a bad name fails before anything loads

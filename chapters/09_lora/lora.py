@@ -43,7 +43,12 @@ from common.errors import UserError
 # matmuls lay their outputs: q, k, v in wqkv; gate, up in w_gate_up (model.py).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's four matmuls and the projections whose outputs they hold, side by side.
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 _MODULE = {p: ("self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for p in PROJECTIONS}
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -140,7 +145,9 @@ def _check_config(path: Path, settings: dict, max_rank: int) -> tuple[int, set[s
         raise UserError(f"{where}: peft_type {kind!r} is not LoRA")
     for key, is_on, what in _UNSUPPORTED:
         if key in settings and is_on(settings[key]):
-            raise UserError(f"{where}: {what} is not supported ({key} = {settings[key]!r}); merge or retrain without it")
+            raise UserError(
+                f"{where}: {what} is not supported ({key} = {settings[key]!r}); merge or retrain without it"
+            )
     rank = settings.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise UserError(f"{where}: r must be a positive integer, got {rank!r}")
@@ -167,7 +174,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     file = path / WEIGHTS
     if not file.is_file():
-        hint = " (adapter_model.bin, pickle, is not read: save with safe_serialization)" if (path / "adapter_model.bin").exists() else ""
+        pickled = (path / "adapter_model.bin").exists()
+        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if pickled else ""
         raise UserError(f"LoRA adapter {path}: no {WEIGHTS}{hint}")
     try:
         return load_file(str(file))
@@ -193,7 +201,8 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
             raise UserError(f"LoRA adapter {file}: {key!r} adapts {proj}, which target_modules does not list")
         if layer >= config.num_hidden_layers:
             raise UserError(
-                f"LoRA adapter {file}: {key!r} adapts layer {layer}; the base model has {config.num_hidden_layers} layers"
+                f"LoRA adapter {file}: {key!r} adapts layer {layer}; "
+                f"the base model has {config.num_hidden_layers} layers"
             )
         n_out, n_in = shapes[proj]
         want = (rank, n_in) if which == "A" else (n_out, rank)
@@ -209,7 +218,8 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
         for proj in sorted(targets):
             pair = found.get((layer, proj), {})
             if set(pair) != {"A", "B"}:
-                missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{'A' if 'A' not in pair else 'B'}.weight"
+                which = "A" if "A" not in pair else "B"
+                missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{which}.weight"
                 raise UserError(f"LoRA adapter {file}: {missing} is missing (target_modules lists {proj})")
     return {k: (v["A"].to(dtype).contiguous(), v["B"].to(dtype).contiguous()) for k, v in found.items()}
 
@@ -225,6 +235,7 @@ class StepLora:
     seg_slots: torch.Tensor  # int32 [n_seg]: each segment's slot, -1 for the base model
     by_slot: list[tuple[int, torch.Tensor]]  # (slot, its rows as int64 indices): the torch path's groups
     slots: frozenset[int]  # slots with rows in this step
+    adapted: dict[str, bool] = field(default_factory=dict)  # projection -> whether a slot of the step adapts it
 
 
 def step_lora(row_slots: list[int], device) -> StepLora | None:
@@ -267,12 +278,16 @@ class LoraWeights:
         for p, (n_out, n_in) in self.shapes.items():
             self.a[p] = torch.zeros(n_layers, *shape, n_in, dtype=self.dtype, device=self.device)
             self.b_t[p] = torch.zeros(n_layers, *shape, n_out, dtype=self.dtype, device=self.device)
+        # each layer's [slots, r_max, n] views, made once: a decode step reads 7 per layer
+        self._per_layer = [{p: (self.a[p][i], self.b_t[p][i]) for p in PROJECTIONS} for i in range(n_layers)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a.values(), *self.b_t.values()))
 
-    @torch.inference_mode()  # the table is made inside a step, as an inference tensor: writes too
+    # Inference mode: the tables are inference tensors wherever the first load happens (in a step, or
+    # from a server's request between steps), so every write to them must be in inference mode too.
+    @torch.inference_mode()
     def load(self, slot: int, adapter: Adapter) -> None:
         """Copies `adapter` (already cut to this shard, see sharding.shard_adapter) into `slot`."""
         if not self.a:
@@ -304,12 +319,15 @@ class LoraWeights:
     def add_(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str, step: StepLora, ops) -> None:
         """y [rows, n_out of the group's projections side by side] += each row's delta, in place,
         for the projections of `group` (GROUPS): x [rows, n_in] is the matmul's input."""
-        col = 0
+        col, tables = 0, self._per_layer[layer]
         for p in GROUPS[group]:
             n_out = self.shapes[p][0]
-            if any(self.rank_of[p][s] for s in step.slots):  # some adapter of the step adapts p
+            adapted = step.adapted.get(p)
+            if adapted is None:  # found once per step, for every layer
+                adapted = step.adapted[p] = any(self.rank_of[p][s] for s in step.slots)
+            if adapted:
                 part = y[:, col : col + n_out]  # a view: the delta lands in y
-                ops.lora_(part, x, self.a[p][layer], self.b_t[p][layer], self.ranks[p], self.scale, step)
+                ops.lora_(part, x, *tables[p], self.ranks[p], self.scale, step)
             col += n_out
 
 

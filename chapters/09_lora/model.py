@@ -171,7 +171,7 @@ def attention(h, layer: Layer, i: int, cos, sin, cache: PagedKVCache, step: Step
 
 def mlp(h: torch.Tensor, layer: Layer, i: int, step: StepBatch, model: Model) -> torch.Tensor:
     """SwiGLU: down( silu(gate(h)) * up(h) ).  [tokens, hidden] -> [tokens, hidden]"""
-    gate_up = linear_lora(h, layer.w_gate_up, model, i, "gate_up", step)  # [tokens, 2 * intermediate]: gate, then up
+    gate_up = linear_lora(h, layer.w_gate_up, model, i, "gate_up", step)  # [tokens, 2 * inter]: gate, then up
     return linear_lora(model.ops.silu_mul(gate_up), layer.w_down, model, i, "down", step)
 
 

@@ -139,6 +139,7 @@ class Group:
         self.closed = False
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self.shard = None  # (the whole model's config, this rank's ShardPlan), once loaded: for LoRA
 
     # -- collectives (every rank) --
 
@@ -261,7 +262,22 @@ class ParallelRunner:
     def __init__(self, group: Group, inner: ModelRunner):
         self.group, self.inner, self.id = group, inner, next(group._ids)
         self.model, self.cache, self.graphs = inner.model, inner.cache, None
+        inner.shard = group.shard
         group.send(("runner", self.id, inner.cache.num_blocks, inner.block_size))
+        if inner.model.lora is not None:  # the engine made a slot table: every rank makes its own
+            self.enable_lora(inner.model.lora.n_slots, inner.model.lora.max_rank)
+
+    def enable_lora(self, n_slots: int, max_rank: int) -> None:
+        self.group.send(("lora_enable", self.id, n_slots, max_rank))
+        self.inner.enable_lora(n_slots, max_rank)
+
+    def read_lora(self, path):
+        return self.inner.read_lora(path)
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Every rank reads the adapter's files itself (checked here first) and keeps its slices."""
+        self.group.send(("lora", self.id, slot, None if adapter is None else str(adapter.path)))
+        self.group._guard(self.inner.write_lora, slot, adapter)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -361,7 +377,9 @@ def _load(group: Group, a: LoadArgs):
         dist.barrier()  # every rank has it mapped: rank 0 unlinks the file below
         if group.rank == 0:
             os.unlink(a.shm_path)
-    ops = a.kernels.ops(device, load_config(a.model_dir).head_dim)
+    config = load_config(a.model_dir)
+    group.shard = (config, ShardPlan.of(config, group.rank, group.world))
+    ops = a.kernels.ops(device, config.head_dim)
     model, read = load_shard(a.model_dir, group.rank, group.world, group, device, a.dtype, a.quant, a.matmul, ops)
     sizes = [None] * group.world
     dist.all_gather_object(sizes, (model.weight_bytes, read), group=None)
@@ -449,6 +467,13 @@ def worker_main() -> int:
             elif kind == "runner":
                 _, rid, num_blocks, block_size = message
                 runners[rid] = ModelRunner(model, num_blocks, block_size, 1, 1, cuda_graphs=False)
+                runners[rid].shard = group.shard
+            elif kind == "lora_enable":
+                runners[message[1]].enable_lora(*message[2:])
+            elif kind == "lora":
+                _, rid, slot, path = message
+                runner = runners[rid]
+                runner.write_lora(slot, None if path is None else runner.read_lora(Path(path)))
             elif kind == "drop":
                 runners.pop(message[1], None)
             elif kind == "stop":
@@ -469,6 +494,9 @@ def build_engine(
     draft_quant: QuantSpec | None = QuantSpec(4, 32),
     tensor_parallel_size: int = 1,
     tensor_parallel_timeout: float = DEFAULT_TIMEOUT_S,
+    lora_modules: dict | None = None,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
     **limits,
 ):
     """engine.build_engine at tensor-parallel size N: size 1 is chapter 07's exactly. Otherwise the
@@ -481,7 +509,19 @@ def build_engine(
 
     if tensor_parallel_size == 1:
         return engine_module.build_engine(
-            model, device, dtype, quant, matmul, kernels, speculative, draft_model, draft_quant, **limits
+            model,
+            device,
+            dtype,
+            quant,
+            matmul,
+            kernels,
+            speculative,
+            draft_model,
+            draft_quant,
+            lora_modules,
+            max_loras,
+            max_lora_rank,
+            **limits,
         )
     check_proposer_name(speculative)
     loaded, model_dir, group = load(model, device, dtype, quant, matmul, kernels, tensor_parallel_size, tensor_parallel_timeout)
@@ -497,10 +537,18 @@ def build_engine(
             limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
         limits["cuda_graphs"] = False  # a captured step would hold collectives: not yet (see README)
         engine = engine_module.Engine(
-            loaded, tokenizer, engine_module.Engine.read_generation_config(model_dir), proposer=make_proposer(speculative, draft), **limits
+            loaded,
+            tokenizer,
+            engine_module.Engine.read_generation_config(model_dir),
+            proposer=make_proposer(speculative, draft),
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            **limits,
         )
         engine.runner = ParallelRunner(group, engine.runner)
         engine.tensor_parallel = group
+        for name, path in (lora_modules or {}).items():
+            engine.load_lora(name, path)
     except BaseException:
         group.close()
         raise

@@ -12,9 +12,9 @@ replays a captured CUDA graph instead of launching its kernels one by one (cuda_
 
 from __future__ import annotations
 
-import torch
-
 from pathlib import Path
+
+import torch
 
 from batch import Work, build_step
 from common.errors import UserError
@@ -23,6 +23,7 @@ from lora import Adapter, LoraWeights, read_adapter
 from memory import default_kv_bytes
 from model import Model, forward
 from paged_cache import PagedKVCache
+from sharding import shard_adapter
 
 
 def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | None) -> int:
@@ -52,6 +53,9 @@ class ModelRunner:
             model.config, num_blocks + 1 if graphs else num_blocks, block_size, model.device, model.dtype
         )
         self.graphs = DecodeGraphs(model, self.cache, max_rows, max_blocks, num_blocks, capture=True) if graphs else None
+        # Tensor parallelism (parallel.py): (the whole model's config, this rank's sharding.ShardPlan);
+        # adapters are checked against the whole model and cut to the rank's slices.
+        self.shard = None
 
     def enable_lora(self, n_slots: int, max_rank: int) -> None:
         """A slot table for `n_slots` adapters of rank up to `max_rank` (its memory is taken on the
@@ -61,13 +65,16 @@ class ModelRunner:
 
     def read_lora(self, path: Path) -> Adapter:
         """A PEFT directory, checked against this model (UserError for a bad one)."""
-        return read_adapter(path, self.model.config, self.model.lora.max_rank, self.model.dtype)
+        config = self.model.config if self.shard is None else self.shard[0]
+        return read_adapter(path, config, self.model.lora.max_rank, self.model.dtype)
 
     def write_lora(self, slot: int, adapter: Adapter | None) -> None:
-        """Fills `slot` of the model's table with `adapter`, or empties it (None)."""
+        """Fills `slot` of the model's table with `adapter` (this rank's part of it), or empties it (None)."""
         if adapter is None:
             self.model.lora.free(slot)
         else:
+            if self.shard is not None:
+                adapter = shard_adapter(adapter, *self.shard)
             self.model.lora.load(slot, adapter)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

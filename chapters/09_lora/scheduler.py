@@ -79,7 +79,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
         self._release_slot(seq)
-        if seq.adapter is not None:
+        if seq.adapter is not None and seq.status is not Status.FINISHED:  # (an abort after a choice ended)
             self.adapters.leave(seq.adapter)
         seq.status = Status.FINISHED
 

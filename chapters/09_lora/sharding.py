@@ -22,6 +22,11 @@ counts and intermediate size are its own (vocab_size stays whole: rank 0 sees wh
 from its slices, the row-parallel weights wrapped so that the model's `linear` runs them like any
 prepared weight. GQA: where the KV heads are fewer than the ranks, each KV head is replicated on
 the ranks whose query heads use it (vLLM's rule), so N must divide or be a multiple of them.
+
+LoRA adapters shard with their layer (`shard_adapter`): a column-parallel projection's B by its
+output rows (A whole: each rank computes the whole A x, r values a row), a row-parallel one's A by
+its input columns (B whole): B (A_r x_r) is then a partial sum like W_r x_r, added to it before the
+all-reduce (RowParallelLinear.partial, model.linear_lora), so adapters cost no collective.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from common.checkpoint import CheckpointError, plan_checkpoint
 from common.config import LlamaConfig, load_config
 from common.errors import UserError
+from lora import Adapter
 from model import Layer, Model
 from ops import Ops
 from qmatmul import PerStepLinear, linear
@@ -161,6 +167,17 @@ def read_shard(model_dir: Path, config: LlamaConfig, plan: ShardPlan) -> tuple[d
     return out, read
 
 
+def shard_adapter(adapter: Adapter, config: LlamaConfig, plan: ShardPlan) -> Adapter:
+    """The part of `adapter` (read against the whole model's `config`) that rank `plan.rank` holds."""
+    weights = {}
+    for (layer, proj), (a, b) in adapter.weights.items():
+        module = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        rows, cols = plan.slice_of(f"model.layers.{layer}.{module}.{proj}.weight", config)
+        # W [n_out, n_in] is cut [rows, cols]: B [n_out, r] takes its rows, A [r, n_in] its columns
+        weights[layer, proj] = (a[:, cols].contiguous(), b[rows].contiguous())
+    return dataclasses.replace(adapter, weights=weights)
+
+
 class RowParallelLinear:
     """o_proj or down_proj of one rank: its slice of the inputs times its columns of the weight is
     a partial sum of the whole output; the all-reduce adds the ranks' partial sums. One call per
@@ -170,7 +187,14 @@ class RowParallelLinear:
         self.prepared, self.comm = prepared, comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(linear(x, self.prepared))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the sum (LoRA adds its delta's share here)."""
+        return linear(x, self.prepared)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(y)
 
 
 class VocabParallelEmbedding:

@@ -167,4 +167,52 @@ def test_load_and_unload_while_requests_run(engine, paths):
     assert got == want  # its stream went on to its end, through the adapter
     assert "late" not in eng.adapters.adapters and "late" not in eng.adapters.slot_of  # dropped with it
     eng.load_lora("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
+    seq = eng.requests[eng.add(request(2, "late", 2))].seqs[0]
+    while eng.has_work():
+        eng.step()
+    eng.scheduler.finish(seq)  # finished already (an abort of a request whose choice ended): no second leave
+    assert eng.adapters.users["late"] == 0
     eng.unload_lora("late")
+    assert "late" not in eng.adapters.adapters
+
+
+def test_a_hash_collision_across_adapters_is_a_miss(monkeypatch):
+    """Even when block names collide (every name the same here), a block computed with one adapter
+    is not served to another or to the base: the check compares the adapter too."""
+    import block_manager
+
+    monkeypatch.setattr(block_manager, "block_hash", lambda previous, tokens: 0)
+    blocks = block_manager.BlockManager(8, 4)
+    tokens = [5, 6, 7, 8, 9]
+    table = []
+    blocks.grow(table, 4)
+    blocks.register(table, tokens, 4, adapter=1)
+    for adapter, hit in ((2, 0), (None, 0), (1, 4)):
+        other = []
+        assert blocks.take_prefix(other, tokens, adapter) == hit, adapter
+        blocks.free(other)
+
+
+def test_slots_swap_least_recently_used_idle_first_and_never_a_running_one():
+    from lora_slots import AdapterSlots
+
+    writes = []
+    slots = AdapterSlots(2, read=lambda path: SimpleNamespace(path=path), write=lambda s, a: writes.append((s, a and a.path.name)))
+    for name in "abc":
+        slots.register(name, f"/x/{name}")
+    a, b = slots.acquire("a"), slots.acquire("b")
+    assert (a, b) == (0, 1) and writes == [(0, "a"), (1, "b")]
+    assert slots.acquire("c") is None  # both running: c waits
+    slots.release(b)
+    slots.release(a)  # a used last: b is the least recently used idle slot
+    assert slots.acquire("c") == 1 and writes[-1] == (1, "c") and "b" not in slots.slot_of
+    assert slots.acquire("a") == 0 and len(writes) == 3  # still resident: no copy
+    slots.release(0)
+    slots.release(1)
+    slots.enter("a")
+    slots.unregister("a")  # a request of it is still queued: kept until it leaves
+    assert "a" in slots.slot_of and slots.names() == ["b", "c"]
+    slots.leave("a")
+    assert "a" not in slots.adapters and writes[-1] == (0, None)  # dropped, its slot emptied
+    assert slots.acquire("b") == 0  # the emptied slot is filled first, c stays resident
+    assert slots.slot_of == {"b": 0, "c": 1}

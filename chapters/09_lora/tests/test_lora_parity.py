@@ -127,3 +127,35 @@ def test_int4_base_with_an_adapter_equals_peft_on_the_dequantized_base(adapters)
         ours["logits"] = forward_sequence(eng.model, PROMPT, ours, lora_slot=slot).float().numpy()
     eng.adapters.release(slot)
     assert_parity(ours, hf_capture(ref, PROMPT), atol=1e-4, min_top1=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_and_the_torch_path_add_the_same_delta(dtype):
+    """ops.KernelOps.lora_ (kernels/) and the torch path by slot on one mixed step: a prompt chunk of
+    slot 1, base rows, decode rows of slots 0 and 2 (rank 0 for one projection: adds nothing), into a
+    column slice of a wider output as the fused qkv matmul gives it."""
+    from lora import step_lora
+    from ops import TorchOps, resolve
+
+    kernel_ops = resolve("on", torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    n_in, n_out, r_max, slots = 64, 48, 8, 3
+    a = (torch.randn(slots, r_max, n_in, generator=g) * 0.2).to(dtype)
+    b_t = (torch.randn(slots, r_max, n_out, generator=g) * 0.2).to(dtype)
+    ranks = torch.tensor([8, 3, 0], dtype=torch.int32)
+    scale = torch.tensor([2.0, 0.5, 1.0])
+    row_slots = [1, 1, 1, 1, -1, -1, 0, 2, 0, -1]
+    step = step_lora(row_slots, "cpu")
+    x = torch.randn(len(row_slots), n_in, generator=g).to(dtype)
+    wide = torch.randn(len(row_slots), n_out + 16, generator=g).to(dtype)
+    outs = []
+    for ops in (kernel_ops, TorchOps()):
+        y = wide.clone()
+        ops.lora_(y[:, 16:], x, a, b_t, ranks, scale, step)
+        outs.append(y)
+    base = [i for i, s in enumerate(row_slots) if s in (-1, 2)]  # no delta: untouched, bit for bit
+    for y in outs:
+        assert torch.equal(y[base], wide[base]) and torch.equal(y[:, :16], wide[:, :16])
+        assert not torch.allclose(y[:4], wide[:4])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the sum, either way
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
