@@ -100,7 +100,14 @@ def under_torchrun() -> bool:
 
 def become_worker_if_torchrun() -> None:
     """At the top of an entry point's main: under torchrun, every rank but 0 serves rank 0 and exits."""
-    if under_torchrun() and int(os.environ["RANK"]) > 0:
+    if not under_torchrun():
+        return
+    if os.environ.get("MASTER_PORT") == "0":  # every rank would wait forever for a store on port 0
+        raise UserError(
+            "torchrun passed MASTER_PORT=0 (--master-port 0): the ranks cannot meet on it; "
+            "run `torchrun --standalone` (it picks a free port) or give --master-port a free port"
+        )
+    if int(os.environ["RANK"]) > 0:
         sys.exit(worker_main())
 
 

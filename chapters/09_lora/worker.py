@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import Engine, Event, Request
+from errors import APIError
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -170,7 +171,10 @@ class Worker:
             try:
                 results = self.engine.step()
             except Exception as e:  # the step failed: fail its requests, keep serving the others
-                log.exception("an engine step failed")
+                if isinstance(e, APIError):  # made for the clients (a lost rank): its sentence is the whole story
+                    log.error("an engine step failed: %s", e.message)
+                else:
+                    log.exception("an engine step failed")
                 for rid, job in self._jobs.items():
                     self.engine.abort(rid)
                     job.put(e)

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from common.tools.warm_python import run_python, start_python
 
-REACHES = ["generate.py", "server.py", "parallel.py"]  # scripts run in a subprocess (common/tools/carried.py)
+REACHES = ["generate.py", "cli.py", "server.py", "parallel.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
 CHAPTER = Path(__file__).resolve().parents[1]
 PROMPTS = ["The sky is", "Once upon a time, there was"]
@@ -74,6 +75,49 @@ def test_generate_tp3_equals_tp1_on_smollm2():
     assert r.returncode == 0, r.stderr
     assert "tensor parallel: 3 ranks" in r.stderr
     assert r.stdout.rstrip("\n") == tp1_texts("smollm2-135m", PROMPTS[:1], 4)[0]
+
+
+def test_cli_chat_at_tp2_says_what_tp1_says():
+    """Two turns and a /reset through the chat CLI: the history and the single sequence's pool
+    work the same when every layer is split across two processes."""
+    chat = "Hello there\nAnd again?\n/reset\nHi\n/quit\n"
+    flags = ["--model", "tiny-llama3", "--temperature", "0", "--max-new-tokens", "6", "--dtype", "float32"]
+    runs = [
+        run_python(["cli.py", *flags, *tp], input=chat, cwd=CHAPTER, timeout=300)
+        for tp in ([], ["--tensor-parallel-size", "2"])
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks" in runs[1].stderr
+    assert runs[0].stdout.count("model> ") == 3
+    assert runs[1].stdout == runs[0].stdout
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun ARGS` (torch.distributed.run) in this chapter's folder; its stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args], cwd=CHAPTER, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_torchrun_starts_the_ranks_and_generate_says_what_tp1_says():
+    flags = [a for p in PROMPTS for a in ("--prompt", p)]
+    r = torchrun(
+        "--standalone", "--nproc-per-node", "2", "generate.py", "--model", "tiny-llama3", *flags,
+        "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks" in r.stderr and "TP=2" in r.stderr
+    want = tp1_texts("tiny-llama3", PROMPTS, 8)
+    assert r.stdout.splitlines() == [line for text in want for line in text.split("\n")]
+
+
+def test_torchrun_with_master_port_0_is_refused_instead_of_hanging():
+    r = torchrun("--nproc-per-node", "2", "--master-port", "0", "generate.py", "--model", "tiny-llama3", "--prompt", "hi", timeout=120)
+    assert r.returncode != 0  # and within the timeout: each rank said why and stopped
+    # (torchrun then prints its own report of the failed ranks, a traceback of its agent included)
+    assert r.stderr.count("error: torchrun passed MASTER_PORT=0 (--master-port 0)") == 2, r.stderr[-3000:]
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts():
@@ -171,7 +215,7 @@ def test_a_killed_worker_makes_the_server_answer_503_and_exit(tmp_path):
         pgid = proc.pid
     text = log.read_text()
     assert f"tensor parallel: rank 1 (pid {worker}) exited with status -9" in text, text
-    # (worker.py logs the failed step with its traceback; the last line says what happened)
+    assert "Traceback" not in text, text  # a lost rank is said in sentences, not a stack
     assert text.rstrip().splitlines()[-1] == f"error: tensor parallel: rank 1 (pid {worker}) exited with status -9; the server stopped"
     assert set(statuses) <= {503}, statuses
     assert group_of(pgid) == []
