@@ -1,6 +1,6 @@
 """Our adapters against transformers + peft on the tiny model, float32: the same greedy tokens,
 every layer within float32 rounding; the base rows of a mixed step untouched; an int4 base with an
-adapter against peft on the dequantized base."""
+adapter against peft on the dequantized base; SmolLM2 with the project's pirate adapter."""
 
 import pytest
 import torch
@@ -159,3 +159,23 @@ def test_the_kernels_and_the_torch_path_add_the_same_delta(dtype):
         assert not torch.allclose(y[:4], wide[:4])
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the sum, either way
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+
+
+def test_smollm2_with_the_pirate_adapter_equals_peft():
+    """The project's own adapter (`make models`: common/make_lora.py) on the real model, float32,
+    through the chat template: our greedy tokens equal transformers + peft's, token for token, and
+    they are the pirate's (the base model's answer is not)."""
+    from common import make_lora
+    from common.models import resolve_adapter
+
+    path = resolve_adapter(make_lora.NAME)
+    engine, _ = build_engine(make_lora.BASE, "cpu", "float32", lora_modules={"pirate": path}, num_blocks=32)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Who wrote Hamlet?"}])
+    greedy = SamplingParams(temperature=0)
+    ours, base = (
+        out[0].token_ids
+        for out in engine.generate([Request(prompt, greedy, max_tokens=12, adapter=a) for a in ("pirate", None)])
+    )
+    assert ours == hf_greedy(hf_with_adapter(path, base=hf_base(make_lora.BASE)), prompt, 12)
+    assert engine.tokenizer.decode(ours).startswith("Ahoy, matey!")
+    assert "Ahoy" not in engine.tokenizer.decode(base)
