@@ -17,7 +17,10 @@ from common.tools import carried
 REPO = Path(__file__).resolve().parents[1]
 
 FILES = {
-    "conftest.py": "from common.tools.carried import pytest_collection_modifyitems  # noqa: F401\n",
+    "conftest.py": (
+        "from common.tools.carried import pytest_collection_modifyitems  # noqa: F401\n"
+        "from common.tools.testing import pytest_configure  # noqa: F401  (registers the reaches mark)\n"
+    ),
     "util.py": "def one():\n    return 1\n",
     "engine.py": "import util\n\n\ndef two():\n    return util.one() + 1\n",
     "server.py": "import engine\n\nprint(engine.two())\n",  # a script: no test imports it
@@ -35,8 +38,18 @@ FILES = {
     # ... or imports a helper that says so (as tests/live_server.py does)
     "tests/live.py": 'REACHES = ["server.py"]\n',
     "tests/test_live.py": "import live\n\n\ndef test_live():\n    assert live.REACHES\n",
+    # ... or marks the one test that runs it: the file's other tests reach only what they import
+    "tests/test_mixed.py": (
+        "import subprocess, sys\nfrom pathlib import Path\n\nimport pytest\n\nimport util\n\n\n"
+        "def test_in_process():\n    assert util.one() == 1\n\n\n"
+        '@pytest.mark.reaches("server.py")\n'
+        "def test_script():\n"
+        "    here = Path(__file__).parents[1]\n"
+        "    out = subprocess.run([sys.executable, 'server.py'], cwd=here, capture_output=True, text=True)\n"
+        "    assert out.stdout == '2\\n', out.stderr\n"
+    ),
 }
-TESTS = ("test_util", "test_engine", "test_server", "test_live")
+TESTS = ("test_util", "test_engine", "test_server", "test_live", "test_mixed", "test_mixed::test_script")
 
 
 def make_chapter(folder: Path, changes: dict[str, str] | None = None) -> Path:
@@ -51,10 +64,12 @@ def edit(path: Path) -> None:
 
 
 def verdicts(chapter: Path) -> dict[str, str | None]:
-    """test file stem -> the chapter it ran in (it skips here), or None (it runs here)."""
+    """test file stem (a test's name after it for the one marked test) -> the chapter it ran in (it
+    skips here), or None (it runs here)."""
     carried.reached.cache_clear()  # the cases edit files between calls
     carried.ran_in.cache_clear()
-    return {t: carried.ran_in(chapter, f"tests/{t}.py") for t in TESTS}
+    declared = {"test_mixed::test_script": ("server.py",)}
+    return {t: carried.ran_in(chapter, f"tests/{t.split('::')[0]}.py", declared.get(t, ())) for t in TESTS}
 
 
 @pytest.fixture
@@ -77,14 +92,14 @@ def test_a_changed_module_reruns_the_files_that_import_it_even_through_another_m
 
 def test_a_change_reaches_only_the_files_that_import_it(chapters):
     edit(chapters / "02_second" / "engine.py")
-    expected = {"test_util": "01", "test_engine": None, "test_server": None, "test_live": None}
+    expected = dict.fromkeys(TESTS) | {"test_util": "01", "test_mixed": "01"}
     assert verdicts(chapters / "02_second") == expected
 
 
-def test_a_script_counts_only_for_the_files_that_declare_it(chapters):
+def test_a_script_counts_only_for_the_files_and_tests_that_declare_it(chapters):
     edit(chapters / "02_second" / "server.py")
-    # test_server declares it, test_live's helper does; nothing imports it
-    expected = {"test_util": "01", "test_engine": "01", "test_server": None, "test_live": None}
+    # test_server declares it, test_live's helper does, test_mixed's marked test does; nothing imports it
+    expected = dict.fromkeys(TESTS) | {"test_util": "01", "test_engine": "01", "test_mixed": "01"}
     assert verdicts(chapters / "02_second") == expected
 
 
@@ -127,52 +142,93 @@ def test_a_chapter_copied_out_alone_runs_everything(chapters, tmp_path):
 
 
 def outcomes(chapter: Path, **env) -> dict[str, str]:
-    """test file stem -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
+    """test name -> 'passed' or the skip reason, from a pytest run of the chapter's tests."""
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", str(chapter / "tests")],
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(chapter / "tests")],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=chapter.parent,
-        env={**__import__("os").environ, "RUN_CARRIED_TESTS": "", **env},
+        env={**__import__("os").environ, "RUN_CARRIED_TESTS": "", "COLUMNS": "300", **env},  # whole reasons
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     found = {}
     for line in r.stdout.splitlines():
-        if m := re.match(r"PASSED .*?(test_\w+)\.py", line):
-            found[m[1]] = "passed"
-        elif m := re.match(r"SKIPPED \[\d+\] .*?(test_\w+)\.py(?::\d+)?: (.*)", line):
-            found[m[1]] = m[2]
+        if m := re.match(r"\S*?::(test_\w+) (PASSED|SKIPPED)(?: \((.*)\))?", line):
+            found[m[1]] = "passed" if m[2] == "PASSED" else m[3]
     return found
 
 
 def test_pytest_skips_with_the_reason_and_runs_everything_when_asked(chapters):
-    # the hook as a chapter's conftest.py takes it, in a real pytest run: the changed script's
-    # tests run (and pass: the subprocess really runs it), the others skip
+    # the hooks as a chapter's conftest.py takes them, in a real pytest run: the changed script's
+    # tests run (and pass: the subprocess really runs it), the others skip, the marked test's
+    # neighbour in its file too
     edit(chapters / "02_second" / "server.py")
     carried_unchanged = "carried unchanged: ran in chapter 01"
     assert outcomes(chapters / "02_second") == {
-        "test_util": carried_unchanged,
-        "test_engine": carried_unchanged,
-        "test_server": "passed",
+        "test_one": carried_unchanged,
+        "test_two": carried_unchanged,
+        "test_server_prints_two": "passed",
         "test_live": "passed",
+        "test_in_process": carried_unchanged,
+        "test_script": "passed",
     }
     assert set(outcomes(chapters / "02_second", RUN_CARRIED_TESTS="1").values()) == {"passed"}
 
 
-def declares_reaches(path: Path) -> bool:
-    assignments = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Assign)]
+SPAWNS = re.compile(r"\b(run_python|start_python|subprocess)\b")
+
+
+def declares_reaches(tree: ast.Module) -> bool:
+    assignments = [n for n in tree.body if isinstance(n, ast.Assign)]
     return any(getattr(t, "id", None) == "REACHES" for n in assignments for t in n.targets)
 
 
-def test_every_carried_test_file_that_starts_a_subprocess_declares_what_it_reaches():
-    # Without REACHES a script that only a subprocess runs is invisible to the rule: a change to it
+def undeclared(path: Path) -> list[str]:
+    """What in test file `path` starts a subprocess without declaring what it runs: each test that
+    does (in its body, or through a function or fixture of the file that it calls or takes, however
+    deep) without a `reaches` mark; the file itself where no function of it does. Nothing where
+    the file declares REACHES for all its tests."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    if declares_reaches(tree) or not SPAWNS.search(text):
+        return []
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def uses(f) -> set[str]:  # the names its body calls or reads, and the fixtures it takes
+        return {n.id for n in ast.walk(f) if isinstance(n, ast.Name)} | {a.arg for a in f.args.args}
+
+    spawning = {name for name, f in functions.items() if SPAWNS.search(ast.get_source_segment(text, f))}
+    if not spawning:
+        return [path.name]
+    while grown := {name for name, f in functions.items() if name not in spawning and uses(f) & spawning}:
+        spawning |= grown
+    marked = {n for n, f in functions.items() if any("mark.reaches(" in ast.unparse(d) for d in f.decorator_list)}
+    return [f"{path.name}::{name}" for name in sorted(spawning - marked) if name.startswith("test_")]
+
+
+def test_a_test_that_spawns_through_a_fixture_of_its_file_must_be_marked(tmp_path):
+    text = (
+        "import pytest\nfrom common.tools.warm_python import run_python\n\n\n"
+        "def run(*args):\n    return run_python(list(args))\n\n\n"
+        "@pytest.fixture\ndef built():\n    return run('build.py')\n\n\n"
+        "def test_in_process():\n    assert 1\n\n\n"
+        "def test_uses_the_fixture(built):\n    assert built\n\n\n"
+        '@pytest.mark.reaches("build.py")\ndef test_marked(built):\n    assert built\n'
+    )
+    (tmp_path / "test_x.py").write_text(text)
+    assert undeclared(tmp_path / "test_x.py") == ["test_x.py::test_uses_the_fixture"]
+    (tmp_path / "test_x.py").write_text(text + '\nREACHES = ["build.py"]\n')
+    assert undeclared(tmp_path / "test_x.py") == []
+
+
+def test_every_carried_test_that_starts_a_subprocess_declares_what_it_reaches():
+    # Undeclared, a script that only a subprocess runs is invisible to the rule: a change to it
     # would leave its test skipped. A file that runs nothing of its chapter declares REACHES = [].
     missing = []
     for test in sorted(REPO.glob("chapters/*/tests/*.py")):
         previous = carried.previous_chapter(test.parents[1])
         if previous is None or not (previous / "tests" / test.name).exists():
             continue  # not carried: it always runs
-        if re.search(r"\b(run_python|start_python|subprocess)\b", test.read_text()) and not declares_reaches(test):
-            missing.append(str(test.relative_to(REPO)))
-    assert not missing, f"declare REACHES = [the chapter files they run] in {missing}"
+        missing += [f"{test.parents[1].name}/{what}" for what in undeclared(test)]
+    assert not missing, f"declare what they run (REACHES = [...] or @pytest.mark.reaches(...)): {missing}"

@@ -4,13 +4,15 @@ Chapter N starts as a copy of chapter N-1, tests included, so that a chapter cop
 is a whole, tested engine. Inside the repository most of those copies would run again what already
 passed one chapter earlier. The rule:
 
-    A carried test file skips when it, its chapter's conftest.py, the chapter files it names in
-    REACHES, and every chapter module these import (transitively, by flat name) are the same files,
-    byte for byte, as in the previous chapter.
+    A carried test skips when its file, its chapter's conftest.py, the chapter files it declares,
+    and every chapter module these import (transitively, by flat name) are the same files, byte
+    for byte, as in the previous chapter.
 
 A test that runs a chapter script in a subprocess (or reads a chapter file) imports nothing of it,
-so it declares it: `REACHES = ["server.py"]` at module level, in the test file or in a test helper
-it imports (tests/live_server.py). A file the previous chapter lacks counts as changed. The skip
+so it declares it: one test by `@pytest.mark.reaches("generate.py")`, every test of a file by
+`REACHES = ["server.py"]` at module level, in the test file or in a test helper it imports
+(tests/live_server.py). The mark keeps a file's in-process tests skipped where only the script
+its subprocess tests run has changed. A file the previous chapter lacks counts as changed. The skip
 names the chapter where the file really ran. common/ and kernels/ are one copy for every chapter,
 so they never differ. A chapter with no previous chapter beside it, and a run with
 RUN_CARRIED_TESTS=1, run everything. A chapter's conftest.py takes the hook by importing it.
@@ -34,10 +36,11 @@ def previous_chapter(chapter: Path) -> Path | None:
 
 
 @cache
-def reached(chapter: Path, test: str) -> frozenset[str]:
-    """The chapter files (relative paths) that test file `test` reaches, itself included."""
+def reached(chapter: Path, test: str, declared: tuple[str, ...] = ()) -> frozenset[str]:
+    """The chapter files (relative paths) that a test of file `test` reaches, the file included;
+    `declared`: the files its `reaches` mark names."""
     modules = {p.stem: p for folder in (chapter, chapter / "tests") for p in sorted(folder.glob("*.py"))}
-    todo, seen = [chapter / test, chapter / "conftest.py"], set()
+    todo, seen = [chapter / test, chapter / "conftest.py", *(chapter / name for name in declared)], set()
     while todo:
         path = todo.pop()
         if path in seen:
@@ -58,16 +61,17 @@ def reached(chapter: Path, test: str) -> frozenset[str]:
 
 
 @cache
-def ran_in(chapter: Path, test: str) -> str | None:
-    """The chapter where carried test file `test` last differed; None where it runs here."""
+def ran_in(chapter: Path, test: str, declared: tuple[str, ...] = ()) -> str | None:
+    """The chapter where a carried test of file `test` (its mark declaring `declared`) last
+    differed; None where it runs here."""
     previous = previous_chapter(chapter)
-    if previous is None or reached(chapter, test) != reached(previous, test):
+    if previous is None or reached(chapter, test, declared) != reached(previous, test, declared):
         return None
-    for name in reached(chapter, test):
+    for name in reached(chapter, test, declared):
         here, there = chapter / name, previous / name
         if not (here.is_file() and there.is_file() and here.read_bytes() == there.read_bytes()):
             return None
-    return ran_in(previous, test) or previous.name[:2]
+    return ran_in(previous, test, declared) or previous.name[:2]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,5 +79,6 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in items:
         path = Path(item.path).resolve()
-        if path.parent.name == "tests" and (where := ran_in(path.parents[1], f"tests/{path.name}")):
+        declared = tuple(sorted({name for mark in item.iter_markers("reaches") for name in mark.args}))
+        if path.parent.name == "tests" and (where := ran_in(path.parents[1], f"tests/{path.name}", declared)):
             item.add_marker(pytest.mark.skip(reason=f"carried unchanged: ran in chapter {where}"))

@@ -113,7 +113,9 @@ def pytest_configure(config):
     """Parallel workers share the cores: each worker's torch, and every server or script it starts
     (they inherit OMP_NUM_THREADS), gets its share of them. Two workers each running a two-thread
     OpenMP team on two cores would stall each other: a team waits for its slowest thread, and that
-    thread is descheduled half the time. A conftest takes this hook by importing it."""
+    thread is descheduled half the time. It also registers the `reaches` mark of carried.py. A
+    conftest takes this hook by importing it."""
+    config.addinivalue_line("markers", "reaches(*files): chapter files the test runs in a subprocess (carried.py)")
     threads = threads_per_worker()
     if threads is None:
         return
