@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import Engine, Event, Request
-from errors import APIError
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -171,6 +170,8 @@ class Worker:
             try:
                 results = self.engine.step()
             except Exception as e:  # the step failed: fail its requests, keep serving the others
+                from errors import APIError  # here, not above: errors.py needs fastapi, an engine loop does not
+
                 if isinstance(e, APIError):  # made for the clients (a lost rank): its sentence is the whole story
                     log.error("an engine step failed: %s", e.message)
                 else:

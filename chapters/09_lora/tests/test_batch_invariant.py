@@ -12,8 +12,6 @@ from common.errors import UserError
 from common.models import resolve_model
 from common.tools.testing import CPU_ISAS, cpu_isa, shared  # noqa: F401  (cpu_isa: a fixture)
 
-REACHES = ["cli.py"]  # scripts run in a subprocess (common/tools/carried.py)
-
 GREEDY = SamplingParams(temperature=0)
 TOPICS = ["the sea", "a KV cache", "prime numbers", "Paris", "a compiler", "bread", "the moon", "rivers"]
 QUESTIONS = [f"Write one sentence about {t}." for t in TOPICS] + [f"Name three facts about {t}." for t in TOPICS]
@@ -180,6 +178,7 @@ def test_refused_where_it_cannot_hold():
     resolve("on", torch.device("cpu"))._ext.set_batch_invariant(False)
 
 
+@pytest.mark.reaches("cli.py")  # a script run in a subprocess (common/tools/carried.py)
 def test_the_cli_says_it_runs_batch_invariant_and_refuses_it_without_the_kernels():
     from pathlib import Path
 

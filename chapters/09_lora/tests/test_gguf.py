@@ -19,8 +19,6 @@ from common.tools.warm_python import run_python
 from gguf_file import read_gguf, unpermute_rows
 from quant import Int4Weight, Int8Weight, quantize_int4
 
-REACHES = ["generate.py", "quantize.py"]  # scripts run in a subprocess (common/tools/carried.py)
-
 CHAPTER = Path(__file__).resolve().parents[1]
 
 
@@ -140,6 +138,7 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
         read_gguf(bad)
 
 
+@pytest.mark.reaches("generate.py")  # a script run in a subprocess (common/tools/carried.py)
 def test_generate_runs_the_gguf_file_directly():
     r = run_python(
         [
@@ -161,6 +160,7 @@ def test_generate_runs_the_gguf_file_directly():
     assert "Paris" in r.stdout and "int4 G=32" in r.stderr
 
 
+@pytest.mark.reaches("quantize.py")
 def test_quantize_from_gguf_writes_a_loadable_directory(tmp_path):
     out = tmp_path / "q4_1"
     r = run_python(["quantize.py", "--from-gguf", str(find_gguf()), "--out", str(out)], cwd=CHAPTER, timeout=600)

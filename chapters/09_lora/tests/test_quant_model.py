@@ -16,8 +16,6 @@ from model import forward_sequence, load_model
 from parity import DEFAULT_TEXT
 from quant import QuantSpec
 
-REACHES = ["generate.py", "parity.py", "quantize.py"]  # scripts run in a subprocess (common/tools/carried.py)
-
 CHAPTER = Path(__file__).resolve().parents[1]
 PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -26,6 +24,8 @@ def run(script, *args):
     return run_python([script, *args], cwd=CHAPTER, timeout=600)
 
 
+# The tests that run a script say so (common/tools/carried.py); the others reach what they import.
+@pytest.mark.reaches("generate.py")
 @pytest.mark.parametrize("quant", [("--quant", "int8"), ("--quant", "int4", "--group-size", "32")])
 def test_quantized_smollm2_answers_the_chat_prompt(quant):
     # float32 activations: the exact answer, whatever the CPU's bf16 kernels (see chapter 02's README)
@@ -35,6 +35,7 @@ def test_quantized_smollm2_answers_the_chat_prompt(quant):
     assert ("int8" if "int8" in quant else "int4 G=32") in r.stderr
 
 
+@pytest.mark.reaches("generate.py")
 def test_quantized_smollm2_answers_in_its_default_bfloat16():
     r = run("generate.py", "--chat", "--prompt", PROMPT, "--max-new-tokens", "12", "--quant", "int4")
     assert r.returncode == 0, r.stderr
@@ -81,12 +82,14 @@ def test_int4_g32_reproduces_the_q4_1_weights(smollm2_parity):
     assert agreement >= 0.94 and worst < 0.3, (agreement, worst)
 
 
+@pytest.mark.reaches("parity.py")
 def test_parity_cli_prints_the_table_for_int8():
     r = run("parity.py", "--quant", "int8")
     assert r.returncode == 0, r.stderr
     assert "int8 vs HF transformers fp32" in r.stdout and "layer.29" in r.stdout and "logits" in r.stdout
 
 
+@pytest.mark.reaches("quantize.py", "parity.py")
 def test_parity_refuses_a_quantized_reference(tmp_path):
     out = tmp_path / "q"
     assert run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(out)).returncode == 0
@@ -94,6 +97,7 @@ def test_parity_refuses_a_quantized_reference(tmp_path):
     assert r.returncode == 2 and "which HF transformers does not read" in r.stderr
 
 
+@pytest.mark.reaches("generate.py")
 @pytest.mark.parametrize(
     "args, message",
     [
