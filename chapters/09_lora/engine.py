@@ -1,0 +1,412 @@
+"""Many requests in, one stream of events per request out: the engine behind continuous batching.
+
+Requests come and go; the engine never runs "a request". Each `step()`:
+
+    drafts  = proposer.propose(...) per decoding sequence # speculative.py, proposers.py
+    plan    = scheduler.schedule()                       # scheduler.py: who runs, how many tokens each
+    logits  = runner.run(plan's tokens)                   # runner.py: one forward pass over the pool
+    for each sequence whose tokens are all computed now:  # prefill done, or a decode step
+        token = sample(its logits row, its params, ...)   # sampling.py, one batched call
+    for each sequence that ran a draft:                   # its pending token + k drafts as k + 1 rows
+        tokens = accept(its k + 1 logits rows, draft)     # speculative.py: kept drafts + one more
+    each new token: stop on EOS / stop_token_ids / stop string / max_tokens   # request.py, as in chapter 03
+    an Event per sequence with news                       # text, token ids, logprobs, finish_reason
+
+The engine is the step and the bookkeeping around it; the request side (what a client may ask,
+how a token becomes text or ends a choice) is request.py, the model and its KV pool are the model
+runner's (runner.py). A request with n choices is n sequences (sequence.py) that share the
+prompt's blocks. The KV cache is one pool of blocks allocated at start (paged_cache.py,
+block_manager.py); a request that could never fit it is refused in `validate`. Operator limits:
+`max_model_len` caps the context, `max_tokens_default` bounds a request that sets no max_tokens,
+`max_num_seqs` and `max_num_batched_tokens` shape each step.
+
+Speculative decoding (speculative.py's Speculator) gives a decoding sequence k + 1 rows in a step:
+its pending token and k guesses, verified at the price of reading the weights once.
+
+LoRA adapters (lora.py, lora_slots.py): a request names its adapter (Request.adapter; None: the
+base model); up to max_loras adapters sit in the model's slot table at once, and one step runs rows
+of many adapters and of the base model together. `load_lora`, `unload_lora` and `lora_names` are
+what a server calls to manage them while requests run.
+
+`add`, `abort` and `step` are all a server needs (worker.py drives them from one thread);
+`stream` runs a single request to the end and `generate` a list of them, for scripts and tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from batch import Work
+from block_manager import BlockManager
+from common.errors import UserError
+from common.tokenizer import Tokenizer
+from detokenizer import IncrementalDetokenizer
+from loading import load
+from lora_slots import AdapterSlots
+from memory import GiB
+from model import Model
+from ops import KernelFlags
+from proposers import check_proposer_name, load_draft, make_proposer
+from qmatmul import DEFAULT_PATH
+from quant import QuantSpec
+from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_token
+from runner import ModelRunner, pool_size
+from sampling import SamplingParams, choice_seed, make_generator, sample
+from scheduler import Scheduler
+from sequence import Sequence
+from speculative import Speculator
+from stopping import StopStringMatcher
+
+# (sequence, its new tokens, their logprobs or Nones): what a step decided for each sequence
+NewTokens = tuple[Sequence, list[int], list]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer,
+        generation_config: dict | None = None,
+        *,
+        max_model_len: int | None = None,
+        max_tokens_default: int = DEFAULT_MAX_TOKENS,
+        kv_cache_bytes: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        chunked_prefill: bool = True,
+        prefix_caching: bool = True,
+        cuda_graphs: bool = True,
+        proposer=None,
+        num_speculative_tokens: int = 6,
+        speculative_max_batch: int = 2,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+    ):
+        """max_model_len: the context, at most the model's (default: the model's).
+        The pool: `num_blocks` blocks of `block_size` tokens, or as many as `kv_cache_bytes` hold
+        (default: memory.default_kv_bytes), never more than max_num_seqs full contexts.
+        Steps: at most `max_num_seqs` sequences and `max_num_batched_tokens` new tokens each;
+        without chunked prefill a prompt runs whole, so the token budget becomes the context.
+        cuda_graphs: replay decode steps as CUDA graphs (runner.py) where the model's ops can.
+        proposer: guesses drafts for speculative decoding (proposers.py; None: off), up to
+        num_speculative_tokens per sequence and step, while at most speculative_max_batch run.
+        max_loras: LoRA adapters resident at once (0: none served), of rank up to max_lora_rank."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config or {}
+        eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
+        self.context = _context(model.config.max_position_embeddings, max_model_len)
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if value < 1:
+                raise UserError(f"{name} must be at least 1, got {value}")
+        if num_blocks is None:
+            most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
+            num_blocks = pool_size(model, block_size, most, kv_cache_bytes)
+        max_blocks = -(-self.context // block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_blocks, cuda_graphs)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.adapters = None
+        if max_loras:
+            if max_lora_rank < 1:
+                raise UserError(f"--max-lora-rank must be at least 1, got {max_lora_rank}")
+            self.runner.enable_lora(max_loras, max_lora_rank)
+            # Late-bound: a tensor-parallel engine swaps in a runner that reaches every rank.
+            self.adapters = AdapterSlots(
+                max_loras, lambda path: self.runner.read_lora(path), lambda s, a: self.runner.write_lora(s, a)
+            )
+        self.limits = RequestLimits(
+            self.context, max_tokens_default, model.config.vocab_size, self.eos_ids, self.blocks
+        )
+        self.max_tokens_default = max_tokens_default
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs,
+            max_num_batched_tokens if chunked_prefill else max(max_num_batched_tokens, self.context),
+            chunked_prefill,
+            self.adapters,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.n_steps = 0
+        self.last_plan = None
+        self.speculator = Speculator(proposer, self.blocks, num_speculative_tokens, speculative_max_batch)
+
+    @staticmethod
+    def read_generation_config(model_dir: str | Path) -> dict:
+        path = Path(model_dir) / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def default_params(self) -> SamplingParams:
+        """What a request gets for every value it leaves out: the model's generation_config.json."""
+        return SamplingParams.from_generation_config(self.generation_config)
+
+    def describe_pool(self) -> str:
+        return (
+            f"KV cache: {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens = "
+            f"{self.blocks.num_blocks * self.blocks.block_size} tokens in {self.runner.cache.nbytes / GiB:.2f} GiB"
+        )
+
+    def validate(self, req: Request) -> None:
+        """Raises UserError with a message fit for the client (request.RequestLimits)."""
+        self.limits.validate(req)
+        if req.adapter is not None:
+            if self.adapters is None:
+                raise UserError(f"LoRA adapter {req.adapter!r}: this engine serves no adapters (max_loras is 0)")
+            self.adapters.check(req.adapter)
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Registers the PEFT adapter at `path` as `name` (read and checked now: UserError for a
+        bad one or a name in use); it takes a slot when a request of it first runs."""
+        if self.adapters is None:
+            raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
+        self.adapters.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """No new request may name `name` (UserError for an unknown name); requests already added
+        finish with it, and it is dropped with the last of them."""
+        if self.adapters is None:
+            raise UserError(f"no LoRA adapter named {name!r} is loaded (this engine serves none)")
+        self.adapters.unregister(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters a request may name now."""
+        return [] if self.adapters is None else self.adapters.names()
+
+    # --- the server's interface -----------------------------------------------------------------
+
+    def add(self, req: Request, request_id: str | None = None) -> str:
+        """Queues a request (validated first: UserError for the client). -> its id."""
+        self.validate(req)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already running")
+        max_tokens = self.limits.max_tokens_for(req)
+        seqs = []
+        for i in range(req.n):
+            seqs.append(
+                Sequence(
+                    seq_id=next(self._ids),
+                    request_id=rid,
+                    index=i,
+                    prompt=list(req.prompt_ids),
+                    max_tokens=max_tokens,
+                    params=req.params,
+                    # n>1 with a seed: each choice gets its own stream, reproducibly.
+                    generator=make_generator(choice_seed(req.params.seed, i), self.model.device),
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, req.prompt_ids),
+                    matcher=StopStringMatcher(req.stop, req.include_stop_str_in_output),
+                    parent=seqs[0] if seqs else None,
+                    adapter=req.adapter,
+                )
+            )
+        self.requests[rid] = RequestState(req, seqs, self.limits.stop_ids(req))
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: its sequences leave the queues and their blocks are freed now."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                self.scheduler.finish(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[str, list[Event], bool]]:
+        """schedule -> run -> sample -> update. -> per request with news: (request id, its events,
+        whether it is finished)."""
+        self.speculator.propose(self.scheduler.running)
+        plan = self.scheduler.schedule()
+        self.runner.copy_blocks(plan.copies)
+        if not plan.work:
+            return []
+        self.n_steps += 1
+        self.last_plan = plan  # for the notebook and the bench: who ran what in the latest step
+        plain = [(seq, n) for seq, n in plan.work if not seq.draft]
+        drafted = [seq for seq, _ in plan.work if seq.draft]
+        work = [
+            Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table, seq.lora_slot)
+            for seq, n in plain
+        ]
+        logits = self.runner.run(work + self.speculator.verify_rows(drafted))  # [rows, vocab]
+        ready = [(row, seq) for row, (seq, n) in enumerate(plain) if self._computed(seq, n)]
+        verified = self.speculator.verify(logits[len(plain) :], drafted, self.requests)
+        return self._emit(self._sample(logits, ready) + verified)
+
+    def _computed(self, seq: Sequence, n: int) -> bool:
+        """`seq`'s n tokens of this step have K/V now. -> whether it samples its next token."""
+        seq.n_computed += n
+        if seq.n_computed // self.blocks.block_size > (seq.n_computed - n) // self.blocks.block_size:
+            # a block filled up: share it (with sequences of the same adapter)
+            self.blocks.register(seq.block_table, seq.tokens, seq.n_computed, seq.adapter_uid)
+        return seq.n_uncomputed == 0
+
+    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> list[NewTokens]:
+        """One token for each ready sequence, from its logits row."""
+        if not ready:
+            return []
+        x = logits[torch.tensor([row for row, _ in ready], device=logits.device)].float()  # [ready, vocab]
+        seqs = [seq for _, seq in ready]
+        for i, seq in enumerate(seqs):
+            state = self.requests[seq.request_id]
+            if state.too_early_to_stop(seq):  # min_tokens: make the stop tokens impossible for now
+                x[i].masked_fill_(state.stop_mask(x.shape[-1], x.device), float("-inf"))
+        tokens, logprobs = sample(
+            x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
+        )
+        return [(seq, [token], [logprob]) for seq, token, logprob in zip(seqs, tokens, logprobs)]
+
+    def _emit(self, new_tokens: list[NewTokens]) -> list[tuple[str, list[Event], bool]]:
+        """Each sequence's new tokens through the stop rules, one Event per sequence and step (as a
+        server streams it: one chunk per step); a stop ends the choice there and drops the tokens
+        after it. -> per request with news: (request id, its events, whether it is finished)."""
+        news: dict[str, list[Event]] = {}
+        for seq, tokens, logprobs in new_tokens:
+            state = self.requests[seq.request_id]
+            step = Event(seq.index, "", [], [])
+            for token, logprob in zip(tokens, logprobs):
+                event = append_token(seq, token, logprob, state.stop_ids)
+                step.text += event.text
+                step.token_ids += event.token_ids
+                step.logprobs += event.logprobs
+                step.finish_reason = event.finish_reason
+                if event.finish_reason is not None:
+                    self.scheduler.finish(seq)
+                    state.n_finished += 1
+                    break
+            news.setdefault(seq.request_id, []).append(step)
+        out = []
+        for rid, events in news.items():
+            done = self.requests[rid].done
+            if done:
+                del self.requests[rid]
+            out.append((rid, events, done))
+        return out
+
+    # --- for scripts and tests ------------------------------------------------------------------
+
+    def stream(self, req: Request, cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[Event]]:
+        """Runs one request to its end (with whatever else was added), yielding its events per
+        step. Stops early, without a final event, when `cancelled()` turns true."""
+        rid = self.add(req)
+        try:
+            while rid in self.requests:
+                if cancelled():
+                    return
+                for r, events, _ in self.step():
+                    if r == rid:
+                        yield events
+        finally:
+            self.abort(rid)
+
+    def generate(self, requests: list[Request], arrivals: list[int] | None = None) -> list[list[Output]]:
+        """Runs `requests` together; request i joins at step arrivals[i] (default: all at once).
+        -> per request, its n choices' outputs."""
+        arrivals = arrivals or [0] * len(requests)
+        pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        outputs = [[Output() for _ in range(r.n)] for r in requests]
+        ids: dict[str, int] = {}
+        step = 0
+        while pending or self.has_work():
+            while pending and arrivals[pending[0]] <= step:
+                i = pending.pop(0)
+                ids[self.add(requests[i])] = i
+            for rid, events, _ in self.step():
+                for ev in events:
+                    out = outputs[ids[rid]][ev.index]
+                    out.text += ev.text
+                    out.token_ids += ev.token_ids
+                    out.finish_reason = ev.finish_reason or out.finish_reason
+            step += 1
+        return outputs
+
+    def stats(self) -> dict:
+        """What /health reports."""
+        running = {seq.request_id for seq in self.scheduler.running}
+        waiting = {seq.request_id for seq in self.scheduler.waiting} - running
+        b = self.blocks
+        return {
+            "running": len(running),
+            "waiting": len(waiting),
+            "kv_blocks_total": b.num_blocks,
+            "kv_blocks_used": b.num_used,
+            "kv_blocks_free": b.num_free,
+            "kv_blocks_cached": b.num_cached,
+            "prefix_cache_hit_rate": round(b.hit_rate, 4),
+            "preemptions": self.scheduler.n_preemptions,
+            **self.speculator.stats.report(),
+            **(self.adapters.stats() if self.adapters is not None else {}),
+        }
+
+
+def build_engine(
+    model: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    quant: QuantSpec | None = None,
+    matmul: str = DEFAULT_PATH,
+    kernels: KernelFlags | str = KernelFlags(),
+    speculative: str = "off",
+    draft_model: str | None = None,
+    draft_quant: QuantSpec | None = QuantSpec(4, 32),
+    lora_modules: dict[str, str | Path] | None = None,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
+    **limits,
+) -> tuple[Engine, str]:
+    """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
+    quantized on load when `quant` is given, onto a device, with the kernel flags (ops.from_args, or
+    a --kernels choice), and a proposer by its --speculative name (proposers.py): for "draft",
+    `draft_model` (default: the model itself) quantized on load with `draft_quant`; -> the engine,
+    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...).
+    LoRA: `lora_modules` {name: PEFT directory} loaded at start, more by Engine.load_lora;
+    `max_loras` resident at once (0: none served; the slot table's memory is taken on the first
+    load), of rank up to `max_lora_rank`."""
+    check_proposer_name(speculative)  # a bad name fails before anything loads
+    loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
+    tokenizer, draft = Tokenizer(model_dir), None
+    if speculative == "draft":
+        draft = load_draft(draft_model or model, loaded, tokenizer, device, dtype, draft_quant, matmul, kernels)
+        if limits.get("num_blocks") is None:  # one KV budget pays for both pools
+            limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
+    proposer = make_proposer(speculative, draft)
+    engine = Engine(
+        loaded,
+        tokenizer,
+        Engine.read_generation_config(model_dir),
+        proposer=proposer,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        **limits,
+    )
+    for name, path in (lora_modules or {}).items():
+        engine.load_lora(name, path)
+    named = model not in (None, "") and not Path(model).exists()
+    return engine, model if named else Path(model or model_dir).name
+
+
+def _context(model_context: int, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return model_context
+    if not 2 <= max_model_len <= model_context:
+        raise UserError(
+            f"max_model_len must be between 2 and the model's context of {model_context} tokens, got {max_model_len}"
+        )
+    return max_model_len

@@ -1,0 +1,105 @@
+"""The model options every entry point of this chapter shares, and where a model comes from.
+
+--model takes a known name, a checkpoint directory (plain, or quantized by quantize.py), or a
+llama.cpp .gguf file (converted once into a quantized directory under MODELS_DIR/gguf/, codes
+copied: see gguf_file.py). --quant int8|int4 --group-size G quantizes a plain checkpoint on load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from common.config import load_config
+from common.device import pick_device, pick_dtype
+from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
+from gguf_file import convert_gguf
+from model import load_model
+from ops import KernelFlags, add_arguments
+from qmatmul import DEFAULT_PATH
+from quant import INT4_GROUP_SIZES, QuantSpec
+from weights import spec_of
+
+FORMAT_VERSION = 1  # bumped when a converted GGUF directory would differ: the cache is then rebuilt
+
+
+def add_quant_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("quantization")
+    g.add_argument(
+        "--quant",
+        choices=["int8", "int4"],
+        default=None,
+        help="quantize a plain checkpoint on load (a quantized directory or .gguf needs none)",
+    )
+    g.add_argument(
+        "--group-size", type=int, default=32, choices=INT4_GROUP_SIZES, help="int4 weights per scale (default 32)"
+    )
+    g.add_argument("--symmetric", action="store_true", help="int4 without a zero point (a scale per group only)")
+    g.add_argument(
+        "--lm-head",
+        choices=["int8", "int4", "none"],
+        default="int8",
+        help="the LM head (and tied embedding) with --quant: int8 (default), int4, or none (model dtype)",
+    )
+    g.add_argument(
+        "--matmul",
+        choices=["auto", "fast", "reference"],
+        default=DEFAULT_PATH,
+        help="auto (default): packed int kernels for steps of a few tokens (kernels/: 8; torch's: int4 16, int8 6) and a dense "
+        "copy of each weight for larger ones (more memory); fast: the packed kernels always; "
+        "reference: dequantize-and-multiply",
+    )
+    add_arguments(ap)  # --kernels (ops.py)
+
+
+def quant_spec(args) -> QuantSpec | None:
+    if args.quant is None:
+        return None
+    head = {"int8": 8, "int4": 4, "none": None}[args.lm_head]
+    return QuantSpec(
+        bits=8 if args.quant == "int8" else 4, group_size=args.group_size, symmetric=args.symmetric, head_bits=head
+    )
+
+
+def resolve(name_or_path: str | None) -> Path:
+    """A model directory for a name, a directory, or a .gguf file (converted on first use)."""
+    path = Path(str(name_or_path or "")).expanduser()
+    if path.suffix != ".gguf":
+        return resolve_model(name_or_path)
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such GGUF file")
+    out = MODELS_DIR / "gguf" / f"{path.stem}-{path.stat().st_size}-v{FORMAT_VERSION}"
+    if not (out / "config.json").is_file():
+        print(f"[gguf] {path.name} -> {out} (codes copied, once) ...", file=sys.stderr, flush=True)
+        mine = convert_gguf(path, out.with_name(f"{out.name}.{os.getpid()}"))
+        try:  # a rename is atomic: of two processes converting the same file at once, one keeps its copy
+            mine.rename(out)
+        except OSError:
+            shutil.rmtree(mine)
+    return out
+
+
+def load(
+    name_or_path: str | None,
+    device: str | None,
+    dtype: str | None,
+    spec: QuantSpec | None = None,
+    matmul: str = DEFAULT_PATH,
+    kernel_flags: KernelFlags | str = KernelFlags(),
+):
+    """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
+    int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
+    ops.from_args parses them, or only a --kernels choice."""
+    model_dir = resolve(name_or_path)
+    dev = pick_device(device)
+    quantized = spec is not None or spec_of(model_dir) is not None
+    auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
+    dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
+    flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
+    ops = flags.ops(dev, load_config(model_dir).head_dim)
+    return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

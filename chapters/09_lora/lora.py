@@ -1,0 +1,343 @@
+"""LoRA adapters: a PEFT directory read and checked, the slot table the model reads them from, and
+the delta each projection adds for the rows of a step.
+
+A LoRA fine-tune leaves the base weight W [n_out, n_in] as it is and learns two thin matrices,
+A [r, n_in] and B [n_out, r] (r: 8 or 16 where W is 576 x 576), so that the tuned layer is
+
+    y = W x + scale * B (A x)          scale = alpha / r   (rsLoRA: alpha / sqrt(r))
+
+Computed in that order, the delta costs r * (n_in + n_out) multiply-adds a row: a few percent of
+W x. One base model can therefore serve many adapters at once: every row of a step goes through
+the same W x (one matmul for the whole batch), and only the thin part differs per row (Punica,
+S-LoRA). The rows of a step are cut into segments of one adapter slot each; per projection,
+
+    v = shrink(x)     v[row] = A[slot] x[row]            [rows, r_max], float32
+    y = expand(y, v)  y[row] += scale[slot] * B[slot] v  rows of slot -1 (the base) untouched
+
+kernels/ has both as one call over all segments (ops.lora_shrink, ops.lora_expand_; the maths is
+kernels/reference.py's `lora`), and `torch_delta_` below is the same maths by slot for --kernels
+off. The slot table keeps every resident adapter's A and B stacked, so a step needs no copy:
+
+    a    [layers, slots, r_max, n_in]    A of each slot, rows past its rank zero
+    b_t  [layers, slots, r_max, n_out]   B transposed: a rank row of B.T is contiguous in n_out
+    ranks int32 [slots] per projection   0: the adapter leaves that projection alone
+    scale float32 [slots]
+
+Which adapter sits in which slot, and when one is swapped out, is lora_slots.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.config import LlamaConfig
+from common.errors import UserError
+
+# PEFT's names of the seven linear layers of a Llama decoder layer, in the order the model's fused
+# matmuls lay their outputs: q, k, v in wqkv; gate, up in w_gate_up (model.py).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's four matmuls and the projections whose outputs they hold, side by side.
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+_MODULE = {p: ("self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for p in PROJECTIONS}
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+# PEFT features this engine does not compute: refused by name, never served as plain LoRA.
+# (config key, whether a value turns it on, what to say)
+_UNSUPPORTED = (
+    ("use_dora", lambda v: bool(v), "DoRA (use_dora)"),
+    ("bias", lambda v: v not in (None, "none"), "trained biases (bias != 'none')"),
+    ("lora_bias", lambda v: bool(v), "trained LoRA biases (lora_bias)"),
+    ("modules_to_save", lambda v: bool(v), "fully trained modules (modules_to_save)"),
+    ("layers_to_transform", lambda v: v is not None, "a subset of layers (layers_to_transform)"),
+    ("layers_pattern", lambda v: bool(v), "a subset of layers (layers_pattern)"),
+    ("rank_pattern", lambda v: bool(v), "per-module ranks (rank_pattern)"),
+    ("alpha_pattern", lambda v: bool(v), "per-module alphas (alpha_pattern)"),
+    ("exclude_modules", lambda v: bool(v), "excluded modules (exclude_modules)"),
+    ("layer_replication", lambda v: bool(v), "replicated layers (layer_replication)"),
+    ("fan_in_fan_out", lambda v: bool(v), "transposed (fan_in_fan_out) weights"),
+    ("use_qalora", lambda v: bool(v), "QA-LoRA (use_qalora)"),
+    ("trainable_token_indices", lambda v: bool(v), "trained token embeddings (trainable_token_indices)"),
+)
+
+
+def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(n_out, n_in) of each projection of a decoder layer with `config`'s sizes."""
+    hidden, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return {
+        "q_proj": (q, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+@dataclass
+class Adapter:
+    """One PEFT LoRA adapter as read from disk, kept on the host: what a slot is filled from."""
+
+    path: Path
+    rank: int
+    scale: float
+    # (layer, projection) -> (A [r, n_in], B [n_out, r]), in the model's dtype
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def targets(self) -> set[str]:
+        return {p for _, p in self.weights}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int, dtype: torch.dtype) -> Adapter:
+    """A PEFT LoRA directory checked against the base model's `config` and the rank limit.
+    Raises UserError, one line naming the file and what is wrong, for anything it cannot serve
+    exactly: a result computed without part of the adapter would be a wrong answer, not a worse one."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserError(f"LoRA adapter {path}: no such directory")
+    settings = _read_config(path)
+    rank, targets = _check_config(path, settings, max_rank)
+    alpha = settings.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise UserError(f"LoRA adapter {path / CONFIG}: lora_alpha must be a number, got {alpha!r}")
+    scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    tensors = _read_tensors(path)
+    weights = _pair_up(path, tensors, config, rank, targets, dtype)
+    return Adapter(path, rank, float(scale), weights)
+
+
+def _read_config(path: Path) -> dict:
+    file = path / CONFIG
+    if not file.is_file():
+        raise UserError(f"LoRA adapter {path}: no {CONFIG} (a PEFT adapter directory holds {CONFIG} and {WEIGHTS})")
+    try:
+        settings = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"LoRA adapter {file}: not valid JSON ({e})") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"LoRA adapter {file}: a JSON object expected, got {type(settings).__name__}")
+    return settings
+
+
+def _check_config(path: Path, settings: dict, max_rank: int) -> tuple[int, set[str]]:
+    """-> (rank, target projections); UserError for what cannot be served."""
+    where = f"LoRA adapter {path / CONFIG}"
+    kind = settings.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise UserError(f"{where}: peft_type {kind!r} is not LoRA")
+    for key, is_on, what in _UNSUPPORTED:
+        if key in settings and is_on(settings[key]):
+            raise UserError(
+                f"{where}: {what} is not supported ({key} = {settings[key]!r}); merge or retrain without it"
+            )
+    rank = settings.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise UserError(f"{where}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise UserError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}; raise the limit to serve it")
+    targets = settings.get("target_modules")
+    if targets == "all-linear":
+        targets = list(PROJECTIONS)  # PEFT's shorthand: every linear layer but the LM head
+    if isinstance(targets, str):
+        raise UserError(f"{where}: target_modules as a pattern ({targets!r}) is not supported; list the modules")
+    if not isinstance(targets, list) or not targets:
+        raise UserError(f"{where}: target_modules must list the adapted modules, got {targets!r}")
+    unknown = [t for t in targets if t not in PROJECTIONS]
+    if unknown:
+        raise UserError(
+            f"{where}: unknown target module {unknown[0]!r}; LoRA is served on {', '.join(PROJECTIONS)}"
+        )
+    return rank, set(targets)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = path / WEIGHTS
+    if not file.is_file():
+        pickled = (path / "adapter_model.bin").exists()
+        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if pickled else ""
+        raise UserError(f"LoRA adapter {path}: no {WEIGHTS}{hint}")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"LoRA adapter {file}: the safetensors library cannot read it ({first})") from None
+
+
+def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[str], dtype) -> dict:
+    """PEFT's tensors by (layer, projection), checked: every target of every layer has its A and
+    B, of the base model's shapes and the config's rank, finite."""
+    file = path / WEIGHTS
+    shapes = projection_shapes(config)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise UserError(f"LoRA adapter {file}: tensor {key!r} is not a LoRA A or B of a decoder layer's projection")
+        layer, module, proj, which = int(m[1]), m[2], m[3], m[4]
+        if proj not in PROJECTIONS or _MODULE[proj] != module:
+            raise UserError(f"LoRA adapter {file}: unknown target module {module}.{proj} in {key!r}")
+        if proj not in targets:
+            raise UserError(f"LoRA adapter {file}: {key!r} adapts {proj}, which target_modules does not list")
+        if layer >= config.num_hidden_layers:
+            raise UserError(
+                f"LoRA adapter {file}: {key!r} adapts layer {layer}; "
+                f"the base model has {config.num_hidden_layers} layers"
+            )
+        n_out, n_in = shapes[proj]
+        want = (rank, n_in) if which == "A" else (n_out, rank)
+        if tuple(t.shape) != want:
+            raise UserError(
+                f"LoRA adapter {file}: {key} is {list(t.shape)}, the base model needs {list(want)} "
+                f"(rank {rank}; {proj} is {n_out} x {n_in}): an adapter for another model?"
+            )
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise UserError(f"LoRA adapter {file}: {key} is not finite floating-point numbers")
+        found.setdefault((layer, proj), {})[which] = t
+    for layer in range(config.num_hidden_layers):
+        for proj in sorted(targets):
+            pair = found.get((layer, proj), {})
+            if set(pair) != {"A", "B"}:
+                which = "A" if "A" not in pair else "B"
+                missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{which}.weight"
+                raise UserError(f"LoRA adapter {file}: {missing} is missing (target_modules lists {proj})")
+    return {k: (v["A"].to(dtype).contiguous(), v["B"].to(dtype).contiguous()) for k, v in found.items()}
+
+
+# --- the model's side: the resident slots, and a step's delta --------------------------------------
+
+
+@dataclass
+class StepLora:
+    """A step's rows by adapter slot, built once per step (batch.build_step) for every layer."""
+
+    seg_starts: torch.Tensor  # int32 [n_seg + 1] on the device: row boundaries, 0 .. rows
+    seg_slots: torch.Tensor  # int32 [n_seg]: each segment's slot, -1 for the base model
+    by_slot: list[tuple[int, torch.Tensor]]  # (slot, its rows as int64 indices): the torch path's groups
+    slots: frozenset[int]  # slots with rows in this step
+    adapted: dict[str, bool] = field(default_factory=dict)  # projection -> whether a slot of the step adapts it
+
+
+def step_lora(row_slots: list[int], device) -> StepLora | None:
+    """row_slots: each row's slot, -1 for the base. -> the step's table, or None when every row
+    is the base model's (the forward pass then is the base model's, bit for bit)."""
+    if all(s < 0 for s in row_slots):
+        return None
+    starts, slots = [0], []
+    for i, s in enumerate(row_slots):
+        if not slots or s != slots[-1]:
+            if slots:
+                starts.append(i)
+            slots.append(s)
+    starts.append(len(row_slots))
+    rows = torch.tensor(row_slots)
+    used = sorted({s for s in row_slots if s >= 0})
+    by_slot = [(s, torch.nonzero(rows == s).flatten().to(device)) for s in used]
+    as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return StepLora(as_int32(starts), as_int32(slots), by_slot, frozenset(used))
+
+
+class LoraWeights:
+    """The resident adapters of one model (one rank's shard of it under tensor parallelism): per
+    projection the stacked a and b_t of every layer and slot, the slots' ranks and scales.
+    Allocated on the first load: an engine that never serves an adapter holds nothing."""
+
+    def __init__(self, config: LlamaConfig, n_slots: int, max_rank: int, dtype: torch.dtype, device):
+        self.config, self.n_slots, self.max_rank = config, n_slots, max_rank
+        self.dtype, self.device = dtype, torch.device(device)
+        self.shapes = projection_shapes(config)  # this shard's (n_out, n_in)
+        self.a: dict[str, torch.Tensor] = {}  # projection -> [layers, slots, r_max, n_in]
+        self.b_t: dict[str, torch.Tensor] = {}  # projection -> [layers, slots, r_max, n_out]
+        self.ranks = {p: torch.zeros(n_slots, dtype=torch.int32, device=self.device) for p in PROJECTIONS}
+        self.rank_of = {p: [0] * n_slots for p in PROJECTIONS}  # the same on the host, for Python's decisions
+        self.scale = torch.zeros(n_slots, dtype=torch.float32, device=self.device)
+        self.scale_of = [0.0] * n_slots
+
+    def _allocate(self) -> None:
+        n_layers, shape = self.config.num_hidden_layers, (self.n_slots, self.max_rank)
+        for p, (n_out, n_in) in self.shapes.items():
+            self.a[p] = torch.zeros(n_layers, *shape, n_in, dtype=self.dtype, device=self.device)
+            self.b_t[p] = torch.zeros(n_layers, *shape, n_out, dtype=self.dtype, device=self.device)
+        # each layer's [slots, r_max, n] views, made once: a decode step reads 7 per layer
+        self._per_layer = [{p: (self.a[p][i], self.b_t[p][i]) for p in PROJECTIONS} for i in range(n_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.a.values(), *self.b_t.values()))
+
+    # Inference mode: the tables are inference tensors wherever the first load happens (in a step, or
+    # from a server's request between steps), so every write to them must be in inference mode too.
+    @torch.inference_mode()
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """Copies `adapter` (already cut to this shard, see sharding.shard_adapter) into `slot`."""
+        if not self.a:
+            self._allocate()
+        self.free(slot)
+        r = adapter.rank
+        for (layer, p), (a, b) in adapter.weights.items():
+            self.a[p][layer, slot, :r] = a.to(self.device)
+            self.b_t[p][layer, slot, :r] = b.T.to(self.device)
+        for p in adapter.targets:
+            self.ranks[p][slot] = r
+            self.rank_of[p][slot] = r
+        self.scale[slot] = adapter.scale
+        self.scale_of[slot] = adapter.scale
+
+    @torch.inference_mode()
+    def free(self, slot: int) -> None:
+        """The slot adds nothing any more (rank 0 everywhere); its rows are zeroed so no stale
+        weights outlive the adapter."""
+        for p in PROJECTIONS:
+            if self.rank_of[p][slot]:
+                self.a[p][:, slot].zero_()
+                self.b_t[p][:, slot].zero_()
+            self.ranks[p][slot] = 0
+            self.rank_of[p][slot] = 0
+        self.scale[slot] = 0.0
+        self.scale_of[slot] = 0.0
+
+    def add_(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str, step: StepLora, ops) -> None:
+        """y [rows, n_out of the group's projections side by side] += each row's delta, in place,
+        for the projections of `group` (GROUPS): x [rows, n_in] is the matmul's input."""
+        col, tables = 0, self._per_layer[layer]
+        for p in GROUPS[group]:
+            n_out = self.shapes[p][0]
+            adapted = step.adapted.get(p)
+            if adapted is None:  # found once per step, for every layer
+                adapted = step.adapted[p] = any(self.rank_of[p][s] for s in step.slots)
+            if adapted:
+                part = y[:, col : col + n_out]  # a view: the delta lands in y
+                ops.lora_(part, x, *tables[p], self.ranks[p], self.scale, step)
+            col += n_out
+
+
+def torch_delta_(y: torch.Tensor, x: torch.Tensor, a, b_t, ranks, scale, step: StepLora) -> None:
+    """kernels/reference.py's `lora` by slot: for the rows of each slot, y += scale * (x A.T) B.T,
+    in float32, rounded once into y's dtype. y may be a column slice of a wider output."""
+    for slot, rows in step.by_slot:
+        r = int(ranks[slot])
+        if r == 0:
+            continue
+        v = x[rows].float() @ a[slot, :r].float().T  # [rows of the slot, r]
+        delta = (v @ b_t[slot, :r].float()) * float(scale[slot])  # [rows of the slot, n_out]
+        y[rows] = (y[rows].float() + delta).to(y.dtype)

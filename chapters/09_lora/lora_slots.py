@@ -1,0 +1,148 @@
+"""Which adapter is in which slot: the engine's bookkeeping of its LoRA adapters.
+
+Adapters are registered by name (`register`, from --lora-modules or a load request) and kept on
+the host; `max_loras` of them can be resident at once, in the model's slot table (lora.py). A
+sequence of adapter X can only run while X has a slot, so the scheduler asks for one when it
+admits the sequence (`acquire`) and gives it back when the sequence leaves the running queue
+(`release`: finished, aborted or preempted). A slot whose adapter no running sequence uses is
+idle: it keeps its adapter (the next request of X needs no copy) until another adapter needs the
+slot, the least recently used idle slot first. With every slot busy, a sequence of a new adapter
+waits, counted in `n_waits`: more adapters than slots are served by swapping, never refused.
+
+Unloading (`unregister`) stops new requests at once; sequences already added keep their adapter,
+which is dropped with the last of them (`users` counts them, waiting or running).
+
+Each registration gets a new `uid`: the prefix cache keys blocks by it (block_manager.py), so K/V
+computed with one adapter never serve another, nor the same name loaded again from new files.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+from common.errors import UserError
+from lora import Adapter
+
+
+class AdapterSlots:
+    def __init__(self, n_slots: int, read: Callable[[Path], Adapter], write: Callable[[int, Adapter | None], None]):
+        """read(path) -> the checked Adapter (lora.read_adapter for the model); write(slot, adapter)
+        fills a slot of the model's table, or empties it (None): the runner's, on every rank."""
+        if n_slots < 1:
+            raise UserError(f"--max-loras must be at least 1, got {n_slots}")
+        self.n_slots, self._read, self._write = n_slots, read, write
+        self.adapters: dict[str, Adapter] = {}  # registered, by name (unloading ones included)
+        self.uid: dict[str, int] = {}
+        self.unloading: set[str] = set()
+        self.users: dict[str, int] = {}  # sequences added and not finished, per adapter
+        self.slot_of: dict[str, int] = {}  # resident adapters
+        self.holder: list[str | None] = [None] * n_slots  # slot -> its adapter
+        self.running: list[int] = [0] * n_slots  # slot -> running sequences using it
+        self.idle: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n_slots))  # least recent first
+        self._uids = itertools.count(1)
+        self.n_loads = 0  # adapters copied into a slot
+        self.n_waits = 0  # sequences that had to wait for a slot (at least once each)
+
+    # --- names ----------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """The adapters a request may name (loaded and not being unloaded)."""
+        return [n for n in self.adapters if n not in self.unloading]
+
+    def register(self, name: str, path: str | Path) -> None:
+        """Reads and checks the adapter (UserError for a bad one); a name already loaded is refused."""
+        if not isinstance(name, str) or not name:
+            raise UserError(f"a LoRA adapter needs a name, got {name!r}")
+        if name in self.adapters:
+            why = " (it is being unloaded: its last requests are running)" if name in self.unloading else ""
+            raise UserError(f"LoRA adapter {name!r} is already loaded{why}; unload it first")
+        adapter = self._read(Path(path))
+        self.adapters[name], self.uid[name], self.users[name] = adapter, next(self._uids), 0
+
+    def unregister(self, name: str) -> None:
+        """No new request may use `name`; it is dropped now, or when its last sequence ends."""
+        if name not in self.adapters or name in self.unloading:
+            loaded = ", ".join(self.names()) or "none"
+            raise UserError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+        self.unloading.add(name)
+        self._drop_if_unused(name)
+
+    def check(self, name: str | None) -> None:
+        """A request's adapter: None (the base model) or a loaded name, else UserError."""
+        if name is not None and (name not in self.adapters or name in self.unloading):
+            loaded = ", ".join(self.names()) or "none"
+            raise UserError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+
+    # --- sequences ------------------------------------------------------------------------------
+
+    def enter(self, name: str | None) -> int | None:
+        """A sequence of `name` was added. -> the adapter's uid (its prefix-cache identity)."""
+        if name is None:
+            return None
+        self.check(name)
+        self.users[name] += 1
+        return self.uid[name]
+
+    def leave(self, name: str | None) -> None:
+        """A sequence of `name` is finished (it released any slot first)."""
+        if name is not None:
+            self.users[name] -= 1
+            self._drop_if_unused(name)
+
+    def acquire(self, name: str | None) -> int | None:
+        """A slot for a sequence about to run: -1 for the base model, the adapter's slot (copied
+        in now if it was not resident, into a free or the least recently used idle slot), or
+        None when every slot is busy with other adapters: the sequence waits."""
+        if name is None:
+            return -1
+        slot = self.slot_of.get(name)
+        if slot is None:
+            if not self.idle:
+                return None
+            slot, _ = self.idle.popitem(last=False)
+            evicted = self.holder[slot]
+            if evicted is not None:
+                del self.slot_of[evicted]
+            self._write(slot, self.adapters[name])
+            self.holder[slot], self.slot_of[name] = name, slot
+            self.n_loads += 1
+        else:
+            self.idle.pop(slot, None)
+        self.running[slot] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A sequence stops running (finished, aborted, preempted) and gives its slot back."""
+        if slot < 0:
+            return
+        self.running[slot] -= 1
+        assert self.running[slot] >= 0, f"slot {slot} released more often than acquired"
+        if self.running[slot] == 0:
+            self.idle[slot] = None  # most recently used: evicted last
+
+    def count_wait(self) -> None:
+        self.n_waits += 1
+
+    def _drop_if_unused(self, name: str) -> None:
+        if name in self.unloading and self.users.get(name, 0) == 0:
+            slot = self.slot_of.pop(name, None)
+            if slot is not None:
+                self.holder[slot] = None
+                self._write(slot, None)
+                self.idle.pop(slot, None)
+                self.idle[slot] = None
+                self.idle.move_to_end(slot, last=False)  # an empty slot is the first to fill
+            del self.adapters[name], self.uid[name], self.users[name]
+            self.unloading.discard(name)
+
+    def stats(self) -> dict:
+        return {
+            "lora_adapters": len(self.names()),
+            "lora_slots": self.n_slots,
+            "lora_resident": len(self.slot_of),
+            "lora_loads": self.n_loads,
+            "lora_waits": self.n_waits,
+        }

@@ -1,0 +1,575 @@
+"""One model over N processes: the ranks, their start, the step plan rank 0 sends, and their end.
+
+    rank 0                                     ranks 1 .. N-1 (this file run as a script, or torchrun)
+    scheduler, sampler, server                 -
+    plan = scheduler.schedule()                -
+    send(("run", runner, work))   ---------->  work = recv()
+    runner.run(work) on its shard              runner.run(work) on its shard
+        ... all-reduce after o_proj and down_proj, every layer, every rank ...
+        logits gathered on rank 0  <--------   its slice of the vocabulary's logits
+    sample                                     recv() the next plan
+
+Only rank 0 decides anything: it owns the block manager, so the block tables it sends are the
+same on every rank, and each rank's KV pool holds its own KV heads at the same slots. The model
+runner (runner.py) is the seam: rank 0's engine gets a `ParallelRunner`, which has ModelRunner's
+interface and first sends the plan; the engine (engine.py) does not know about ranks.
+
+Two process groups, both torch.distributed: the default one (gloo) carries the plans, with no
+useful timeout (an idle server sends none for hours; a worker whose rank 0 dies is killed by the
+kernel, PR_SET_PDEATHSIG); the compute group (gloo on CPU, NCCL on CUDA) carries the all-reduces
+and the gather, with `--tensor-parallel-timeout` seconds on each: a rank that died fails the next
+step instead of hanging it. Rank 0 also watches its children: a worker that exits is reported at
+once (`RankLost`), and the server then answers 503 and exits with one line.
+
+Launch: `--tensor-parallel-size N` on generate.py, cli.py and server.py spawns N-1 copies of
+this file with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (MASTER_PORT: free, picked by
+binding port 0, unless set). Under torchrun (RANK and WORLD_SIZE already set) rank 0 runs the
+command and every other rank becomes a worker at the top of `main` (`become_worker_if_torchrun`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.config import load_config
+from common.device import pick_device, pick_dtype
+from common.errors import UserError
+from memory import default_kv_bytes
+from ops import KernelFlags
+from qmatmul import DEFAULT_PATH
+from quant import QuantSpec
+from runner import ModelRunner
+from sharding import ShardPlan, load_shard
+from shm_allreduce import ShmAllReduce
+from weights import spec_of
+
+DEFAULT_TIMEOUT_S = 60.0  # a collective that takes longer: a rank is gone
+NO_TIMEOUT = timedelta(days=20)  # the plan broadcast: workers wait as long as rank 0 idles (gloo takes
+# milliseconds in 32 bits: a year hung its connect)
+
+
+class RankLost(RuntimeError):
+    """A rank died or a collective failed: the group cannot compute any more."""
+
+
+def add_arguments(ap) -> None:
+    g = ap.add_argument_group("tensor parallelism")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="split every layer across N processes (default: 1, or WORLD_SIZE under torchrun)",
+    )
+    g.add_argument(
+        "--tensor-parallel-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a step's collective may wait for the other ranks before the group is declared lost "
+        "(default: %(default)s)",
+    )
+
+
+def size_from(args) -> int:
+    """--tensor-parallel-size, or torchrun's WORLD_SIZE; a mismatch between them is refused."""
+    launched = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    size = args.tensor_parallel_size or launched or 1
+    if launched is not None and size != launched:
+        raise UserError(f"--tensor-parallel-size {size} under torchrun with WORLD_SIZE {launched}: make them equal")
+    if size < 1:
+        raise UserError(f"--tensor-parallel-size must be at least 1, got {size}")
+    return size
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "TP_SPAWNED" not in os.environ
+
+
+def become_worker_if_torchrun() -> None:
+    """At the top of an entry point's main: under torchrun, every rank but 0 serves rank 0 and exits."""
+    if not under_torchrun():
+        return
+    if os.environ.get("MASTER_PORT") == "0":  # every rank would wait forever for a store on port 0
+        raise UserError(
+            "torchrun passed MASTER_PORT=0 (--master-port 0): the ranks cannot meet on it; "
+            "run `torchrun --standalone` (it picks a free port) or give --master-port a free port"
+        )
+    if int(os.environ["RANK"]) > 0:
+        sys.exit(worker_main())
+
+
+# --- the group ------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadArgs:
+    """What every rank needs to load its shard: rank 0 sends it as the first plan."""
+
+    model_dir: str
+    device: str
+    dtype: torch.dtype
+    quant: QuantSpec | None
+    matmul: str
+    kernels: KernelFlags
+    timeout_s: float
+    shm_path: str | None = None  # the shared-memory all-reduce's file, when the ranks share a host
+
+
+def threads_per_rank(world: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world)
+
+
+class Group:
+    """This process's place in the tensor-parallel group, and on rank 0 its children."""
+
+    def __init__(self, rank: int, world: int, children: list[subprocess.Popen] | None = None):
+        self.rank, self.world = rank, world
+        self.children = children or []
+        self.compute = None  # the compute process group, made once the device is known
+        self.shm = None  # shm_allreduce.ShmAllReduce: CPU ranks of one host (TP_ALLREDUCE=gloo: off)
+        self.lost_reason: str | None = None
+        self.on_lost: list = []  # callbacks(reason), e.g. the server's shutdown
+        self.closed = False
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.shard = None  # (the whole model's config, this rank's ShardPlan), once loaded: for LoRA
+
+    # -- collectives (every rank) --
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.all_reduce(t)
+        dist.all_reduce(t, group=self.compute)
+        return t
+
+    def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """[rows, V/N] on each rank -> [rows, V] on rank 0 (its own slice elsewhere)."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(t, parts, dst=0, group=self.compute)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else t
+
+    def send(self, message) -> None:
+        """Rank 0: one pickled message to every worker (the step's plan)."""
+        self._guard(dist.broadcast_object_list, [message], 0)
+
+    def recv(self):
+        box = [None]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
+
+    # -- faults (rank 0) --
+
+    def error(self) -> Exception:
+        """The exception a lost group raises: RankLost, or what the host chose (the server: a 503)."""
+        return self.make_error(self.lost_reason)
+
+    make_error = RankLost
+
+    def raise_if_lost(self) -> None:
+        self._poll_children()
+        if self.lost_reason is not None:
+            raise self.error()
+
+    def _poll_children(self) -> None:
+        for rank, child in enumerate(self.children, start=1):
+            if child.poll() is not None:
+                self.lost(f"rank {rank} (pid {child.pid}) exited with status {child.returncode}")
+                return
+
+    def _guard(self, fn, *args):
+        """fn(*args), a collective or a step; any failure loses the group (a peer is gone or late)."""
+        self._poll_children()
+        if self.lost_reason is not None:
+            raise self.error()
+        try:
+            return fn(*args)
+        except Exception as e:
+            self._poll_children()  # a dead child names itself; else the collective's error does
+            first = str(e).splitlines()[0] if str(e) else ""
+            self.lost(f"a collective failed ({type(e).__name__}: {first})")
+            raise self.error() from None
+
+    def lost(self, reason: str) -> None:
+        with self._lock:
+            if self.lost_reason is not None or self.closed:
+                return
+            self.lost_reason = reason
+        print(f"tensor parallel: {reason}; stopping every rank", file=sys.stderr, flush=True)
+        for callback in self.on_lost:
+            callback(reason)
+        self._kill_children()
+
+    def watch(self, interval: float = 0.2) -> None:
+        """Rank 0: a thread that notices a child's exit while no step runs (an idle server)."""
+
+        def loop():
+            while not self.closed and self.lost_reason is None:
+                for rank, child in enumerate(self.children, start=1):
+                    if child.poll() is not None and not self.closed:
+                        self.lost(f"rank {rank} (pid {child.pid}) exited with status {child.returncode}")
+                        return
+                time.sleep(interval)
+
+        if self.children:
+            threading.Thread(target=loop, name="tp-watch", daemon=True).start()
+
+    def _kill_children(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+        for child in self.children:
+            child.wait()
+
+    def close(self) -> None:
+        """Rank 0: every worker told to stop, waited for (killed after 10 s); idempotent."""
+        if self.closed:
+            return
+        if self.lost_reason is None and self.rank == 0:
+            try:
+                self.send(("stop",))
+            except Exception:  # noqa: BLE001  (lost on the way: the children are killed below)
+                pass
+        self.closed = True
+        deadline = time.monotonic() + 10
+        for child in self.children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001  (a lost group may not shut down cleanly; the process goes on)
+                pass
+
+    def runner(self, model, num_blocks: int, block_size: int, *_, **__) -> ParallelRunner:
+        """A ModelRunner factory (generate.py): rank 0's runner, and one on every worker."""
+        return ParallelRunner(self, ModelRunner(model, num_blocks, block_size, 1, 1, cuda_graphs=False))
+
+
+class ParallelRunner:
+    """ModelRunner's interface on rank 0: each call first sends the plan, then runs rank 0's shard."""
+
+    def __init__(self, group: Group, inner: ModelRunner):
+        self.group, self.inner, self.id = group, inner, next(group._ids)
+        self.model, self.cache, self.graphs = inner.model, inner.cache, None
+        inner.shard = group.shard
+        group.send(("runner", self.id, inner.cache.num_blocks, inner.block_size))
+        if inner.model.lora is not None:  # the engine made a slot table: every rank makes its own
+            self.enable_lora(inner.model.lora.n_slots, inner.model.lora.max_rank)
+
+    def enable_lora(self, n_slots: int, max_rank: int) -> None:
+        self.group.send(("lora_enable", self.id, n_slots, max_rank))
+        self.inner.enable_lora(n_slots, max_rank)
+
+    def read_lora(self, path):
+        return self.inner.read_lora(path)
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Every rank reads the adapter's files itself (checked here first) and keeps its slices."""
+        self.group.send(("lora", self.id, slot, None if adapter is None else str(adapter.path)))
+        self.group._guard(self.inner.write_lora, slot, adapter)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self.group.send(("copy", self.id, copies))
+            self.inner.copy_blocks(copies)
+
+    def run(self, work):
+        self.group.send(("run", self.id, work))
+        return self.group._guard(self.inner.run, work)
+
+
+# --- start ----------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """A worker ends when rank 0 does, however rank 0 ends (SIGKILL included): Linux's
+    PR_SET_PDEATHSIG, and where it is missing a thread that polls the parent's pid."""
+    parent = int(os.environ.get("TP_PARENT_PID", "0"))
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent:
+        if os.getppid() != parent:  # it died before prctl ran
+            os._exit(1)
+
+        def poll():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=poll, name="tp-parent", daemon=True).start()
+
+
+def _store(world: int, timeout: timedelta):
+    """Rank 0's rendezvous store on MASTER_ADDR:MASTER_PORT (default: 127.0.0.1, a free port)."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    try:
+        return addr, dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"cannot listen on {addr}:{port} for the ranks' rendezvous ({first}): "
+            "the port is in use? set MASTER_PORT to a free one, or unset it to pick one"
+        ) from None
+
+
+def start(world: int, timeout_s: float) -> Group:
+    """Rank 0: the group of `world` ranks, spawning the workers unless torchrun started them."""
+    timeout = timedelta(seconds=timeout_s)
+    if under_torchrun():
+        dist.init_process_group("gloo", init_method="env://", timeout=NO_TIMEOUT)
+        group = Group(0, world)
+        atexit.register(group.close)  # the workers' "stop"; torchrun reaps the processes
+        return group
+    addr, store = _store(world, timeout)
+    env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(store.port), WORLD_SIZE=str(world))
+    env |= {"TP_SPAWNED": "1", "TP_PARENT_PID": str(os.getpid())}
+    children = []
+    for rank in range(1, world):
+        env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        children.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve())], env=env_r))
+    group = Group(0, world, children)
+    atexit.register(group.close)
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=NO_TIMEOUT)
+    except Exception:
+        group._kill_children()
+        raise
+    return group
+
+
+def _join(world: int, rank: int) -> Group:
+    """A worker: into the group rank 0 made: its store when rank 0 spawned us (rank 0 passed its
+    store object to init_process_group, which then adds no key prefix: env:// would), else torchrun's."""
+    if "TP_SPAWNED" in os.environ:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=NO_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=NO_TIMEOUT)
+    return Group(rank, world)
+
+
+def _load(group: Group, a: LoadArgs):
+    """Every rank: the compute group, then its shard. -> (model, every rank's (bytes held, bytes read))."""
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", group.rank)))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=a.timeout_s))
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank(group.world))
+    if a.shm_path is not None:
+        group.shm = ShmAllReduce(a.shm_path, group.rank, group.world, a.timeout_s, group.raise_if_lost)
+        dist.barrier()  # every rank has it mapped: rank 0 unlinks the file below
+        if group.rank == 0:
+            os.unlink(a.shm_path)
+    config = load_config(a.model_dir)
+    group.shard = (config, ShardPlan.of(config, group.rank, group.world))
+    ops = a.kernels.ops(device, config.head_dim)
+    model, read = load_shard(a.model_dir, group.rank, group.world, group, device, a.dtype, a.quant, a.matmul, ops)
+    sizes = [None] * group.world
+    dist.all_gather_object(sizes, (model.weight_bytes, read), group=None)
+    return model, sizes
+
+
+def load(
+    name_or_path: str | None,
+    device: str | None,
+    dtype: str | None,
+    spec: QuantSpec | None,
+    matmul: str = DEFAULT_PATH,
+    kernel_flags: KernelFlags | str = KernelFlags(),
+    world: int = 2,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+):
+    """Rank 0's loading.load at tensor-parallel size `world`: checks the sizes, starts the ranks,
+    each loads its shard. -> (rank 0's Model, its directory, the Group)."""
+    from loading import resolve  # (loading imports model loading; here only the name resolution)
+
+    model_dir = resolve(name_or_path)
+    config = load_config(model_dir)
+    if spec_of(model_dir) is not None:
+        raise UserError(
+            f"{model_dir} is a quantized directory (or a converted .gguf): tensor parallelism slices plain "
+            "checkpoints, quantized on load (--quant int4/int8 on the original model)"
+        )
+    ShardPlan.check(config, world, spec)  # refused before any process starts
+    dev = pick_device(device)
+    auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
+    dt = torch.bfloat16 if spec is not None and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
+    flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
+    group = start(world, timeout_s)
+    one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    shm = dev.type == "cpu" and one_host and os.environ.get("TP_ALLREDUCE", "shm") == "shm"
+    shm_path = f"/dev/shm/llm-tp-{os.getpid()}-{time.monotonic_ns()}" if shm else None
+    if shm_path is not None:
+        ShmAllReduce.create(shm_path, world)
+    args = LoadArgs(str(model_dir), dev.type, dt, spec, matmul, flags, timeout_s, shm_path)
+    try:
+        group.send(("load", args))
+        model, sizes = group._guard(_load, group, args)
+    except BaseException:
+        group.lost("a rank failed to load its shard")
+        if shm_path is not None and os.path.exists(shm_path):
+            os.unlink(shm_path)
+        raise
+    group.watch()
+    per_rank = ", ".join(f"{held / 1e6:.1f}" for held, _ in sizes)
+    print(
+        f"tensor parallel: {world} ranks ({'NCCL' if dev.type == 'cuda' else 'gloo'}"
+        f"{', all-reduce in shared memory' if group.shm else ''}), {torch.get_num_threads()} "
+        f"threads each; weights per rank {per_rank} MB (read from the checkpoint: "
+        f"{', '.join(f'{r / 1e6:.1f}' for _, r in sizes)} MB); the kernels' one-call layers off (no all-reduce inside)",
+        file=sys.stderr,
+        flush=True,
+    )
+    group.sizes = sizes
+    return model, model_dir, group
+
+
+def worker_main() -> int:
+    """A worker's life: join, load its shard, run every plan rank 0 sends until "stop"."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "TP_SPAWNED" in os.environ:
+        _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    group = _join(world, rank)
+    kind, args = group.recv()
+    assert kind == "load", kind
+    try:
+        model, _ = _load(group, args)
+    except Exception as e:  # noqa: BLE001  (one line, then rank 0 notices the exit)
+        print(f"tensor parallel: rank {rank} could not load its shard: {e}", file=sys.stderr, flush=True)
+        return 1
+    runners: dict[int, ModelRunner] = {}
+    with torch.inference_mode():
+        while True:
+            message = group.recv()
+            kind = message[0]
+            if kind == "run":
+                runners[message[1]].run(message[2])
+            elif kind == "copy":
+                runners[message[1]].copy_blocks(message[2])
+            elif kind == "runner":
+                _, rid, num_blocks, block_size = message
+                runners[rid] = ModelRunner(model, num_blocks, block_size, 1, 1, cuda_graphs=False)
+                runners[rid].shard = group.shard
+            elif kind == "lora_enable":
+                runners[message[1]].enable_lora(*message[2:])
+            elif kind == "lora":
+                _, rid, slot, path = message
+                runner = runners[rid]
+                runner.write_lora(slot, None if path is None else runner.read_lora(Path(path)))
+            elif kind == "drop":
+                runners.pop(message[1], None)
+            elif kind == "stop":
+                break
+    dist.destroy_process_group()
+    return 0
+
+
+def build_engine(
+    model: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    quant: QuantSpec | None = None,
+    matmul: str = DEFAULT_PATH,
+    kernels: KernelFlags | str = KernelFlags(),
+    speculative: str = "off",
+    draft_model: str | None = None,
+    draft_quant: QuantSpec | None = QuantSpec(4, 32),
+    tensor_parallel_size: int = 1,
+    tensor_parallel_timeout: float = DEFAULT_TIMEOUT_S,
+    lora_modules: dict | None = None,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
+    **limits,
+):
+    """engine.build_engine at tensor-parallel size N: size 1 is chapter 07's exactly. Otherwise the
+    ranks start, rank 0's engine gets a ParallelRunner, and the engine's `tensor_parallel` is the
+    Group. A draft model (--speculative draft) runs whole on rank 0 alone: it is small, and its
+    steps would otherwise cost two all-reduces per layer for a model that fits one device."""
+    import engine as engine_module
+    from common.tokenizer import Tokenizer
+    from proposers import check_proposer_name, load_draft, make_proposer
+
+    if tensor_parallel_size == 1:
+        return engine_module.build_engine(
+            model,
+            device,
+            dtype,
+            quant,
+            matmul,
+            kernels,
+            speculative,
+            draft_model,
+            draft_quant,
+            lora_modules,
+            max_loras,
+            max_lora_rank,
+            **limits,
+        )
+    check_proposer_name(speculative)
+    loaded, model_dir, group = load(model, device, dtype, quant, matmul, kernels, tensor_parallel_size, tensor_parallel_timeout)
+    try:
+        tokenizer, draft = Tokenizer(model_dir), None
+        if speculative == "draft":
+            draft = load_draft(draft_model or model, loaded, tokenizer, device, dtype, draft_quant, matmul, kernels)
+        if limits.get("num_blocks") is None and limits.get("kv_cache_bytes") is None and loaded.device.type == "cpu":
+            # N ranks on one host share its memory: each takes its part of the default budget.
+            budget = default_kv_bytes(loaded.device)
+            limits["kv_cache_bytes"] = None if budget is None else budget // tensor_parallel_size
+        if draft is not None and limits.get("num_blocks") is None:
+            limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
+        limits["cuda_graphs"] = False  # a captured step would hold collectives: not yet (see README)
+        engine = engine_module.Engine(
+            loaded,
+            tokenizer,
+            engine_module.Engine.read_generation_config(model_dir),
+            proposer=make_proposer(speculative, draft),
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            **limits,
+        )
+        engine.runner = ParallelRunner(group, engine.runner)
+        engine.tensor_parallel = group
+        for name, path in (lora_modules or {}).items():
+            engine.load_lora(name, path)
+    except BaseException:
+        group.close()
+        raise
+    named = model not in (None, "") and not Path(model).exists()
+    return engine, model if named else Path(model or model_dir).name
+
+
+if __name__ == "__main__":
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        sys.exit(worker_main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001  (a collective failed: rank 0 is gone or stopping)
+        print(f"tensor parallel: rank {os.environ.get('RANK')} stops: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)

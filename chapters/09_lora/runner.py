@@ -1,0 +1,93 @@
+"""The model runner: the model and its KV pool, and one forward pass over a step's work.
+
+    logits = runner.run(work)     # one Work per row: a sequence's new tokens, where they start,
+                                  # its block table -> [rows, vocab], each row's last position
+
+Everything that touches the weights or the K/V pool lives here, and nothing else does: the engine
+(engine.py) decides who runs and what a logits row means, the runner computes it. That split is
+what lets a later chapter put one runner on every device of a tensor-parallel group while one
+engine schedules for all of them. With the kernels on CUDA, a decode step (one token per row)
+replays a captured CUDA graph instead of launching its kernels one by one (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from batch import Work, build_step
+from common.errors import UserError
+from cuda_graphs import DecodeGraphs
+from lora import Adapter, LoraWeights, read_adapter
+from memory import default_kv_bytes
+from model import Model, forward
+from paged_cache import PagedKVCache
+from sharding import shard_adapter
+
+
+def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | None) -> int:
+    """How many KV blocks to allocate: what `kv_cache_bytes` buy (default: memory.default_kv_bytes
+    of the model's device), never more than `most`, the blocks that could ever be used at once."""
+    budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)
+    if budget is None:  # free memory unknown (MPS)
+        return most
+    return min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Model, num_blocks: int, block_size: int, max_rows: int, max_blocks: int, cuda_graphs: bool = True
+    ):
+        """max_rows: the most rows a decode step has, max_blocks: the longest block table (both size
+        the graphs' static buffers). cuda_graphs: replay decode steps where the model's ops can (on
+        CUDA, with the kernels); False: every step eagerly."""
+        if num_blocks < 1:
+            raise UserError(f"the KV cache budget holds no block of {block_size} tokens: raise --kv-cache-memory-gb")
+        model.ops.check_block_size(block_size)
+        self.model = model
+        self.block_size = block_size
+        graphs = cuda_graphs and model.ops.can_capture_graphs
+        # With graphs, one block more than the block manager knows: padding sequences write there.
+        self.cache = PagedKVCache(
+            model.config, num_blocks + 1 if graphs else num_blocks, block_size, model.device, model.dtype
+        )
+        self.graphs = DecodeGraphs(model, self.cache, max_rows, max_blocks, num_blocks, capture=True) if graphs else None
+        # Tensor parallelism (parallel.py): (the whole model's config, this rank's sharding.ShardPlan);
+        # adapters are checked against the whole model and cut to the rank's slices.
+        self.shard = None
+
+    def enable_lora(self, n_slots: int, max_rank: int) -> None:
+        """A slot table for `n_slots` adapters of rank up to `max_rank` (its memory is taken on the
+        first load)."""
+        m = self.model
+        m.lora = LoraWeights(m.config, n_slots, max_rank, m.dtype, m.device)
+
+    def read_lora(self, path: Path) -> Adapter:
+        """A PEFT directory, checked against this model (UserError for a bad one)."""
+        config = self.model.config if self.shard is None else self.shard[0]
+        return read_adapter(path, config, self.model.lora.max_rank, self.model.dtype)
+
+    def write_lora(self, slot: int, adapter: Adapter | None) -> None:
+        """Fills `slot` of the model's table with `adapter` (this rank's part of it), or empties it (None)."""
+        if adapter is None:
+            self.model.lora.free(slot)
+        else:
+            if self.shard is not None:
+                adapter = shard_adapter(adapter, *self.shard)
+            self.model.lora.load(slot, adapter)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: a block shared by several sequences, about to be written by one of them."""
+        for src, dst in copies:
+            self.cache.copy_block(src, dst)
+
+    @torch.inference_mode()
+    def run(self, work: list[Work]) -> torch.Tensor:
+        """One forward pass: every row's tokens through the model, their K/V into the pool.
+        -> [rows, vocab], the logits at each row's last token."""
+        # A captured graph holds no LoRA segment table: steps with adapter rows run eagerly.
+        graphable = all(len(w.tokens) == 1 and w.lora_slot < 0 for w in work)
+        if self.graphs is not None and graphable and self.graphs.bucket(len(work)):
+            return self.graphs.run(work)  # a decode step: one replay
+        return forward(self.model, build_step(work, self.block_size, self.model.device), self.cache)

@@ -1,0 +1,320 @@
+"""The request loop: sampling, stop rules and streaming text around the paged, batched model."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
+from common.tools.testing import load_neighbour
+from engine import Engine, Request
+from model import load_model
+from sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+# The fixture's pool: 512 blocks of 16 tokens, the whole 8192-token context (377 MB in float32).
+# Always a sized pool: without one the engine takes a quarter of the free memory (memory.py).
+POOL_BLOCKS = 512
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """SmolLM2 in float32: for what needs a reply that makes sense and ends on its own."""
+    d = resolve_model("smollm2-135m")
+    return Engine(load_model(d), Tokenizer(d), Engine.read_generation_config(d), num_blocks=POOL_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """tiny-llama3 in float32 (random weights; SmolLM2's tokenizer): for what needs tokens and text,
+    not sense. A step costs a seventh of SmolLM2's, whose float32 weights (540 MB) every decode
+    step reads; its replies run to max_tokens."""
+    d = resolve_model("tiny-llama3")
+    return Engine(load_model(d), Tokenizer(d), Engine.read_generation_config(d), num_blocks=POOL_BLOCKS)
+
+
+def run(engine, req, cancelled=lambda: False):
+    """-> per choice: (text, token ids, finish_reason)"""
+    out = [["", [], None] for _ in range(req.n)]
+    for events in engine.stream(req, cancelled):
+        for ev in events:
+            out[ev.index][0] += ev.text
+            out[ev.index][1] += ev.token_ids
+            out[ev.index][2] = ev.finish_reason or out[ev.index][2]
+    return out
+
+
+def chat(engine, text):
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def test_greedy_equals_chapter_04(tiny):
+    """The paged, batched engine picks the tokens of the previous chapter's contiguous cache, one
+    request at a time and with both requests in the same steps (float32 on both sides: the same
+    tokens. SmolLM2's are chained through every chapter in tests/test_chapters.py)."""
+    ch04 = load_neighbour(4, "model", "generate")
+    d = resolve_model("tiny-llama3")
+    prompts = [chat(tiny, "Write a haiku about the sea."), chat(tiny, "What is 2 + 2?")]
+    expected = ch04.generate.generate_all(ch04.model.load_model(d), prompts, 24)
+    for prompt, ids in zip(prompts, expected):
+        text, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=24))[0]
+        assert [t for t in tokens if t not in tiny.eos_ids] == ids
+        assert text == tiny.tokenizer.decode(ids, skip_special_tokens=True)
+    together = tiny.generate([Request(p, GREEDY, max_tokens=24) for p in prompts])
+    assert [[t for t in out.token_ids if t not in tiny.eos_ids] for (out,) in together] == expected
+
+
+def test_finish_reasons_stop_and_length(engine):
+    text, tokens, finish = run(engine, Request(chat(engine, "What is the capital of France?"), GREEDY, max_tokens=40))[
+        0
+    ]
+    assert finish == "stop" and tokens[-1] in engine.eos_ids and "Paris" in text
+    text, tokens, finish = run(engine, Request(chat(engine, "Write a long essay."), GREEDY, max_tokens=5))[0]
+    assert finish == "length" and len(tokens) == 5
+
+
+def test_min_tokens_and_ignore_eos(engine):
+    prompt = chat(engine, "What is the capital of France?")
+    natural = run(engine, Request(prompt, GREEDY, max_tokens=40))[0][1]
+    assert len(natural) < 15
+    _, tokens, _ = run(engine, Request(prompt, GREEDY, max_tokens=40, min_tokens=15))[0]
+    assert len(tokens) >= 15 and not set(tokens[:15]) & engine.eos_ids
+    _, tokens, finish = run(engine, Request(prompt, GREEDY, max_tokens=20, ignore_eos=True))[0]
+    assert len(tokens) == 20 and finish == "length"
+
+
+def test_stop_token_ids(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    _, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=20))[0]
+    text, stopped, finish = run(tiny, Request(prompt, GREEDY, max_tokens=20, stop_token_ids=[tokens[5]]))[0]
+    assert finish == "stop" and stopped == tokens[: tokens.index(tokens[5]) + 1]
+    assert text == tiny.tokenizer.decode(stopped[:-1], skip_special_tokens=True)
+
+
+def test_stop_string_across_token_boundaries(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    full, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=30))[0]
+    # a stop string that starts inside one token and ends inside a later one
+    pieces = [tiny.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True) for i in range(len(tokens))]
+    start = len(pieces[3]) - 2
+    stop = full[start : len(pieces[6]) - 1]
+    assert len(stop) > 4
+    text, _, finish = run(tiny, Request(prompt, GREEDY, max_tokens=30, stop=[stop]))[0]
+    assert finish == "stop" and text == full[: full.index(stop)]
+    text, _, _ = run(tiny, Request(prompt, GREEDY, max_tokens=30, stop=[stop], include_stop_str_in_output=True))[0]
+    assert text == full[: full.index(stop) + len(stop)]
+
+
+def test_streamed_text_equals_one_shot_decode_with_sampling(tiny):
+    params = SamplingParams(temperature=1.0, seed=3)
+    text, tokens, _ = run(
+        tiny, Request(chat(tiny, "Say something in Chinese and use emoji."), params, max_tokens=40)
+    )[0]
+    assert text == tiny.tokenizer.decode([t for t in tokens if t not in tiny.eos_ids], skip_special_tokens=True)
+
+
+def test_seeded_n_choices(tiny):
+    req = Request(chat(tiny, "Tell me a story."), SamplingParams(temperature=1.0, seed=11), max_tokens=12, n=3)
+    a, b = run(tiny, req), run(tiny, req)
+    assert a == b
+    assert len({text for text, _, _ in a}) > 1
+
+
+def test_the_largest_seed_works_for_every_choice(engine):
+    req = Request(chat(engine, "Hi"), SamplingParams(temperature=1.0, seed=2**64 - 1), max_tokens=2, n=3)
+    assert all(len(tokens) >= 1 for _, tokens, _ in run(engine, req))  # seed + 2 would overflow torch's seed
+
+
+def test_cancel_stops_the_stream(engine):
+    steps = []
+
+    def cancelled():
+        steps.append(1)
+        return len(steps) > 3
+
+    out = run(engine, Request(chat(engine, "Write a long essay."), GREEDY, max_tokens=100), cancelled)
+    assert len(out[0][1]) == 3 and out[0][2] is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_ids=[]), "the prompt is empty"),
+        (dict(prompt_ids=[5] * 8192), "context is 8192 tokens"),
+        (dict(prompt_ids=[5] * 100, max_tokens=8100), "lower max_tokens"),
+        (dict(prompt_ids=[5], n=0), "n must be"),
+        (dict(prompt_ids=[5], max_tokens=0), "max_tokens must be"),
+        (dict(prompt_ids=[5], max_tokens=4, min_tokens=5), "min_tokens"),
+        (dict(prompt_ids=[5], stop_token_ids=[10**6]), "outside the vocabulary"),
+        (dict(prompt_ids=[5], stop=["x" * 257]), "at most 256 characters, got one of 257"),
+        (dict(prompt_ids=[5], params=SamplingParams(temperature=-0.5)), "temperature"),
+    ],
+)
+def test_bad_requests(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.validate(Request(**kwargs))
+
+
+def test_defaults_follow_generation_config(tmp_path):
+    d = resolve_model("tiny-llama3")
+    engine = Engine(
+        load_model(d), Tokenizer(d), {"temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7]}, num_blocks=16
+    )
+    assert engine.default_params().temperature == 0.6 and engine.default_params().top_p == 0.9
+    assert engine.eos_ids == {2, 7}
+
+
+# --- limits and memory ----------------------------------------------------------------------
+
+
+def limited(engine, **limits):
+    """The fixture's model and tokenizer under other operator limits, in a pool of their own
+    (POOL_BLOCKS blocks unless the limits size it)."""
+    if "num_blocks" not in limits and "kv_cache_bytes" not in limits:
+        limits["num_blocks"] = POOL_BLOCKS
+    return Engine(engine.model, engine.tokenizer, engine.generation_config, **limits)
+
+
+def block_bytes(engine, block_size: int = 16) -> int:
+    """What one block of the pool takes: K and V of block_size tokens in every layer."""
+    return engine.model.config.kv_bytes_per_token(engine.model.dtype.itemsize) * block_size
+
+
+def test_a_request_without_max_tokens_gets_the_operator_default(engine):
+    prompt = chat(engine, "Write a long essay.")
+    _, tokens, finish = run(limited(engine, max_tokens_default=5), Request(prompt, GREEDY, ignore_eos=True))[0]
+    assert len(tokens) == 5 and finish == "length"
+    # the context still wins over the default
+    short = limited(engine, max_model_len=len(prompt) + 3, max_tokens_default=50)
+    assert len(run(short, Request(prompt, GREEDY, ignore_eos=True))[0][1]) == 3
+
+
+def test_max_model_len_caps_the_context(engine):
+    capped = limited(engine, max_model_len=64)
+    assert capped.context == 64
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        capped.validate(Request([5] * 64))
+    with pytest.raises(ValueError, match="max_model_len"):
+        limited(engine, max_model_len=10**6)
+
+
+def test_blocks_are_taken_as_the_sequence_grows_without_changing_the_tokens(tiny):
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    req = Request(prompt, GREEDY, max_tokens=40, ignore_eos=True)
+    expected = run(tiny, req)[0][1]
+    small = limited(tiny, block_size=4)  # blocks of 4 tokens: a new one every fourth step
+    tokens, used = [], []
+    for events in small.stream(req):
+        tokens += [t for ev in events for t in ev.token_ids]
+        used.append(small.stats()["kv_blocks_used"])
+    assert tokens == expected  # the sequence's K/V spread over 15 blocks, read back in table order
+    # After the step that samples token k, the prompt and tokens 1..k-1 have K/V in the cache: the
+    # sequence holds the blocks those need, not the prompt + 40 max_tokens it may never reach.
+    assert used[:-1] == [-(-(len(prompt) + k - 1) // 4) for k in range(1, 40)]
+    assert used[-1] == 0  # its last token given, every block goes back at once
+
+
+def test_the_prompt_runs_once_for_n_choices(tiny, monkeypatch):
+    import runner as runner_module
+
+    prompt = chat(tiny, "Name a colour.")
+    one = run(tiny, Request(prompt, GREEDY, max_tokens=6, ignore_eos=True))[0][1]
+    fresh = limited(tiny)  # an empty prefix cache: the prompt's blocks are not found there
+    steps = []  # (new tokens, sequences) of each forward pass
+    real_forward = runner_module.forward
+    monkeypatch.setattr(
+        runner_module,
+        "forward",
+        lambda m, step, *a, **k: steps.append((len(step.tokens), len(step.last))) or real_forward(m, step, *a, **k),
+    )
+    out = run(fresh, Request(prompt, GREEDY, max_tokens=6, n=3, ignore_eos=True))
+    # Choice 0 runs the prompt. Then choices 1 and 2 start from its blocks and compute only the
+    # prompt's last token (for their logits), in the step where choice 0 decodes its second: one
+    # step behind it, all three decode together, and 1 and 2 finish one step after it.
+    assert steps == [(len(prompt), 1)] + [(3, 3)] * 5 + [(2, 2)]
+    assert [tokens for _, tokens, _ in out] == [one] * 3
+
+
+def test_the_pool_holds_what_kv_cache_bytes_buy_and_at_most_max_num_seqs_contexts(engine):
+    per_block = block_bytes(engine)
+    sized = limited(engine, kv_cache_bytes=10 * per_block + per_block // 2)  # a part of a block buys nothing
+    assert sized.blocks.num_blocks == 10 and sized.runner.cache.nbytes == 10 * per_block
+    assert sized.describe_pool() == f"KV cache: 10 blocks of 16 tokens = 160 tokens in {10 * per_block / 2**30:.2f} GiB"
+    assert limited(engine, kv_cache_bytes=10 * per_block, block_size=8).blocks.num_blocks == 20
+    # no more than max_num_seqs sequences of a whole context each could ever use: 3 x ceil(100 / 16)
+    capped = limited(engine, kv_cache_bytes=2**40, max_model_len=100, max_num_seqs=3)
+    assert capped.blocks.num_blocks == 21
+    assert limited(engine, num_blocks=5, kv_cache_bytes=2**40).blocks.num_blocks == 5  # num_blocks is the pool
+    with pytest.raises(ValueError, match="holds no block of 16 tokens: raise --kv-cache-memory-gb"):
+        limited(engine, kv_cache_bytes=per_block - 1)
+
+
+def test_without_a_size_the_pool_takes_the_default_share_of_free_memory(engine, monkeypatch):
+    import runner as runner_module
+
+    asked = []
+    monkeypatch.setattr(
+        runner_module, "default_kv_bytes", lambda device: asked.append(device) or 7 * block_bytes(engine)
+    )
+    default = Engine(engine.model, engine.tokenizer, engine.generation_config)
+    assert asked == [engine.model.device] and default.blocks.num_blocks == 7
+    # memory unknown (an MPS device): max_num_seqs full contexts
+    monkeypatch.setattr(runner_module, "default_kv_bytes", lambda device: None)
+    assert Engine(engine.model, engine.tokenizer, max_model_len=64, max_num_seqs=2).blocks.num_blocks == 8
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine):
+    small = limited(engine, num_blocks=8)  # 128 tokens
+    req = Request([5] * 100, max_tokens=100)
+    message = (
+        r"this request needs room for 200 tokens \(100 in the prompt, 100 to generate\), but this server's "
+        r"KV cache holds 128 tokens: lower max_tokens or the prompt's length"
+    )
+    with pytest.raises(ValueError, match=message):
+        small.validate(req)
+    with pytest.raises(ValueError, match=message):
+        next(small.stream(req))  # refused before it is queued
+    assert not small.requests and not small.has_work() and small.stats()["kv_blocks_used"] == 0
+    # A request that sets no max_tokens gets the default (1024) within the context and the pool:
+    # 28 tokens here, not a 400 telling it to lower a max_tokens it never set.
+    small.validate(Request([5] * 100))
+    assert small.limits.max_tokens_for(Request([5] * 100)) == 28
+    small.validate(Request([5] * 100, max_tokens=28))
+    # All n choices must fit at once (6 shared prompt blocks + 2 of its own each): else one would
+    # be preempted over and over, and the requests behind it starve.
+    with pytest.raises(
+        ValueError, match=r"this request's 16 choices need 38 blocks of 16 tokens at once .* lower n or max_tokens"
+    ):
+        small.validate(Request([5] * 100, max_tokens=28, n=16))
+    small.validate(Request([5] * 100, max_tokens=12, n=2))  # 6 + 2 x 1 = 8 blocks
+    assert small.limits.max_tokens_for(Request([5] * 100, n=2)) == 12  # the default, for two choices
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable (Linux)")
+def test_the_default_pool_counts_memory_the_kernel_would_give_back():
+    from memory import DEFAULT_KV_SHARE, default_kv_bytes, free_memory
+
+    cpu = torch.device("cpu")
+    free_pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    # free pages alone leave out the page cache: on a machine that has read many files, most of it
+    assert free_memory(cpu) >= 0.9 * free_pages
+    assert default_kv_bytes(cpu) == pytest.approx(DEFAULT_KV_SHARE * free_memory(cpu), rel=0.1)
+
+
+def test_copy_block_copies_a_block_in_every_layer(engine):
+    """Copy-on-write for the n choices of a request: a fork copies the partly filled last block of
+    choice 0's prompt, K and V, in every layer, and touches no other block."""
+    from paged_cache import PagedKVCache
+
+    cfg = engine.model.config
+    cache = PagedKVCache(cfg, 6, 4, "cpu", torch.float32)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.copy_block(2, 5)
+    assert len(cache.k) == len(cache.v) == cfg.num_hidden_layers
+    for old, new in zip(before, cache.k + cache.v):
+        assert new.shape == (6, 4, cfg.num_key_value_heads, cfg.head_dim)
+        assert torch.equal(new[5], old[2]) and torch.equal(new[:5], old[:5])

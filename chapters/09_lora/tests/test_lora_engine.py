@@ -1,0 +1,218 @@
+"""Adapters inside the batching engine (tiny model, float32): 16 requests over 4 adapters and the
+base model in one run, with fewer slots than adapters, equal each request run alone; the prefix
+cache never crosses adapters; speculation gives the greedy tokens it gives off; load and unload
+while requests run."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine import Request, build_engine
+from proposers import Draft, NgramProposer
+from sampling import SamplingParams
+from peft_adapters import hf_base, make_adapter
+
+ADAPTERS = {  # name -> (rank, targets)
+    "r2": (2, ["q_proj", "v_proj"]),
+    "r4": (4, ["k_proj", "o_proj", "down_proj"]),
+    "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "r16": (16, ["gate_proj", "up_proj"]),
+}
+NAMES = [*ADAPTERS, None]  # None: the base model
+# A prompt that repeats itself, so that prompt lookup finds drafts; 40 tokens: two full blocks of 16.
+PROMPT = [1] + [300, 500, 700, 900, 1100, 1300, 1500] * 5 + [300, 500, 700, 900]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root, base = tmp_path_factory.mktemp("adapters"), hf_base()
+    return {
+        name: make_adapter(root / name, rank, targets, seed=i, size=0.1, base=base)
+        for i, (name, (rank, targets)) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(paths):
+    """Two slots for four adapters: requests of the other two wait, and slots swap."""
+    eng, _ = build_engine("tiny-llama3", "cpu", "float32", lora_modules=paths, max_loras=2, num_blocks=256)
+    return eng
+
+
+def request(i: int, adapter, max_tokens=12) -> Request:
+    prompt = [1, 100 + i, 2000 + 7 * i, 4000 + i, 50 + i] + [300 + i] * (i % 5)
+    return Request(prompt, SamplingParams(temperature=0), max_tokens=max_tokens, ignore_eos=True, adapter=adapter)
+
+
+def tokens(outputs):
+    return [out[0].token_ids for out in outputs]
+
+
+def test_16_requests_over_4_adapters_and_the_base_equal_each_alone(engine):
+    reqs = [request(i, NAMES[i % len(NAMES)]) for i in range(16)]
+    waits, loads = engine.adapters.n_waits, engine.adapters.n_loads
+    together = tokens(engine.generate(reqs, arrivals=[i // 4 for i in range(16)]))
+    assert engine.adapters.n_waits > waits  # 4 adapters, 2 slots: some requests waited for one
+    assert engine.adapters.n_loads - loads > 2  # ... and slots were refilled (LRU swaps)
+    alone = [tokens(engine.generate([r]))[0] for r in reqs]
+    assert together == alone
+    # the adapter changes the answer: the same prompt through each adapter and the base
+    same_prompt = tokens(engine.generate([request(3, name) for name in NAMES]))
+    assert len({tuple(t) for t in same_prompt}) == len(NAMES)
+    assert engine.stats()["lora_waits"] == engine.adapters.n_waits
+    assert engine.stats()["running"] == 0 and not any(engine.adapters.running)  # every slot given back
+
+
+def test_the_prefix_cache_never_serves_another_adapter(engine):
+    """Blocks computed with one adapter hold that adapter's K/V: the same prompt through another
+    adapter or the base must compute its own (0 tokens hit), the same adapter again reuses them."""
+    b = engine.blocks
+
+    def run(adapter):
+        before = b.hit_tokens
+        out = tokens(engine.generate([Request(list(PROMPT), SamplingParams(temperature=0), max_tokens=6, adapter=adapter)]))
+        return out[0], b.hit_tokens - before
+
+    first, hit = run("r8")
+    assert hit == 0
+    for other in ("r4", None):
+        _, hit = run(other)
+        assert hit == 0, other
+    again, hit = run("r8")
+    assert hit == 32 and again == first  # two full blocks of 16 from the cache, the same tokens
+
+
+@pytest.fixture(scope="module")
+def speculating(paths):
+    """Engines with the same adapters, without speculation, with prompt lookup and with a draft
+    model (the tiny model itself, unquantized: it drafts with the base model, the verify rows run
+    through the request's adapter). Each engine its own model: a model holds one slot table."""
+
+    def make(speculative):
+        eng, _ = build_engine(
+            "tiny-llama3",
+            "cpu",
+            "float32",
+            speculative=speculative,
+            draft_quant=None,
+            lora_modules=paths,
+            max_loras=2,
+            num_blocks=128,
+            num_speculative_tokens=4,
+            speculative_max_batch=8,
+        )
+        return eng
+
+    return {name: make(name) for name in ("off", "ngram", "draft")}
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculation_gives_the_greedy_tokens_it_gives_off(speculating, proposer):
+    reqs = [Request(list(PROMPT), SamplingParams(temperature=0), max_tokens=16, ignore_eos=True, adapter=n) for n in NAMES]
+    off = tokens(speculating["off"].generate(reqs))
+    on = tokens(speculating[proposer].generate(reqs))
+    assert on == off
+    if proposer == "draft":  # (prompt lookup finds no draft in the tiny model's replies: they do not repeat)
+        stats = speculating[proposer].speculator.stats
+        assert stats.verifies > 0 and stats.accepted < stats.drafted  # base-model drafts: some rejected
+
+
+class Oracle:
+    """Proposes what the run without speculation generated next: every guess is right, if the verify
+    rows compute what decode steps compute, through the request's adapter."""
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def describe(self):
+        return "oracle"
+
+    def propose(self, seqs, ks):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            full = self.runs[seq.adapter]
+            drafts.append(Draft(full[len(seq.tokens) : len(seq.tokens) + k] if full[: len(seq.tokens)] == seq.tokens else []))
+        return drafts
+
+
+def test_verify_rows_run_through_the_requests_adapter(speculating):
+    off = speculating["off"]
+    reqs = {n: Request(list(PROMPT), SamplingParams(temperature=0), max_tokens=12, ignore_eos=True, adapter=n) for n in NAMES}
+    runs = {n: PROMPT + tokens(off.generate([r]))[0] for n, r in reqs.items()}
+    oracle = speculating["ngram"]
+    oracle.speculator.proposer, before = Oracle(runs), SimpleNamespace(**vars(oracle.speculator.stats))
+    try:
+        on = tokens(oracle.generate(list(reqs.values())))
+    finally:
+        oracle.speculator.proposer = NgramProposer(min_n=1, max_n=3)
+    stats = oracle.speculator.stats
+    assert on == [runs[n][len(PROMPT) :] for n in NAMES]
+    assert stats.drafted > before.drafted and stats.accepted - before.accepted == stats.drafted - before.drafted
+
+
+def test_load_and_unload_while_requests_run(engine, paths):
+    eng = engine
+    eng.load_lora("late", paths["r4"])  # the same files under a second name
+    assert "late" in eng.lora_names()
+    want = tokens(eng.generate([request(5, "r4", 10)]))[0]
+    rid = eng.add(request(5, "late", 10))
+    got = []
+    while rid in eng.requests:
+        for r, events, _ in eng.step():
+            got += [t for e in events for t in e.token_ids]
+        if got and "late" in eng.lora_names():
+            eng.unload_lora("late")  # in use: new requests are refused at once, this one finishes
+            with pytest.raises(ValueError, match="unknown LoRA adapter 'late'"):
+                eng.add(request(1, "late"))
+    assert got == want  # its stream went on to its end, through the adapter
+    assert "late" not in eng.adapters.adapters and "late" not in eng.adapters.slot_of  # dropped with it
+    eng.load_lora("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
+    seq = eng.requests[eng.add(request(2, "late", 2))].seqs[0]
+    while eng.has_work():
+        eng.step()
+    eng.scheduler.finish(seq)  # finished already (an abort of a request whose choice ended): no second leave
+    assert eng.adapters.users["late"] == 0
+    eng.unload_lora("late")
+    assert "late" not in eng.adapters.adapters
+
+
+def test_a_hash_collision_across_adapters_is_a_miss(monkeypatch):
+    """Even when block names collide (every name the same here), a block computed with one adapter
+    is not served to another or to the base: the check compares the adapter too."""
+    import block_manager
+
+    monkeypatch.setattr(block_manager, "block_hash", lambda previous, tokens: 0)
+    blocks = block_manager.BlockManager(8, 4)
+    tokens = [5, 6, 7, 8, 9]
+    table = []
+    blocks.grow(table, 4)
+    blocks.register(table, tokens, 4, adapter=1)
+    for adapter, hit in ((2, 0), (None, 0), (1, 4)):
+        other = []
+        assert blocks.take_prefix(other, tokens, adapter) == hit, adapter
+        blocks.free(other)
+
+
+def test_slots_swap_least_recently_used_idle_first_and_never_a_running_one():
+    from lora_slots import AdapterSlots
+
+    writes = []
+    slots = AdapterSlots(2, read=lambda path: SimpleNamespace(path=path), write=lambda s, a: writes.append((s, a and a.path.name)))
+    for name in "abc":
+        slots.register(name, f"/x/{name}")
+    a, b = slots.acquire("a"), slots.acquire("b")
+    assert (a, b) == (0, 1) and writes == [(0, "a"), (1, "b")]
+    assert slots.acquire("c") is None  # both running: c waits
+    slots.release(b)
+    slots.release(a)  # a used last: b is the least recently used idle slot
+    assert slots.acquire("c") == 1 and writes[-1] == (1, "c") and "b" not in slots.slot_of
+    assert slots.acquire("a") == 0 and len(writes) == 3  # still resident: no copy
+    slots.release(0)
+    slots.release(1)
+    slots.enter("a")
+    slots.unregister("a")  # a request of it is still queued: kept until it leaves
+    assert "a" in slots.slot_of and slots.names() == ["b", "c"]
+    slots.leave("a")
+    assert "a" not in slots.adapters and writes[-1] == (0, None)  # dropped, its slot emptied
+    assert slots.acquire("b") == 0  # the emptied slot is filled first, c stays resident
+    assert slots.slot_of == {"b": 0, "c": 1}

@@ -1,0 +1,128 @@
+"""Every adapter the engine cannot serve exactly is refused with one line that says why: at load,
+for a request, for an unload. Each bad directory is a good PEFT one (made by peft) with one thing
+broken."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.errors import UserError
+from engine import Request, build_engine
+from peft_adapters import make_adapter
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return make_adapter(tmp_path_factory.mktemp("good") / "r8", 8, ["q_proj", "v_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def engine(good):
+    eng, _ = build_engine("tiny-llama3", "cpu", "float32", max_loras=2, max_lora_rank=8, num_blocks=16)
+    eng.load_lora("good", good)
+    return eng
+
+
+def broken(good, tmp_path, config=None, tensors=None, remove=()):
+    """A copy of `good` with its config updated by `config`, its tensors changed by `tensors`
+    (a function of the dict), or files removed."""
+    out = tmp_path / "bad"
+    shutil.copytree(good, out)
+    if config is not None:
+        settings = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps(settings | config))
+    if tensors is not None:
+        path = str(out / "adapter_model.safetensors")
+        save_file(tensors(load_file(path)), path)
+    for name in remove:
+        (out / name).unlink()
+    return out
+
+
+A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def replaced(key, value):
+    return lambda t: t | {key: value}
+
+
+CASES = {
+    "missing config": (dict(remove=["adapter_config.json"]), "no adapter_config.json"),
+    "missing weights": (dict(remove=["adapter_model.safetensors"]), "no adapter_model.safetensors"),
+    "unknown target": (dict(config={"target_modules": ["q_proj", "lm_head"]}), "unknown target module 'lm_head'"),
+    "target pattern": (dict(config={"target_modules": ".*proj"}), "as a pattern"),
+    "rank over limit": (dict(config={"r": 16}), "rank 16 is over --max-lora-rank 8"),
+    "dora": (dict(config={"use_dora": True}), "DoRA (use_dora) is not supported"),
+    "bias": (dict(config={"bias": "all"}), "trained biases"),
+    "modules_to_save": (dict(config={"modules_to_save": ["lm_head"]}), "fully trained modules"),
+    "layers_to_transform": (dict(config={"layers_to_transform": [0, 1]}), "a subset of layers"),
+    "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "per-module ranks"),
+    "not lora": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3' is not LoRA"),
+    "bad rank": (dict(config={"r": "eight"}), "r must be a positive integer"),
+    "wrong shape": (
+        dict(tensors=replaced(A0, torch.zeros(8, 576))),
+        f"{A0} is [8, 576], the base model needs [8, 256]",
+    ),
+    "rank unlike the config": (dict(tensors=replaced(A0, torch.zeros(4, 256))), "is [4, 256], the base model needs [8, 256]"),
+    "missing tensor": (
+        dict(tensors=lambda t: {k: v for k, v in t.items() if "layers.3.mlp.down_proj.lora_B" not in k}),
+        "layers.3.mlp.down_proj.lora_B.weight is missing",
+    ),
+    "layer past the model": (
+        dict(tensors=lambda t: t | {A0.replace("layers.0", "layers.9"): t[A0].clone()}),
+        "adapts layer 9; the base model has 4 layers",
+    ),
+    "untargeted tensor": (
+        dict(tensors=lambda t: t | {A0.replace("q_proj", "k_proj"): t[A0].clone()}),
+        "adapts k_proj, which target_modules does not list",
+    ),
+    "foreign tensor": (dict(tensors=lambda t: t | {"base_model.model.lm_head.weight": torch.zeros(2, 2)}), "is not a LoRA A or B"),
+    "not finite": (dict(tensors=replaced(A0, torch.full((8, 256), float("nan")))), "not finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_adapter_is_refused_at_load_with_the_reason(engine, good, tmp_path, case):
+    change, message = CASES[case]
+    path = broken(good, tmp_path, **change)
+    with pytest.raises(UserError, match="^LoRA adapter .*" + re.escape(message)) as e:
+        engine.load_lora("bad", path)
+    assert "\n" not in str(e.value)
+    assert "bad" not in engine.lora_names()  # nothing half-loaded
+
+
+def test_unreadable_files_are_refused(engine, good, tmp_path):
+    path = broken(good, tmp_path)
+    (path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        engine.load_lora("bad", path)
+    path = broken(good, tmp_path / "2")
+    (path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(UserError, match="the safetensors library cannot read it"):
+        engine.load_lora("bad", path)
+    with pytest.raises(UserError, match="no such directory"):
+        engine.load_lora("bad", tmp_path / "nowhere")
+
+
+def test_names_are_checked(engine, good):
+    with pytest.raises(UserError, match=r"unknown LoRA adapter 'nope' \(loaded: good\)"):
+        engine.add(Request([1, 2, 3], adapter="nope"))
+    with pytest.raises(UserError, match=r"no LoRA adapter named 'nope' is loaded \(loaded: good\)"):
+        engine.unload_lora("nope")
+    with pytest.raises(UserError, match="'good' is already loaded; unload it first"):
+        engine.load_lora("good", good)
+    assert engine.lora_names() == ["good"]
+
+
+def test_an_engine_without_slots_serves_no_adapter(good):
+    eng, _ = build_engine("tiny-llama3", "cpu", "float32", max_loras=0, num_blocks=4)
+    with pytest.raises(UserError, match="serves no adapters"):
+        eng.add(Request([1, 2, 3], adapter="good"))
+    with pytest.raises(UserError, match="serves no LoRA adapters"):
+        eng.load_lora("good", good)
+    with pytest.raises(UserError, match="--max-lora-rank must be at least 1"):
+        build_engine("tiny-llama3", "cpu", "float32", max_lora_rank=0, num_blocks=4)

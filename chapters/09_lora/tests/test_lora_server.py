@@ -1,0 +1,182 @@
+"""LoRA adapters through the HTTP server (tiny model, float32, a live server.py): a request's
+`model` picks the adapter and gets the engine's tokens for it, /v1/models lists the adapters,
+adapters load and unload while a stream runs, and every bad name or adapter gets its own error."""
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from engine import Request, build_engine
+from live_server import serve
+from peft_adapters import hf_base, make_adapter
+from sampling import SamplingParams
+
+MODEL = "tiny-llama3"
+PROMPT = [1, 400, 401, 402, 403, 404, 405]
+N = 8
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root, base = tmp_path_factory.mktemp("adapters"), hf_base()
+    return {
+        "a": make_adapter(root / "a", 4, seed=1, size=0.1, base=base),
+        "b": make_adapter(root / "b", 8, ["q_proj", "v_proj", "down_proj"], seed=2, size=0.1, base=base),
+        "late": make_adapter(root / "late", 2, ["o_proj", "up_proj"], seed=3, size=0.1, base=base),
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(paths):
+    """Each adapter's (and the base's) greedy text of N tokens from the engine in this process."""
+    engine, _ = build_engine(MODEL, "cpu", "float32", lora_modules=paths, num_blocks=64)
+    names = [None, *paths]
+    outs = engine.generate([Request(PROMPT, SamplingParams(temperature=0), max_tokens=N, ignore_eos=True, adapter=a) for a in names])
+    return {a: out[0].text for a, out in zip(names, outs)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, paths):
+    flags = ["--lora-modules", f"a={paths['a']}", f"b={paths['b']}", "--max-loras", "2", "--max-lora-rank", "8"]
+    with serve(tmp_path_factory.mktemp("lora-server"), MODEL, *flags) as (url, _proc, log):
+        yield url, log
+
+
+def complete(url: str, model: str | None, **extra) -> httpx.Response:
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True, **extra}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def text_of(reply: dict) -> str:
+    return reply["choices"][0]["text"]
+
+
+def stream_text(url: str, body: dict, on_chunk=lambda: None) -> tuple[str, int]:
+    """A streamed completion's text and its number of tokens (from the final usage chunk)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    text, n = "", 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+                    on_chunk()
+                if chunk.get("usage"):
+                    n = chunk["usage"]["completion_tokens"]
+    return text, n
+
+
+def test_the_model_field_picks_the_adapter_and_the_models_list_names_them(server, paths, expected):
+    url, log = server
+    assert "LoRA: 2 adapters, 2 slots of rank up to 8" in log.read_text()
+    data = httpx.get(url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [MODEL, "a", "b"]
+    assert data[1]["parent"] == MODEL and data[1]["root"] == str(paths["a"])
+    for model, adapter in ((MODEL, None), (None, None), ("a", "a"), ("b", "b")):
+        r = complete(url, model)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == (adapter or MODEL)
+        assert text_of(r.json()) == expected[adapter], model
+    assert len({tuple(expected[a]) for a in (None, "a", "b")}) == 3  # each adapter says something else
+
+
+def test_an_unknown_model_is_a_404_that_names_the_adapters(server):
+    url, _ = server
+    r = complete(url, "nope")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert err["message"] == f"The model 'nope' does not exist; this server serves '{MODEL}' and the LoRA adapters a, b"
+
+
+def test_load_and_unload_while_a_stream_runs(server, paths, expected):
+    url, log = server
+    streamed, errors = [], []
+
+    def stream():  # the base model, streamed, across the load and the unload
+        body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        try:
+            streamed.append(stream_text(url, body))
+        except Exception as e:  # noqa: BLE001  (the test thread asserts on it)
+            errors.append(e)
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(paths["late"])}, timeout=60)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
+    assert "late" in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    got = complete(url, "late")
+    assert got.status_code == 200 and text_of(got.json()) == expected["late"]
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' removed successfully.", log.read_text()[-3000:]
+    assert complete(url, "late").status_code == 404
+    assert "late" not in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    streamer.join(timeout=120)
+    assert not errors and streamed[0][1] == 48
+    assert streamed[0][0].startswith(expected[None])  # the base stream never saw the adapters come and go
+
+
+def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, expected):
+    url, _ = server
+    result = {}
+    body = {"model": "b", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    started = threading.Event()
+
+    def run():
+        result["text"], result["n"] = stream_text(url, body, started.set)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(60)
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)
+    assert r.status_code == 200
+    t.join(timeout=120)
+    assert result["n"] == 64 and result["text"].startswith(expected["b"])
+    assert complete(url, "b").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "path, body, status, message",
+    [
+        ("load", {"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 400, "/nonexistent/adapter"),
+        ("load", {"lora_name": "a", "lora_path": "{a}"}, 400, "LoRA adapter 'a' is already loaded; unload it first"),
+        ("load", {"lora_name": MODEL, "lora_path": "{a}"}, 400, "is the base model's name"),
+        ("load", {"lora_name": "x"}, 400, "lora_path"),
+        ("load", {"lora_name": "x", "lora_path": "{a}", "rank": 3}, 400, "rank"),
+        ("unload", {"lora_name": "never-loaded"}, 404, "no LoRA adapter named 'never-loaded' is loaded"),
+        ("unload", {}, 400, "lora_name"),
+    ],
+    ids=["missing-dir", "name-in-use", "base-name", "no-path", "unknown-field", "unknown-unload", "no-name"],
+)
+def test_bad_load_and_unload_requests_get_their_error(server, paths, path, body, status, message):
+    url, _ = server
+    body = {k: v.format(a=paths["a"]) if isinstance(v, str) else v for k, v in body.items()}
+    r = httpx.post(url + f"/v1/{path}_lora_adapter", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_an_adapter_over_the_rank_limit_is_refused_and_the_server_keeps_serving(server, tmp_path, expected):
+    url, _ = server
+    big = make_adapter(tmp_path / "r16", 16, ["q_proj"], seed=4)
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)}, timeout=60)
+    assert r.status_code == 400 and "16" in r.json()["error"]["message"], r.text
+    assert text_of(complete(url, "a").json()) == expected["a"]
+
+
+def test_a_bad_adapter_at_startup_is_one_line(tmp_path):
+    from common.tools.warm_python import run_python
+    from live_server import CHAPTER
+
+    r = run_python(
+        ["server.py", "--model", MODEL, "--device", "cpu", "--lora-modules", f"x={tmp_path / 'missing'}"], cwd=CHAPTER, timeout=300
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert str(tmp_path / "missing") in r.stderr.strip().splitlines()[-1], r.stderr
+    r = run_python(["server.py", "--model", MODEL, "--lora-modules", "no-equals-sign"], cwd=CHAPTER, timeout=300)
+    assert r.returncode == 2 and "--lora-modules takes NAME=PATH pairs, got 'no-equals-sign'" in r.stderr

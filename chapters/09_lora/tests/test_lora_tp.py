@@ -1,0 +1,53 @@
+"""Adapters under tensor parallelism (real processes, gloo on CPU, the tiny model in float32):
+column-parallel projections hold their rows of B, row-parallel ones their columns of A, and the
+tokens equal TP=1's, with more adapters than slots (every rank swaps the same slot) and an unload."""
+
+import pytest
+
+from engine import Request
+from parallel import build_engine
+from sampling import SamplingParams
+from peft_adapters import EVERY, hf_base, make_adapter
+
+REACHES = ["parallel.py"]  # the workers run it as a script (common/tools/carried.py)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root, base = tmp_path_factory.mktemp("adapters"), hf_base()
+    return {
+        "every": make_adapter(root / "every", 8, EVERY, seed=1, size=0.1, base=base),
+        "o-down": make_adapter(root / "o-down", 4, ["o_proj", "down_proj"], seed=2, size=0.2, base=base),
+        "kv-up": make_adapter(root / "kv-up", 16, ["k_proj", "v_proj", "up_proj"], seed=3, size=0.1, base=base),
+    }
+
+
+def test_tp2_with_adapters_equals_tp1(paths):
+    names = [*paths, None]
+    prompts = [[1, 100 + i, 2000 + 9 * i, 4000 + i, 77] for i in range(8)]
+
+    def outputs(tp):
+        engine, _ = build_engine(
+            "tiny-llama3", "cpu", "float32", tensor_parallel_size=tp, lora_modules=paths, max_loras=2, num_blocks=64
+        )
+        try:
+            reqs = [
+                Request(p, SamplingParams(temperature=0), max_tokens=8, ignore_eos=True, adapter=names[i % 4])
+                for i, p in enumerate(prompts)
+            ]
+            first = [o[0].token_ids for o in engine.generate(reqs, arrivals=[i // 3 for i in range(8)])]
+            engine.unload_lora("every")  # its slot emptied on every rank
+            rest = [o[0].token_ids for o in engine.generate([r for r in reqs if r.adapter != "every"])]
+            return first, rest, engine.stats()
+        finally:
+            if tp > 1:
+                engine.tensor_parallel.close()
+
+    want = outputs(1)
+    got = outputs(2)
+    assert got[:2] == want[:2]
+    assert got[2]["lora_waits"] > 0 and got[2]["lora_loads"] > 2  # 3 adapters through 2 slots
+    by_adapter = {}
+    for i, t in enumerate(want[0]):
+        by_adapter.setdefault(names[i % 4], []).append(tuple(t))
+    assert len({ts[0] for ts in by_adapter.values()}) >= 3  # the adapters change the tokens

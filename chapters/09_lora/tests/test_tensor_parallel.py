@@ -1,0 +1,221 @@
+"""Tensor parallelism end to end, with real processes (gloo on CPU): greedy tokens at TP=2 (the
+tiny model) and TP=3 (SmolLM2) equal TP=1's in float32 through generate.py, the engine with 16
+requests at once (speculation on) and the server; refusals; a killed worker; SIGTERM; a port in
+use; and no process left behind."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.models import resolve_model
+from common.tokenizer import Tokenizer
+from common.tools.warm_python import run_python, start_python
+
+REACHES = ["generate.py", "cli.py", "server.py", "parallel.py"]  # scripts run in a subprocess (common/tools/carried.py)
+
+CHAPTER = Path(__file__).resolve().parents[1]
+PROMPTS = ["The sky is", "Once upon a time, there was"]
+
+
+def group_of(pid: int) -> list[int]:
+    """The live processes of process group `pid` (a started script leads its own group)."""
+    out = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def tp1_texts(model: str, prompts: list[str], n: int, quant=None) -> list[str]:
+    """Chapter 07's path (TP=1) in this process: generate.py's greedy loop, decoded."""
+    from generate import generate_all
+    from model import load_model
+    from ops import resolve
+
+    d = resolve_model(model)
+    tok = Tokenizer(d)
+    m = load_model(d, "cpu", torch.float32, quant, ops=resolve("auto", torch.device("cpu"), None))
+    outs = generate_all(m, [tok.encode(p) for p in prompts], n)
+    return [tok.decode(o, skip_special_tokens=True) for o in outs]
+
+
+def generate_py(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env or {}))
+    return run_python(["generate.py", "--device", "cpu", "--dtype", "float32", *flags], cwd=CHAPTER, env=env, timeout=300)
+
+
+# float32 with the shared-memory all-reduce (the default on one host), int4 through gloo's.
+@pytest.mark.parametrize("quant, allreduce", [([], "shm"), (["--quant", "int4"], "gloo")], ids=["float32", "int4"])
+def test_generate_tp2_equals_tp1_on_the_tiny_model(quant, allreduce):
+    from quant import QuantSpec
+
+    flags = [a for p in PROMPTS for a in ("--prompt", p)]
+    r = generate_py(
+        "--model", "tiny-llama3", *flags, "--max-new-tokens", "8", "--tensor-parallel-size", "2", *quant,
+        env={"TP_ALLREDUCE": allreduce},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks (gloo" in r.stderr and "TP=2" in r.stderr
+    assert ("all-reduce in shared memory" in r.stderr) == (allreduce == "shm")
+    want = tp1_texts("tiny-llama3", PROMPTS, 8, QuantSpec(4, 32) if quant else None)
+    assert r.stdout.splitlines() == [line for text in want for line in text.split("\n")]
+
+
+def test_generate_tp3_equals_tp1_on_smollm2():
+    r = generate_py("--model", "smollm2-135m", "--prompt", PROMPTS[0], "--max-new-tokens", "4", "--tensor-parallel-size", "3")
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 3 ranks" in r.stderr
+    assert r.stdout.rstrip("\n") == tp1_texts("smollm2-135m", PROMPTS[:1], 4)[0]
+
+
+def test_cli_chat_at_tp2_says_what_tp1_says():
+    """Two turns and a /reset through the chat CLI: the history and the single sequence's pool
+    work the same when every layer is split across two processes."""
+    chat = "Hello there\nAnd again?\n/reset\nHi\n/quit\n"
+    flags = ["--model", "tiny-llama3", "--temperature", "0", "--max-new-tokens", "6", "--dtype", "float32"]
+    runs = [
+        run_python(["cli.py", *flags, *tp], input=chat, cwd=CHAPTER, timeout=300)
+        for tp in ([], ["--tensor-parallel-size", "2"])
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks" in runs[1].stderr
+    assert runs[0].stdout.count("model> ") == 3
+    assert runs[1].stdout == runs[0].stdout
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun ARGS` (torch.distributed.run) in this chapter's folder; its stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *args], cwd=CHAPTER, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_torchrun_starts_the_ranks_and_generate_says_what_tp1_says():
+    flags = [a for p in PROMPTS for a in ("--prompt", p)]
+    r = torchrun(
+        "--standalone", "--nproc-per-node", "2", "generate.py", "--model", "tiny-llama3", *flags,
+        "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 2 ranks" in r.stderr and "TP=2" in r.stderr
+    want = tp1_texts("tiny-llama3", PROMPTS, 8)
+    assert r.stdout.splitlines() == [line for text in want for line in text.split("\n")]
+
+
+def test_torchrun_with_master_port_0_is_refused_instead_of_hanging():
+    r = torchrun("--nproc-per-node", "2", "--master-port", "0", "generate.py", "--model", "tiny-llama3", "--prompt", "hi", timeout=120)
+    assert r.returncode != 0  # and within the timeout: each rank said why and stopped
+    # (torchrun then prints its own report of the failed ranks, a traceback of its agent included)
+    assert r.stderr.count("error: torchrun passed MASTER_PORT=0 (--master-port 0)") == 2, r.stderr[-3000:]
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts():
+    r = generate_py("--model", "smollm2-135m", "--prompt", "hi", "--tensor-parallel-size", "2")
+    assert r.returncode == 2
+    assert "9 query heads do not split into 2 equal parts" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_rendezvous_port_in_use_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        env = dict(os.environ, MASTER_PORT=str(s.getsockname()[1]), MASTER_ADDR="127.0.0.1")
+        r = run_python(
+            ["generate.py", "--model", "tiny-llama3", "--prompt", "hi", "--tensor-parallel-size", "2"],
+            cwd=CHAPTER,
+            env=env,
+            timeout=300,
+        )
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{env['MASTER_PORT']}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_with_16_requests_and_speculation_equals_tp1():
+    from engine import Request
+    from parallel import build_engine
+    from sampling import SamplingParams
+
+    tok = Tokenizer(resolve_model("tiny-llama3"))
+    # Repetitive prompts give prompt lookup drafts to verify; arrivals spread over steps.
+    prompts = [tok.encode(f"{i} apples and {i} pears, {i} apples and {i} pears, {i} apples") for i in range(16)]
+    kw = dict(num_blocks=128, max_num_seqs=16, speculative="ngram", speculative_max_batch=16)
+
+    def outputs(tp):
+        engine, _ = build_engine("tiny-llama3", "cpu", "float32", tensor_parallel_size=tp, **kw)
+        try:
+            reqs = [Request(p, SamplingParams(temperature=0), max_tokens=10) for p in prompts]
+            outs = engine.generate(reqs, arrivals=[i // 4 for i in range(16)])
+            return [o[0].token_ids for o in outs], engine.stats()
+        finally:
+            if tp > 1:
+                engine.tensor_parallel.close()
+
+    want, _ = outputs(1)
+    got, stats = outputs(2)
+    assert got == want
+    assert stats["spec_draft_tokens"] > 0  # the verify rows went through the ranks too
+
+
+def test_server_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path):
+    import httpx
+
+    from live_server import serve
+
+    prompts = [tok_ids for tok_ids in (Tokenizer(resolve_model("tiny-llama3")).encode(p) for p in PROMPTS)]
+    want = tp1_texts("tiny-llama3", PROMPTS, 6)
+    with serve(tmp_path, "tiny-llama3", "--tensor-parallel-size", "2") as (url, proc, log):
+        assert len(children_of(proc.pid)) == 1  # one worker
+        body = lambda ids: {"model": "tiny-llama3", "prompt": ids, "max_tokens": 6, "temperature": 0}  # noqa: E731
+        with httpx.Client(timeout=120) as client:
+            got = [client.post(url + "/v1/completions", json=body(ids)).json()["choices"][0]["text"] for ids in prompts]
+        assert got == want
+        pgid = proc.pid
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert "tensor parallel: 2 ranks" in log.read_text()
+    deadline = time.time() + 10
+    while group_of(pgid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert group_of(pgid) == []
+
+
+def test_a_killed_worker_makes_the_server_answer_503_and_exit(tmp_path):
+    import httpx
+
+    from live_server import serve
+
+    with serve(tmp_path, "tiny-llama3", "--tensor-parallel-size", "2", "--timeout-graceful-shutdown", "5") as (
+        url,
+        proc,
+        log,
+    ):
+        (worker,) = children_of(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        statuses = []
+        deadline = time.time() + 30
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama3", "prompt": "hi", "max_tokens": 2}, timeout=10)
+                statuses.append(r.status_code)
+            except httpx.HTTPError:
+                pass  # the listening socket is closed once the shutdown has begun
+            time.sleep(0.1)
+        assert proc.wait(timeout=30) != 0
+        pgid = proc.pid
+    text = log.read_text()
+    assert f"tensor parallel: rank 1 (pid {worker}) exited with status -9" in text, text
+    assert "Traceback" not in text, text  # a lost rank is said in sentences, not a stack
+    assert text.rstrip().splitlines()[-1] == f"error: tensor parallel: rank 1 (pid {worker}) exited with status -9; the server stopped"
+    assert set(statuses) <= {503}, statuses
+    assert group_of(pgid) == []

@@ -1,0 +1,175 @@
+"""What tensor parallelism costs and buys here: the all-reduce per call, and decode tok/s at TP=1
+against TP=N on the same cores.
+
+    python tp_bench.py                      # both parts; JSON + plot under bench/results/
+    python tp_bench.py --parts allreduce    # only the collective
+
+allreduce: two ranks all-reduce [rows, hidden] tensors, as a row-parallel layer does twice per
+decoder layer, through gloo and through shared memory (shm_allreduce.py), calls interleaved; the
+median time per call over --calls calls.
+decode: the engine decoding `batch` sequences; TP=1 with all the cores' threads against TP=N with
+cores/N threads per rank (SmolLM2 at TP=3: 2 does not divide its 9 heads; the tiny model at TP=2).
+Decode tok/s counts the tokens of the steps after the prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "bench" / "results" / "ch08_tensor_parallel"
+
+
+def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, calls: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    from shm_allreduce import ShmAllReduce
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    shm = ShmAllReduce(shm_path, rank, world, timeout_s=60)
+    ways = {"gloo": dist.all_reduce, "shm": shm.all_reduce}
+    for rows, hidden, dtype in shapes:
+        t = torch.ones(rows, hidden, dtype=dtype)
+        times = {name: [] for name in ways}
+        for _ in range(20):
+            for fn in ways.values():
+                fn(t)
+        for _ in range(calls):  # interleaved: both see the same machine
+            for name, fn in ways.items():
+                t0 = time.perf_counter()
+                fn(t)
+                times[name].append(time.perf_counter() - t0)
+        if rank == 0:
+            for name in ways:
+                out[f"{name} {rows}x{hidden} {str(dtype).removeprefix('torch.')}"] = statistics.median(times[name]) * 1e6
+    dist.destroy_process_group()
+
+
+def allreduce_part(calls: int) -> dict:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shapes = [(r, h, d) for h in (256, 576) for r in (1, 16) for d in (torch.float32, torch.bfloat16)]
+    from shm_allreduce import ShmAllReduce
+
+    shm_path = f"/dev/shm/llm-tp-bench-{os.getpid()}"
+    ShmAllReduce.create(shm_path, 2)
+    ctx = mp.get_context("spawn")
+    try:
+        with ctx.Manager() as m:
+            out = m.dict()
+            procs = [ctx.Process(target=_allreduce_rank, args=(r, 2, port, shm_path, shapes, calls, out)) for r in range(2)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            return dict(out)
+    finally:
+        os.unlink(shm_path)
+
+
+def decode_part(model: str, tp: int, batches: list[int], new_tokens: int, quant) -> dict:
+    from engine import Request
+    from parallel import build_engine
+    from sampling import SamplingParams
+
+    cores = len(os.sched_getaffinity(0))
+    if tp == 1:
+        torch.set_num_threads(cores)
+    engine, _ = build_engine(model, "cpu", "auto", quant, tensor_parallel_size=tp, num_blocks=512, max_num_seqs=32)
+    out = {}
+    try:
+        for batch in batches:
+            reqs = [Request([1 + i] + list(range(100, 115)), SamplingParams(temperature=0), max_tokens=new_tokens, ignore_eos=True) for i in range(batch)]
+            for r in reqs:
+                engine.add(r)
+            engine.step()  # the prefill
+            t0, tokens = time.perf_counter(), 0
+            while engine.has_work():
+                tokens += sum(len(ev.token_ids) for _, events, _ in engine.step() for ev in events)
+            out[batch] = tokens / (time.perf_counter() - t0)
+    finally:
+        if tp > 1:
+            engine.tensor_parallel.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="allreduce,decode")
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--quant", choices=["int4", "none"], default="int4")
+    ap.add_argument("--cases", default="tiny-llama3:2,smollm2-135m:3", help="model:TP pairs compared with TP=1")
+    args = ap.parse_args()
+    from quant import QuantSpec
+
+    quant = QuantSpec(4, 32) if args.quant == "int4" else None
+    result = {"machine": f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}", "quant": args.quant}
+    if "allreduce" in args.parts:
+        result["allreduce_us"] = allreduce_part(args.calls)
+        for k, v in result["allreduce_us"].items():
+            print(f"all-reduce {k}: {v:.0f} us per call (2 ranks)")
+    if "decode" in args.parts:
+        batches = [int(b) for b in args.batches.split(",")]
+        result["decode_tok_s"] = {}
+        for case in args.cases.split(","):
+            model, tp = case.split(":")
+            for n in (1, int(tp)):
+                # each TP in a fresh process: one process group per process, threads set at start
+                import subprocess
+
+                code = (
+                    f"import json; import tp_bench; "  # run in this folder: `python -c` imports from the cwd
+                    f"from quant import QuantSpec; print(json.dumps(tp_bench.decode_part({model!r}, {n}, {batches}, "
+                    f"{args.new_tokens}, {'QuantSpec(4, 32)' if quant else 'None'})))"
+                )
+                r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent)
+                if r.returncode:
+                    print(r.stderr, file=sys.stderr)
+                    return 1
+                tok_s = json.loads(r.stdout.strip().splitlines()[-1])
+                result["decode_tok_s"][f"{model} TP={n}"] = tok_s
+                print(f"{model} TP={n}: " + ", ".join(f"batch {b}: {v:.1f} tok/s" for b, v in tok_s.items()))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    path = OUT.with_suffix(".json")
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    result = kept | result  # a run of one part keeps the other part's figures
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    if "decode_tok_s" in result:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        labels = list(result["decode_tok_s"])
+        for i, b in enumerate(next(iter(result["decode_tok_s"].values()))):
+            ax.bar([j + 0.4 * i for j in range(len(labels))], [result["decode_tok_s"][k][b] for k in labels], 0.4, label=f"batch {b}")
+        ax.set_xticks([j + 0.2 for j in range(len(labels))], labels, fontsize=8)
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"TP=1 vs TP=N on {result['machine']} ({args.quant})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(OUT.with_suffix(".png"), dpi=100)
+    print(f"-> {OUT.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
