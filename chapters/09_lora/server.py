@@ -37,6 +37,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable, TypeVar
 
 import uvicorn
@@ -745,6 +746,8 @@ def lora_modules(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str
             ap.error(f"--lora-modules takes NAME=PATH pairs, got {pair!r}")
         if name in modules:
             ap.error(f"--lora-modules names {name!r} twice")
+        if not Path(path).expanduser().is_dir():  # before minutes of loading and a KV pool, not after
+            ap.error(f"--lora-modules {name}={path}: no such directory")
         modules[name] = path
     return modules
 

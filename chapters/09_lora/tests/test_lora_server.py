@@ -173,10 +173,15 @@ def test_a_bad_adapter_at_startup_is_one_line(tmp_path):
     from common.tools.warm_python import run_python
     from live_server import CHAPTER
 
-    r = run_python(
-        ["server.py", "--model", MODEL, "--device", "cpu", "--lora-modules", f"x={tmp_path / 'missing'}"], cwd=CHAPTER, timeout=300
-    )
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert str(tmp_path / "missing") in r.stderr.strip().splitlines()[-1], r.stderr
+    # A missing directory is a usage error before anything loads.
+    r = run_python(["server.py", "--model", MODEL, "--lora-modules", f"x={tmp_path / 'missing'}"], cwd=CHAPTER, timeout=300)
+    assert r.returncode == 2 and f"--lora-modules x={tmp_path / 'missing'}: no such directory" in r.stderr, r.stderr
     r = run_python(["server.py", "--model", MODEL, "--lora-modules", "no-equals-sign"], cwd=CHAPTER, timeout=300)
     assert r.returncode == 2 and "--lora-modules takes NAME=PATH pairs, got 'no-equals-sign'" in r.stderr
+    # A directory that is no adapter: the engine's sentence, one line, no traceback.
+    (tmp_path / "empty").mkdir()
+    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-gb", "0.01"]
+    r = run_python(["server.py", "--model", MODEL, *flags, "--lora-modules", f"x={tmp_path / 'empty'}"], cwd=CHAPTER, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and str(tmp_path / "empty") in last, r.stderr
