@@ -1,6 +1,7 @@
 """LoRA adapters through the HTTP server (tiny model, float32, a live server.py): a request's
 `model` picks the adapter and gets the engine's tokens for it, /v1/models lists the adapters,
-adapters load and unload while a stream runs, and every bad name or adapter gets its own error."""
+adapters load and unload while a stream runs (at tensor-parallel size 2 too), and every bad name or
+adapter gets its own error."""
 
 import json
 import threading
@@ -185,3 +186,16 @@ def test_a_bad_adapter_at_startup_is_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(tmp_path / "empty") in last, r.stderr
+
+
+def test_at_tensor_parallel_size_2_adapters_load_and_answer_as_at_1(tmp_path, paths, expected):
+    """The load runs on the engine thread, which sends it to the other rank: both ranks read their
+    slices of the new adapter, and the answers are TP=1's."""
+    with serve(tmp_path, MODEL, "--tensor-parallel-size", "2", "--lora-modules", f"a={paths['a']}") as (url, _proc, log):
+        assert "tensor parallel: 2 ranks" in log.read_text()
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(paths["late"])}, timeout=60)
+        assert r.status_code == 200, r.text
+        for model in ("a", "late", MODEL):
+            assert text_of(complete(url, model).json()) == expected[None if model == MODEL else model], model
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
+        assert complete(url, "late").status_code == 404
