@@ -36,6 +36,7 @@ from model import Model
 from quant import QuantSpec
 from runner import ModelRunner
 from sampling import GREEDY_BELOW, draw
+from scheduler import chunk_limit
 from sequence import Sequence
 from speculative import target_probs
 
@@ -109,7 +110,7 @@ class DraftModelProposer:
     target's new token and perhaps the last kept guess), whose last row gives the first guess.
 
     That catch-up is chunked like the target's prefill: at most `catch_up_tokens` a step over all
-    sequences. A sequence further behind runs a chunk and guesses nothing this step, so a long
+    sequences, fewer deep into a long context (scheduler.chunk_limit). A sequence further behind runs a chunk and guesses nothing this step, so a long
     prompt neither stalls the other streams nor holds a prompt-sized activation at once."""
 
     def __init__(self, model: Model, name: str, catch_up_tokens: int = 256):
@@ -147,8 +148,9 @@ class DraftModelProposer:
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             start = min(seq.draft_computed, seq.n_computed)
             n = len(seq.tokens) - start  # to run before the first guess, the pending token last
-            if n > budget:
-                take = min(n - 1, budget)  # never the pending token: its row would be a guess
+            limit = min(budget, chunk_limit(start, self.catch_up_tokens))  # a long context's chunks shrink
+            if n > limit:
+                take = min(n - 1, limit)  # never the pending token: its row would be a guess
                 if take > 0:
                     behind.append(Work(seq.tokens[start : start + take], start, seq.block_table))
                     seq.draft_computed = start + take

@@ -115,9 +115,10 @@ def test_torchrun_starts_the_ranks_and_generate_says_what_tp1_says():
 
 def test_torchrun_with_master_port_0_is_refused_instead_of_hanging():
     r = torchrun("--nproc-per-node", "2", "--master-port", "0", "generate.py", "--model", "tiny-llama3", "--prompt", "hi", timeout=120)
-    assert r.returncode != 0  # and within the timeout: each rank said why and stopped
-    # (torchrun then prints its own report of the failed ranks, a traceback of its agent included)
-    assert r.stderr.count("error: torchrun passed MASTER_PORT=0 (--master-port 0)") == 2, r.stderr[-3000:]
+    assert r.returncode != 0  # and within the timeout: a rank said why and stopped
+    # (torchrun then stops the other rank, which may not have said it yet, and prints its own report
+    # of the failed ranks, a traceback of its agent included)
+    assert "error: torchrun passed MASTER_PORT=0 (--master-port 0)" in r.stderr, r.stderr[-3000:]
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_rank_starts():
