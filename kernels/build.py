@@ -82,6 +82,9 @@ def cuda_archs() -> list[tuple[int, int, bool]]:
         if not item:
             continue
         number, ptx = item.removesuffix("+PTX"), item.endswith("+PTX")
+        # "9.0a" (sm_90a) and "10.0f" name arch-specific and family feature sets; these kernels use
+        # none of them, so the plain architecture's code is what runs there.
+        number = number.rstrip("af")
         try:
             major, minor = (int(part) for part in number.split("."))
         except ValueError:

@@ -2,7 +2,7 @@
 # Everything this repository can only check on a GPU, in one go (at most about 8 minutes):
 #   1. build kernels/ with its CUDA half, for the GPU that is present (once: CI compiles every .cu
 #      for sm_80 and sm_90 with -Werror, `make kernels-check`)
-#   2. every CUDA test of chapters 02-07 and kernels/ (DEVICE=cuda; the CPU-only tests are CI's job),
+#   2. every CUDA test of chapters 02-09 and kernels/ (DEVICE=cuda; the CPU-only tests are CI's job),
 #      the suites side by side, each with its own timeout; with 2 GPUs, chapter 08 at TP=2 (NCCL)
 #   3. a batch-1 decode benchmark (slurm/gpu_decode_bench.py) and chapter 06's kernel timings: the
 #      kernels against PyTorch, then the linears on their own (1 to 512 rows: from 16 the library's
@@ -82,16 +82,35 @@ if [ -z "$gpu" ]; then
 fi
 
 # --- 2. the CUDA tests, the suites side by side -------------------------------------------------
-# -k cuda: the device-parametrised cases ([cuda]) and the tests named for CUDA. A test module that
-# needs a package this machine lacks skips itself and names it (common.tools.testing.require).
-select="cuda"
-[ -f "$MODELS_DIR/smollm2-135m/config.json" ] || { select="cuda and not smollm2"; echo "SmolLM2's weights are absent: its cases skip"; }
+# The CUDA cases: the device-parametrised ones ([cuda]), the tests named for CUDA and the files named
+# for it (test_gemm_cuda.py). Not `-k cuda`: -k also matches the folders above a test, and every test
+# of chapters/06_cuda_kernel would run. A test module that needs a package this machine lacks skips
+# itself and names it (common.tools.testing.require).
+absent_smollm2=0
+[ -f "$MODELS_DIR/smollm2-135m/config.json" ] || { absent_smollm2=1; echo "SmolLM2's weights are absent: its cases skip"; }
+cuda_cases() {  # $1: a suite -> its CUDA node ids, one per line
+  $PY -m pytest --collect-only -q -p no:cacheprovider "$1" 2>/dev/null | ABSENT_SMOLLM2=$absent_smollm2 $PY -c "
+import os, sys
+for line in sys.stdin:
+    node = line.strip()
+    if '::' not in node:
+        continue
+    path, _, name = node.partition('::')
+    if 'cuda' in path.rsplit('/', 1)[-1] or 'cuda' in name:
+        if not (os.environ['ABSENT_SMOLLM2'] == '1' and 'smollm2' in name):
+            print(node)"
+}
 logs=$(mktemp -d)
-suites=(chapters/0[2-7]_*/tests kernels/tests)
+suites=(chapters/0[2-9]_*/tests kernels/tests)
 threads=$(( $(nproc) / ${#suites[@]} )); [ $threads -gt 0 ] || threads=1
 for suite in "${suites[@]}"; do
   name=$(echo "$suite" | cut -d/ -f2)
-  OMP_NUM_THREADS=$threads timeout 150 $PY -m pytest -q -rs -p no:cacheprovider "$suite" -k "$select" >"$logs/$name.log" 2>&1 &
+  (
+    mapfile -t cases < <(cuda_cases "$suite")
+    echo "$suite: ${#cases[@]} CUDA cases" >"$logs/$name.log"
+    [ ${#cases[@]} -gt 0 ] || { echo "no tests ran: none is a CUDA case" >>"$logs/$name.log"; exit 5; }
+    OMP_NUM_THREADS=$threads exec timeout 150 $PY -m pytest -q -rs -p no:cacheprovider "${cases[@]}" >>"$logs/$name.log" 2>&1
+  ) &
   echo $! >"$logs/$name.pid"
 done
 for suite in "${suites[@]}"; do

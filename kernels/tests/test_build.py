@@ -109,6 +109,7 @@ def test_the_fingerprint_covers_sources_headers_and_flags():
         ("8.0;9.0+PTX", [(8, 0, False), (9, 0, True)]),
         ("7.5 8.6", [(7, 5, False), (8, 6, False)]),
         ("10.0+PTX", [(10, 0, True)]),
+        ("9.0a", [(9, 0, False)]),  # sm_90a: the plain sm_90 code these kernels need
     ],
 )
 def test_torch_cuda_arch_list_is_honoured(monkeypatch, spec, archs):
@@ -158,6 +159,11 @@ def test_gpu_not_covered_names_the_build_and_the_fix(monkeypatch):
 def test_a_failed_cuda_half_still_gives_the_cpu_half(monkeypatch, capsys):
     # Where nvcc fails (an unsupported toolkit, a compiler error), the CPU kernels still load.
     cpu_half = build.load()  # built already: the import below reuses it
+    if cpu_half.with_cuda:
+        pytest.skip(
+            "kernels/ has its CUDA half here: a CPU-only build would register the same torch ops again in "
+            "this process (an abort); the fallback is checked where kernels/ is CPU-only, as on CI"
+        )
     monkeypatch.setattr(build, "_module", None)
     monkeypatch.setattr(build, "cuda_build_possible", lambda: None)
     real = build._build

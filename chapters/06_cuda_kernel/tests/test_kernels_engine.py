@@ -223,10 +223,28 @@ def test_cuda_graphs_replay_equals_eager_on_cuda():
         for _ in range(7)
     ]
     graphs = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8)
-    assert graphs.graphs is not None and graphs.graphs.capture
+    assert graphs.runner.graphs is not None and graphs.runner.graphs.capture
     eager = Engine(model, tok, {}, num_blocks=64, max_num_seqs=8, cuda_graphs=False)
     assert graphs.generate(reqs, [0, 0, 1, 2, 3, 5, 8]) == eager.generate(reqs, [0, 0, 1, 2, 3, 5, 8])
-    assert graphs.graphs.graphs, "no decode step was captured"
+    assert graphs.runner.graphs.graphs, "no decode step was captured"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run slurm/gpu_check.sh on a GPU node)")
+@pytest.mark.parametrize("quant", [None, QuantSpec(bits=4), QuantSpec(bits=8)], ids=["bf16", "int4", "int8"])
+def test_cuda_kernels_are_as_close_to_float32_as_torch_on_cuda(quant):
+    # The CUDA half on a GPU, through the model: a prompt's logits (chunk attention, matrix
+    # products, norms, RoPE) in bfloat16 with the kernels on and off, each against the same weights
+    # in float32. The CUDA int4 kernel takes bfloat16 activations only, hence bfloat16 throughout.
+    d, cuda = resolve_model("tiny-llama3"), torch.device("cuda")
+    ids = Tokenizer(d).encode_chat([{"role": "user", "content": PROMPTS[3]}])
+    on = load_model(d, cuda, torch.bfloat16, quant, "fast", resolve("on", cuda))
+    off = load_model(d, cuda, torch.bfloat16, quant, "fast", resolve("off", cuda))
+    exact = dequantized_once(load_model(d, cuda, torch.float32, quant, "reference", resolve("off", cuda)))
+    assert isinstance(on.ops, KernelOps) and isinstance(off.ops, TorchOps)
+    want = forward_sequence(exact, ids)
+    err_on = (forward_sequence(on, ids).float() - want).abs().max().item()
+    err_off = (forward_sequence(off, ids).float() - want).abs().max().item()
+    assert err_on <= 2 * err_off + 1e-3, f"kernels on: {err_on:.4f} from float32, torch: {err_off:.4f}"
 
 
 # Blocks of 24 on every instruction-set level of the library this CPU has, the others at the level in use.
