@@ -117,15 +117,12 @@ class Engine:
         max_blocks = -(-self.context // block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_blocks, cuda_graphs)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.adapters = None
+        # Late-bound: a tensor-parallel engine swaps in a runner that reaches every rank.
+        self.adapters = AdapterSlots(
+            max_loras, lambda path: self.runner.read_lora(path), lambda s, a: self.runner.write_lora(s, a)
+        )
         if max_loras:
-            if max_lora_rank < 1:
-                raise UserError(f"--max-lora-rank must be at least 1, got {max_lora_rank}")
             self.runner.enable_lora(max_loras, max_lora_rank)
-            # Late-bound: a tensor-parallel engine swaps in a runner that reaches every rank.
-            self.adapters = AdapterSlots(
-                max_loras, lambda path: self.runner.read_lora(path), lambda s, a: self.runner.write_lora(s, a)
-            )
         self.limits = RequestLimits(
             self.context, max_tokens_default, model.config.vocab_size, self.eos_ids, self.blocks
         )
@@ -161,30 +158,23 @@ class Engine:
     def validate(self, req: Request) -> None:
         """Raises UserError with a message fit for the client (request.RequestLimits)."""
         self.limits.validate(req)
-        if req.adapter is not None:
-            if self.adapters is None:
-                raise UserError(f"LoRA adapter {req.adapter!r}: this engine serves no adapters (max_loras is 0)")
-            self.adapters.check(req.adapter)
+        self.adapters.check(req.adapter)
 
     # --- LoRA adapters ---------------------------------------------------------------------------
 
     def load_lora(self, name: str, path: str | Path) -> None:
         """Registers the PEFT adapter at `path` as `name` (read and checked now: UserError for a
         bad one or a name in use); it takes a slot when a request of it first runs."""
-        if self.adapters is None:
-            raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
         self.adapters.register(name, path)
 
     def unload_lora(self, name: str) -> None:
         """No new request may name `name` (UserError for an unknown name); requests already added
         finish with it, and it is dropped with the last of them."""
-        if self.adapters is None:
-            raise UserError(f"no LoRA adapter named {name!r} is loaded (this engine serves none)")
         self.adapters.unregister(name)
 
     def lora_names(self) -> list[str]:
         """The adapters a request may name now."""
-        return [] if self.adapters is None else self.adapters.names()
+        return self.adapters.names()
 
     # --- the server's interface -----------------------------------------------------------------
 
@@ -352,7 +342,7 @@ class Engine:
             "prefix_cache_hit_rate": round(b.hit_rate, 4),
             "preemptions": self.scheduler.n_preemptions,
             **self.speculator.stats.report(),
-            **(self.adapters.stats() if self.adapters is not None else {}),
+            **self.adapters.stats(),
         }
 
 

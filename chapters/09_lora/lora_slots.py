@@ -1,9 +1,9 @@
 """Which adapter is in which slot: the engine's bookkeeping of its LoRA adapters.
 
 Adapters are registered by name (`register`, from --lora-modules or a load request) and kept on
-the host; `max_loras` of them can be resident at once, in the model's slot table (lora.py). A
-sequence of adapter X can only run while X has a slot, so the scheduler asks for one when it
-admits the sequence (`acquire`) and gives it back when the sequence leaves the running queue
+the host; `max_loras` of them can be resident at once, in the model's slot table (lora.py); with
+none, the engine serves the base model only. A sequence of adapter X can only run while X has a
+slot, so the scheduler asks for one when it admits the sequence (`acquire`) and gives it back when the sequence leaves the running queue
 (`release`: finished, aborted or preempted). A slot whose adapter no running sequence uses is
 idle: it keeps its adapter (the next request of X needs no copy) until another adapter needs the
 slot, the least recently used idle slot first. With every slot busy, a sequence of a new adapter
@@ -31,8 +31,8 @@ class AdapterSlots:
     def __init__(self, n_slots: int, read: Callable[[Path], Adapter], write: Callable[[int, Adapter | None], None]):
         """read(path) -> the checked Adapter (lora.read_adapter for the model); write(slot, adapter)
         fills a slot of the model's table, or empties it (None): the runner's, on every rank."""
-        if n_slots < 1:
-            raise UserError(f"--max-loras must be at least 1, got {n_slots}")
+        if n_slots < 0:
+            raise UserError(f"--max-loras must be at least 0 (0: no adapters), got {n_slots}")
         self.n_slots, self._read, self._write = n_slots, read, write
         self.adapters: dict[str, Adapter] = {}  # registered, by name (unloading ones included)
         self.uid: dict[str, int] = {}
@@ -54,6 +54,8 @@ class AdapterSlots:
 
     def register(self, name: str, path: str | Path) -> None:
         """Reads and checks the adapter (UserError for a bad one); a name already loaded is refused."""
+        if not self.n_slots:
+            raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
         if not isinstance(name, str) or not name:
             raise UserError(f"a LoRA adapter needs a name, got {name!r}")
         if name in self.adapters:
@@ -72,6 +74,8 @@ class AdapterSlots:
 
     def check(self, name: str | None) -> None:
         """A request's adapter: None (the base model) or a loaded name, else UserError."""
+        if name is not None and not self.n_slots:
+            raise UserError(f"LoRA adapter {name!r}: this engine serves no adapters (max_loras is 0)")
         if name is not None and (name not in self.adapters or name in self.unloading):
             loaded = ", ".join(self.names()) or "none"
             raise UserError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
@@ -139,6 +143,8 @@ class AdapterSlots:
             self.unloading.discard(name)
 
     def stats(self) -> dict:
+        if not self.n_slots:
+            return {}
         return {
             "lora_adapters": len(self.names()),
             "lora_slots": self.n_slots,

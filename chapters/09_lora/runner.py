@@ -60,6 +60,8 @@ class ModelRunner:
     def enable_lora(self, n_slots: int, max_rank: int) -> None:
         """A slot table for `n_slots` adapters of rank up to `max_rank` (its memory is taken on the
         first load)."""
+        if max_rank < 1:
+            raise UserError(f"--max-lora-rank must be at least 1, got {max_rank}")
         m = self.model
         m.lora = LoraWeights(m.config, n_slots, max_rank, m.dtype, m.device)
 
