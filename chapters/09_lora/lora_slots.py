@@ -1,13 +1,14 @@
 """Which adapter is in which slot: the engine's bookkeeping of its LoRA adapters.
 
-Adapters are registered by name (`register`, from --lora-modules or a load request) and kept on
-the host; `max_loras` of them can be resident at once, in the model's slot table (lora.py); with
-none, the engine serves the base model only. A sequence of adapter X can only run while X has a
-slot, so the scheduler asks for one when it admits the sequence (`acquire`) and gives it back
-when the sequence leaves the running queue (`release`: finished, aborted or preempted). A slot whose adapter no running sequence uses is
-idle: it keeps its adapter (the next request of X needs no copy) until another adapter needs the
-slot, the least recently used idle slot first. With every slot busy, a sequence of a new adapter
-waits, counted in `n_waits`: more adapters than slots are served by swapping, never refused.
+Adapters are registered by name (`register`, from --lora-modules or a load request) and kept on the
+host; `max_loras` of them can be resident at once, in the model's slot table (lora.py); with none,
+the engine serves the base model only. A sequence of adapter X can only run while X has a slot, so
+the scheduler asks for one when it admits the sequence (`acquire`) and gives it back when the
+sequence leaves the running queue (`release`: finished, aborted or preempted). A slot whose adapter
+no running sequence uses is idle: it keeps its adapter (the next request of X needs no copy) until
+another adapter needs the slot, the least recently used idle slot first. With every slot busy, a
+sequence of a new adapter waits, counted in `n_waits`: more adapters than slots are served by
+swapping, never refused.
 
 Unloading (`unregister`) stops new requests at once; sequences already added keep their adapter,
 which is dropped with the last of them (`users` counts them, waiting or running).
