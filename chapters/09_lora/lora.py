@@ -236,6 +236,7 @@ class StepLora:
     by_slot: list[tuple[int, torch.Tensor]]  # (slot, its rows as int64 indices): the torch path's groups
     slots: frozenset[int]  # slots with rows in this step
     adapted: dict[str, bool] = field(default_factory=dict)  # projection -> whether a slot of the step adapts it
+    library_form: object = None  # the same for the library's one-call layer (ops.KernelOps), made once
 
 
 def step_lora(row_slots: list[int], device) -> StepLora | None:
@@ -272,6 +273,7 @@ class LoraWeights:
         self.rank_of = {p: [0] * n_slots for p in PROJECTIONS}  # the same on the host, for Python's decisions
         self.scale = torch.zeros(n_slots, dtype=torch.float32, device=self.device)
         self.scale_of = [0.0] * n_slots
+        self.library_form: list | None = None  # per layer, for the library's one-call layer (ops.KernelOps)
 
     def _allocate(self) -> None:
         n_layers, shape = self.config.num_hidden_layers, (self.n_slots, self.max_rank)
@@ -279,7 +281,7 @@ class LoraWeights:
             self.a[p] = torch.zeros(n_layers, *shape, n_in, dtype=self.dtype, device=self.device)
             self.b_t[p] = torch.zeros(n_layers, *shape, n_out, dtype=self.dtype, device=self.device)
         # each layer's [slots, r_max, n] views, made once: a decode step reads 7 per layer
-        self._per_layer = [{p: (self.a[p][i], self.b_t[p][i]) for p in PROJECTIONS} for i in range(n_layers)]
+        self.per_layer = [{p: (self.a[p][i], self.b_t[p][i]) for p in PROJECTIONS} for i in range(n_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -319,16 +321,20 @@ class LoraWeights:
     def add_(self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str, step: StepLora, ops) -> None:
         """y [rows, n_out of the group's projections side by side] += each row's delta, in place,
         for the projections of `group` (GROUPS): x [rows, n_in] is the matmul's input."""
-        col, tables = 0, self._per_layer[layer]
+        col, tables = 0, self.per_layer[layer]
         for p in GROUPS[group]:
             n_out = self.shapes[p][0]
-            adapted = step.adapted.get(p)
-            if adapted is None:  # found once per step, for every layer
-                adapted = step.adapted[p] = any(self.rank_of[p][s] for s in step.slots)
-            if adapted:
+            if self.adapts(p, step):
                 part = y[:, col : col + n_out]  # a view: the delta lands in y
                 ops.lora_(part, x, *tables[p], self.ranks[p], self.scale, step)
             col += n_out
+
+    def adapts(self, p: str, step: StepLora) -> bool:
+        """Whether an adapter of the step changes projection p (found once per step, for every layer)."""
+        adapted = step.adapted.get(p)
+        if adapted is None:
+            adapted = step.adapted[p] = any(self.rank_of[p][s] for s in step.slots)
+        return adapted
 
 
 def torch_delta_(y: torch.Tensor, x: torch.Tensor, a, b_t, ranks, scale, step: StepLora) -> None:

@@ -212,6 +212,10 @@ def measure(engine, names: list[str], gguf_model: Path, gguf_lora: Path, args) -
         "tok_s": tok_s,
         "median_tok_s": {name: statistics.median(v) for name, v in tok_s.items()},
     }
+    # ratios within a round (the cases of a round ran back to back): steadier than medians' ratios
+    n = args.batch
+    pairs = {"adapters": (f"{n} adapters x{n}", f"base x{n}"), "adapter x1": ("adapter x1", "base x1")}
+    record["ratio_per_round"] = {k: [x / y for x, y in zip(tok_s[a], tok_s[b])] for k, (a, b) in pairs.items()}
     if "llama.cpp adapter" in ids:  # same weights, same adapter: the same greedy tokens, or the file is wrong
         record["tokens_agree"] = {
             kind: sum(x == y for x, y in zip(ids[f"llama.cpp {kind}"], ids[mine]))
@@ -226,8 +230,11 @@ def report(record: dict, png: Path) -> None:
     for name, values in rates.items():
         print(f"{name:<24} {med[name]:>12.1f}  [{min(values):.1f}-{max(values):.1f}]")
     n = record["batch"]
-    print(f"{n} adapters x{n} / base x{n}: {med[f'{n} adapters x{n}'] / med[f'base x{n}']:.2f}x")
-    print(f"adapter x1 / base x1: {med['adapter x1'] / med['base x1']:.2f}x")
+    per_round = lambda k: ", ".join(f"{r:.2f}" for r in record["ratio_per_round"][k])  # noqa: E731
+    ratio = med[f"{n} adapters x{n}"] / med[f"base x{n}"]
+    print(f"{n} adapters x{n} / base x{n}: {ratio:.2f}x (per round: {per_round('adapters')})")
+    ratio = med["adapter x1"] / med["base x1"]
+    print(f"adapter x1 / base x1: {ratio:.2f}x (per round: {per_round('adapter x1')})")
     if "llama.cpp adapter" in med:
         print(f"ours / llama.cpp with the adapter at batch 1: {med['adapter x1'] / med['llama.cpp adapter']:.2f}x")
         print(f"greedy tokens equal to llama.cpp's (of {record['tokens']}): {record['tokens_agree']}")

@@ -207,12 +207,14 @@ def forward(model: Model, step: StepBatch, cache: PagedKVCache, capture: dict | 
     if capture is not None:
         capture["embedding"] = x.float().cpu().numpy().copy()  # a copy: x is updated in place
     h = ops.add_rms_norm(x, None, layers[0].attn_norm, eps)
-    # (the C++ layer has no LoRA: a step with adapter rows runs each layer as Python)
-    one_call = capture is None and layers[0].one_call is not None and decodes_only(step) and step.lora is None
+    # The C++ layer adds LoRA deltas through the library's shrink and expand, which read float32 and
+    # bfloat16 tables; with float16 ones a step with adapter rows runs each layer as Python.
+    lora_served = step.lora is None or model.lora.dtype in (torch.float32, torch.bfloat16)
+    one_call = capture is None and layers[0].one_call is not None and decodes_only(step) and lora_served
     for i, layer in enumerate(layers):
         next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
         if one_call:  # the two lines below, in C++ (kernels/csrc/decoder_layer.cpp, DecoderLayer::decode)
-            h = ops.run_one_call_layer(layer, i, x, h, cos, sin, cache, step, next_norm)
+            h = ops.run_one_call_layer(layer, i, x, h, cos, sin, cache, step, next_norm, model.lora)
             continue
         h = ops.add_rms_norm(x, attention(h, layer, i, cos, sin, cache, step, model), layer.mlp_norm, eps)
         h = ops.add_rms_norm(x, mlp(h, layer, i, step, model), next_norm, eps)

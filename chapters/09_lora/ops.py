@@ -41,7 +41,7 @@ import torch
 
 from batch import AttentionGroup, DecodeGroup, one_query_each
 from common.errors import UserError
-from lora import StepLora, torch_delta_
+from lora import GROUPS, LoraWeights, StepLora, torch_delta_
 from paged_attention import paged_attention
 from paged_cache import PagedKVCache
 from qmatmul import PerStepLinear, aligned, prepare
@@ -84,8 +84,11 @@ class Ops(Protocol):
         """A model.Layer's weights in the form that runs its decode steps in one call
         (run_one_call_layer), or None: each operation is then called from Python."""
 
-    def run_one_call_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
-        """Layer i of a step of decodes (model.forward's loop body) in one call; layer.one_call is set."""
+    def run_one_call_layer(
+        self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm, lora: LoraWeights | None
+    ) -> torch.Tensor:
+        """Layer i of a step of decodes (model.forward's loop body) in one call; layer.one_call is set.
+        With adapter rows in the step (step.lora), `lora` holds the model's resident adapters."""
 
     def check_block_size(self, block_size: int) -> None:
         """Raises UserError, naming the limit, for a KV block size this implementation cannot read."""
@@ -329,10 +332,24 @@ class KernelOps:
             return None  # dequantize-and-multiply (qmatmul.ReferenceLinear)
         return self._ext.Linear(*w.library_form())
 
-    def run_one_call_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm) -> torch.Tensor:
+    def run_one_call_layer(self, layer, i: int, x, h, cos, sin, cache: PagedKVCache, step, next_norm, lora):
         g, partition = step.groups[0], self.partition_size(cache.block_size)
         where = step.slots, g.block_tables, g.context_lens
-        return layer.one_call.decode(x, h, cos, sin, cache.k[i], cache.v[i], *where, next_norm, partition)
+        adapters = () if step.lora is None else self._one_call_lora(lora, i, step.lora)
+        return layer.one_call.decode(x, h, cos, sin, cache.k[i], cache.v[i], *where, next_norm, partition, *adapters)
+
+    def _one_call_lora(self, lora: LoraWeights, i: int, step: StepLora) -> tuple:
+        """(layer i's adapter tables, the step's rows by slot) as the library's DecoderLayer takes them:
+        the tables once (views of the slot table: later loads show through), the rows once a step."""
+        if lora.library_form is None:
+            per_group = lambda tables: [  # noqa: E731
+                [self._ext.LoraProjection(*tables[p], lora.ranks[p]) for p in GROUPS[group]] for group in GROUPS
+            ]
+            lora.library_form = [self._ext.LayerLora(*per_group(t), lora.scale) for t in lora.per_layer]
+        if step.library_form is None:
+            adapted = [lora.adapts(p, step) for group in GROUPS.values() for p in group]
+            step.library_form = self._ext.StepLora(step.seg_starts, step.seg_slots, adapted)
+        return lora.library_form[i], step.library_form
 
     def describe(self) -> str:
         where = self.device.type

@@ -21,6 +21,9 @@
 
 namespace ops = kernels::ops;
 using kernels::ops::DecoderLayer;
+using kernels::ops::LayerLora;
+using kernels::ops::LoraProjection;
+using kernels::ops::StepLora;
 using kernels::ops::Linear;
 
 namespace {
@@ -139,7 +142,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("decode", &DecoderLayer::decode, "the layer's decode step: x updated in place; -> rms_norm(x) * next_norm",
              py::arg("x"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"),
              py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"), py::arg("next_norm"),
-             py::arg("partition_size"));
+             py::arg("partition_size"), py::arg("lora") = py::none(), py::arg("step") = py::none());
+    py::class_<LoraProjection>(m, "LoraProjection", "one projection's LoRA tables in one layer: a, b_t, ranks")
+        .def(py::init<at::Tensor, at::Tensor, at::Tensor>(), py::arg("a"), py::arg("b_t"), py::arg("ranks"));
+    py::class_<LayerLora>(m, "LayerLora", "a layer's LoRA tables per matmul (q, k, v; o; gate, up; down), scales")
+        .def(py::init<std::vector<LoraProjection>, std::vector<LoraProjection>, std::vector<LoraProjection>,
+                      std::vector<LoraProjection>, at::Tensor>(),
+             py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("scale"));
+    py::class_<StepLora>(m, "StepLora", "a step's rows by adapter slot, and which projections its adapters change")
+        .def(py::init<at::Tensor, at::Tensor, std::vector<bool>>(), py::arg("seg_starts"), py::arg("seg_slots"),
+             py::arg("adapted"));
     m.def(
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");

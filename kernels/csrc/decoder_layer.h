@@ -32,6 +32,28 @@ struct Linear {
     at::Tensor operator()(const at::Tensor& x) const;  // x [rows, n_in] contiguous -> [rows, n_out]
 };
 
+// LoRA (chapter 09): one projection's tables in one layer, the slots' A [slots, r_max, n_in], B
+// transposed [slots, r_max, n_out] and ranks [slots] (lora.py's LoraWeights; views, so a slot loaded
+// later is seen here).
+struct LoraProjection {
+    at::Tensor a, b_t, ranks;
+};
+
+// A layer's LoRA: per matmul its projections in the order of the matmul's outputs (q, k, v; o;
+// gate, up; down), and the slots' scales.
+struct LayerLora {
+    std::vector<LoraProjection> qkv, o, gate_up, down;
+    at::Tensor scale;  // float32 [slots]
+};
+
+// A step's rows by adapter slot (lora.py's StepLora): segments of rows, each segment's slot (-1: the
+// base model), and which of the seven projections (q, k, v, o, gate, up, down) an adapter of the step
+// changes: the others are skipped, as the Python loop skips them.
+struct StepLora {
+    at::Tensor seg_starts, seg_slots;
+    std::vector<bool> adapted;
+};
+
 struct DecoderLayer {
     Linear wqkv, wo, w_gate_up, w_down;  // [out, in] each: q, k, v stacked; o; gate, up stacked; down
     at::Tensor mlp_norm;
@@ -39,10 +61,12 @@ struct DecoderLayer {
     double eps;
 
     // x: the residual stream [B, hidden], updated in place; h: rms_norm(x) * this layer's input norm.
-    // -> rms_norm(x) * next_norm, x having taken this layer's attention and MLP outputs.
+    // -> rms_norm(x) * next_norm, x having taken this layer's attention and MLP outputs. With `lora`
+    // and `step`, each matmul adds its projections' LoRA deltas right after it runs.
     at::Tensor decode(at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, const at::Tensor& next_norm, int64_t partition_size) const;
+                      const at::Tensor& context_lens, const at::Tensor& next_norm, int64_t partition_size,
+                      const LayerLora* lora = nullptr, const StepLora* step = nullptr) const;
 };
 
 }  // namespace kernels::ops
