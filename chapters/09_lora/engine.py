@@ -47,6 +47,7 @@ from common.errors import UserError
 from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
 from loading import load
+from lora import LoraWeights
 from lora_slots import AdapterSlots
 from memory import GiB
 from model import Model
@@ -113,7 +114,9 @@ class Engine:
                 raise UserError(f"{name} must be at least 1, got {value}")
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
-            num_blocks = pool_size(model, block_size, most, kv_cache_bytes)
+            # the default budget leaves room for the LoRA slot table, taken at the first load
+            lora_bytes = LoraWeights.table_bytes(model.config, max_loras, max_lora_rank, model.dtype)
+            num_blocks = pool_size(model, block_size, most, kv_cache_bytes, lora_bytes)
         max_blocks = -(-self.context // block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_blocks, cuda_graphs)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)

@@ -287,6 +287,12 @@ class LoraWeights:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a.values(), *self.b_t.values()))
 
+    @staticmethod
+    def table_bytes(config: LlamaConfig, n_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+        """What the slot table takes once allocated: A and B of every projection, layer and slot."""
+        per_rank = sum(n_in + n_out for n_out, n_in in projection_shapes(config).values())
+        return config.num_hidden_layers * n_slots * max_rank * per_rank * dtype.itemsize
+
     # Inference mode: the tables are inference tensors wherever the first load happens (in a step, or
     # from a server's request between steps), so every write to them must be in inference mode too.
     @torch.inference_mode()

@@ -26,12 +26,15 @@ from paged_cache import PagedKVCache
 from sharding import shard_adapter
 
 
-def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | None) -> int:
+def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | None, reserved: int = 0) -> int:
     """How many KV blocks to allocate: what `kv_cache_bytes` buy (default: memory.default_kv_bytes
-    of the model's device), never more than `most`, the blocks that could ever be used at once."""
+    of the model's device, less the `reserved` bytes that something else will take there: the LoRA
+    slot table), never more than `most`, the blocks that could ever be used at once."""
     budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)
     if budget is None:  # free memory unknown (MPS)
         return most
+    if kv_cache_bytes is None:
+        budget = max(0, budget - reserved)
     return min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
 
 

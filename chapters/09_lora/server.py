@@ -53,6 +53,7 @@ from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
+from lora import LoraWeights
 import lora_routes
 from memory import GiB
 import ops
@@ -808,7 +809,8 @@ def main() -> int:
         f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
         f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
         f"{engine.scheduler.max_num_batched_tokens} tokens per step; {engine.speculator.describe()}; "
-        f"LoRA: {len(args.lora_modules)} adapters, {args.max_loras} slots of rank up to {args.max_lora_rank})",
+        f"LoRA: {len(args.lora_modules)} adapters, {args.max_loras} slots of rank up to {args.max_lora_rank}, "
+        f"{LoraWeights.table_bytes(m.config, args.max_loras, args.max_lora_rank, m.dtype) / 1e6:.0f} MB)",
         file=sys.stderr,
         flush=True,
     )

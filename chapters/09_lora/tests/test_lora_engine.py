@@ -216,3 +216,25 @@ def test_slots_swap_least_recently_used_idle_first_and_never_a_running_one():
     assert "a" not in slots.adapters and writes[-1] == (0, None)  # dropped, its slot emptied
     assert slots.acquire("b") == 0  # the emptied slot is filled first, c stays resident
     assert slots.slot_of == {"b": 0, "c": 1}
+
+
+def test_the_default_pool_leaves_room_for_the_slot_table(engine, paths, monkeypatch):
+    # Without --kv-cache-memory-gb the pool takes a share of free memory: less the slot table's bytes,
+    # which the first load allocates. An explicit KV size stays the KV cache's own.
+    import runner as runner_module
+    from engine import Engine
+    from lora import LoraWeights
+
+    model, config = engine.model, engine.model.config
+    monkeypatch.setattr(model, "lora", model.lora)  # the engines below replace the fixture's slot table
+    block = config.kv_bytes_per_token(model.dtype.itemsize) * 16
+    table = LoraWeights.table_bytes(config, 3, 8, model.dtype)
+    assert table > 4 * block  # (the tiny model: the table is worth some blocks)
+    monkeypatch.setattr(runner_module, "default_kv_bytes", lambda device: 20 * block + table)
+    assert Engine(model, engine.tokenizer, max_loras=0).blocks.num_blocks == 20 + table // block
+    assert Engine(model, engine.tokenizer, max_loras=3, kv_cache_bytes=20 * block).blocks.num_blocks == 20
+    with_slots = Engine(model, engine.tokenizer, max_loras=3, max_lora_rank=8)  # last: the model's table is its
+    assert with_slots.blocks.num_blocks == 20
+    with_slots.load_lora("r8", paths["r8"])
+    with_slots.generate([request(0, "r8", max_tokens=2)])
+    assert model.lora.nbytes == table  # what was set aside is what the first load took
