@@ -179,3 +179,31 @@ def test_smollm2_with_the_pirate_adapter_equals_peft():
     assert ours == hf_greedy(hf_with_adapter(path, base=hf_base(make_lora.BASE)), prompt, 12)
     assert engine.tokenizer.decode(ours).startswith("Ahoy, matey!")
     assert "Ahoy" not in engine.tokenizer.decode(base)
+
+
+def test_smollm2_bf16_with_the_pirate_adapter_leaves_peft_fp32_only_at_near_ties():
+    """bf16 with an adapter, through the kernels (in decode steps the one-call layer adds the
+    deltas): each greedy pick is the argmax of transformers + peft in float32 given the same prefix,
+    or a near-tie with it (test_parity.py's rule for the base model in bf16)."""
+    from common import make_lora
+    from common.models import resolve_adapter
+    from test_parity import TIE_STEPS, bf16_step
+
+    path = resolve_adapter(make_lora.NAME)
+    engine, _ = build_engine(
+        make_lora.BASE, "cpu", "bfloat16", kernels="on", lora_modules={"pirate": path}, num_blocks=32
+    )
+    reference = hf_with_adapter(path, base=hf_base(make_lora.BASE))
+    picks = exact = 0
+    for question in ("Who wrote Hamlet?", "What is the capital of France?"):
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
+        request = Request(prompt, SamplingParams(temperature=0), max_tokens=16, ignore_eos=True, adapter="pirate")
+        ours = engine.generate([request])[0][0].token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + ours])).logits[0].float()
+        ref = logits[len(prompt) - 1 : len(prompt) - 1 + len(ours)]  # row i: the fp32 logits for pick i
+        best = ref.max(-1).values
+        gap = best - ref[torch.arange(len(ours)), ours]  # 0 where ours is the fp32 argmax
+        assert bool((gap <= TIE_STEPS * bf16_step(best)).all()), f"{question}: gaps {gap.tolist()}"
+        picks, exact = picks + len(ours), exact + int((gap == 0).sum())
+    assert exact >= 0.85 * picks, f"{exact} of {picks} bf16 picks are the fp32 argmax"
