@@ -32,15 +32,15 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import CheckpointError, plan_checkpoint
+from common.checkpoint import CheckpointError, checkpoint_files, plan_checkpoint
 from common.config import LlamaConfig, load_config
 from common.errors import UserError
 from model import Layer, Model
 from ops import Ops
 from qmatmul import PerStepLinear, linear
-from quant import QuantSpec, QuantWeight, cat_rows, group_size_for, nbytes
+from quant import Int4Weight, Int8Weight, QuantSpec, QuantWeight, cat_rows, group_size_for, nbytes
 from rope import inv_frequencies
-from weights import bits_of, spec_of
+from weights import bits_of, read_weights, spec_of
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,28 @@ def read_shard(model_dir: Path, config: LlamaConfig, plan: ShardPlan) -> tuple[d
     return out, read
 
 
+def slice_weight(w, where: tuple[slice, slice]):
+    """(rows, columns) of a weight loaded whole: a tensor's, or a quantized weight's codes with their
+    scales (and mins). Every row keeps its own scales; a column cut falls on whole int4 groups
+    (ShardPlan.check), so the slice holds exactly the codes TP=1 multiplies by."""
+    rows, cols = where
+    if isinstance(w, torch.Tensor):
+        return w[rows, cols].contiguous()
+    if isinstance(w, Int8Weight):  # one scale per whole row: a row's slice keeps it
+        return Int8Weight(w.q[rows, cols].contiguous(), w.scale[rows].contiguous())
+    start, stop, _ = cols.indices(w.shape[1])
+    g = w.group_size
+    assert start % g == 0 and stop % g == 0, f"a cut through an int4 group of {g}: columns {start}..{stop}"
+    groups = slice(start // g, stop // g)
+    return Int4Weight(
+        w.packed[rows, start // 2 : stop // 2].contiguous(),  # two codes a byte, along the inputs
+        w.scale[rows, groups].contiguous(),
+        w.min[rows, groups].contiguous(),
+        g,
+        w.symmetric,
+    )
+
+
 class RowParallelLinear:
     """o_proj or down_proj of one rank: its slice of the inputs times its columns of the weight is
     a partial sum of the whole output; the all-reduce adds the ranks' partial sums. One call per
@@ -218,21 +240,24 @@ def load_shard(
     read from the checkpoint). comm: all_reduce(t) and gather_last_dim(t) (parallel.py)."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    if spec_of(model_dir) is not None:
-        raise UserError(
-            f"{model_dir} is a quantized directory: tensor parallelism slices plain checkpoints, "
-            "quantized on load (--quant int4/int8 on the original model)"
-        )
-    ShardPlan.check(config, world, quant)
+    stored_spec = spec_of(model_dir)
+    ShardPlan.check(config, world, stored_spec or quant)
     plan = ShardPlan.of(config, rank, world)
     local = plan.local_config(config)
     device = torch.device(device)
-    stored, read = read_shard(model_dir, config, plan)
-    w = {}
-    for name, t in stored.items():
-        bits = bits_of(name, config, quant) if quant is not None else None
-        # Quantized from the stored floats, as weights.read_weights does, so the codes are TP=1's.
-        w[name] = quant.quantize(t, bits) if bits else t.to(dtype)
+    if stored_spec is not None:
+        # Quantized already (quantize.py, a converted .gguf): its codes cannot be read by slices
+        # of the file's rows, so every rank reads it whole, checked as at TP=1, and keeps its slices.
+        whole, quant = read_weights(model_dir, config, dtype, quant)
+        w = {name: slice_weight(t, where) if (where := plan.slice_of(name, config)) else t for name, t in whole.items()}
+        read = sum(f.stat().st_size for f in checkpoint_files(model_dir))
+    else:
+        stored, read = read_shard(model_dir, config, plan)
+        w = {}
+        for name, t in stored.items():
+            bits = bits_of(name, config, quant) if quant is not None else None
+            # Quantized from the stored floats, as weights.read_weights does, so the codes are TP=1's.
+            w[name] = quant.quantize(t, bits) if bits else t.to(dtype)
     total_bytes = sum(nbytes(v) for v in w.values())
 
     def t(*names: str):

@@ -409,15 +409,14 @@ def load(
 
     model_dir = resolve(name_or_path)
     config = load_config(model_dir)
-    if spec_of(model_dir) is not None:
-        raise UserError(
-            f"{model_dir} is a quantized directory (or a converted .gguf): tensor parallelism slices plain "
-            "checkpoints, quantized on load (--quant int4/int8 on the original model)"
-        )
-    ShardPlan.check(config, world, spec)  # refused before any process starts
+    stored = spec_of(model_dir)  # a quantized directory, or a converted .gguf
+    if stored is not None and spec is not None and spec != stored:
+        raise UserError(f"{model_dir} is already quantized ({stored.name}); --quant applies to a plain checkpoint")
+    ShardPlan.check(config, world, spec or stored)  # refused before any process starts
     dev = pick_device(device)
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
-    dt = torch.bfloat16 if spec is not None and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
+    quantized = spec is not None or stored is not None
+    dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
     group = start(world, timeout_s)
     one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")

@@ -77,6 +77,19 @@ def test_generate_tp3_equals_tp1_on_smollm2():
     assert r.stdout.rstrip("\n") == tp1_texts("smollm2-135m", PROMPTS[:1], 4)[0]
 
 
+def test_generate_tp3_from_the_gguf_equals_tp1():
+    """A pre-quantized model at N > 1: SmolLM2's Q4_1 GGUF (its codes copied once to int4 G=32),
+    each rank keeping its slices of the stored codes, says what TP=1 says on the same codes."""
+    from common.prepare_models import find_gguf
+    from loading import resolve
+
+    gguf = find_gguf()
+    r = generate_py("--model", str(gguf), "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--tensor-parallel-size", "3")
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel: 3 ranks" in r.stderr
+    assert r.stdout.rstrip("\n") == tp1_texts(str(resolve(str(gguf))), PROMPTS[:1], 6)[0]
+
+
 def test_cli_chat_at_tp2_says_what_tp1_says():
     """Two turns and a /reset through the chat CLI: the history and the single sequence's pool
     work the same when every layer is split across two processes."""

@@ -198,6 +198,23 @@ def test_shared_memory_all_reduce_gives_up_when_a_rank_is_gone(tmp_path):
         shm.all_reduce(torch.ones(4))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_directory_is_sliced_to_tp1s_codes(tiny, tmp_path, bits):
+    # quantize.py's output (and a converted .gguf) at N > 1: each rank reads the codes whole and keeps
+    # its slices, whole int4 groups and every row's own scales: the same logits as TP=1 on them.
+    from quantize import quantize_dir
+
+    qdir = tmp_path / f"tiny-int{bits}"
+    quantize_dir(str(tiny), QuantSpec(bits, 32), qdir)
+    ids = [1, 450, 4996, 17354, 1701, 29889, 322, 278]
+    whole = load_model(qdir, matmul="reference", ops=TorchOps())
+    with torch.inference_mode():
+        want = forward_sequence(whole, ids)
+    logits, _ = sharded_run(qdir, 2, ids)[0]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
 def test_smollm2_at_tp3_holds_a_third_of_the_weights_per_rank():
     """The issue's bound: per-rank weight bytes at most 1/N + 5 % of TP=1's (SmolLM2, bf16, N=3)."""
     d = resolve_model("smollm2-135m")
