@@ -7,17 +7,20 @@ Usage, from this chapter's folder:
     python cli.py --raw --prompt "Once upon a time"   # plain completion
     python cli.py --quant int4 --group-size 32        # int4 weights, quantized on load
     python cli.py --tensor-parallel-size 2 --model tiny-llama3   # every layer split across 2 processes
+    python cli.py --lora smollm2-135m-lora-pirate     # every reply through a LoRA adapter (a PEFT folder)
 
 In the chat: /reset forgets the history, /quit (or Ctrl-D) leaves. Statistics go to stderr.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
 from common.cli import base_parser, run_main
 from common.errors import UserError
+from common.models import resolve_adapter
 from engine import Engine, Request
 from loading import add_quant_args, quant_spec
 import ops
@@ -52,7 +55,22 @@ def parse_args():
             f"--{name.replace('_', '-')}", type=kind, default=None, help="default: the model's generation_config.json"
         )
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    ap.add_argument(
+        "--lora", default=None, help="a LoRA adapter for every reply: a PEFT folder, or a prepared one's name"
+    )
     return ap.parse_args()
+
+
+def lora_args(args) -> dict:
+    """build_engine's adapter arguments for --lora: one slot, as wide as the adapter's rank."""
+    if args.lora is None:
+        return {"max_loras": 0}
+    path = resolve_adapter(args.lora)
+    try:
+        rank = int(json.loads((path / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        rank = 16  # lora.read_adapter names what is wrong with the folder
+    return {"lora_modules": {path.name: path}, "max_loras": 1, "max_lora_rank": max(rank, 1)}
 
 
 def request_params(args, engine: Engine) -> SamplingParams:
@@ -62,7 +80,9 @@ def request_params(args, engine: Engine) -> SamplingParams:
 
 def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
     """Prints the reply as it is generated; returns its text."""
-    req = Request(prompt_ids, request_params(args, engine), max_tokens=args.max_new_tokens, stop=args.stop)
+    adapter = engine.lora_names()[0] if args.lora else None
+    params = request_params(args, engine)
+    req = Request(prompt_ids, params, max_tokens=args.max_new_tokens, stop=args.stop, adapter=adapter)
     # Fit max_tokens into what is left of the context, so a long chat ends its reply instead of failing.
     req.max_tokens = min(req.max_tokens, engine.context - len(prompt_ids)) if len(prompt_ids) < engine.context else 1
     drafted, accepted = engine.speculator.stats.drafted, engine.speculator.stats.accepted
@@ -137,12 +157,14 @@ def main() -> int:
         tensor_parallel_size=parallel.size_from(args),
         tensor_parallel_timeout=args.tensor_parallel_timeout,
         **speculative_args(args),
+        **lora_args(args),
     )
     m = engine.model
     dense = f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies" if m.dense_copy_bytes else ""
+    lora = f"; LoRA adapter {engine.lora_names()[0]}" if args.lora else ""
     print(
         f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
-        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}; {engine.speculator.describe()}]",
+        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}; {engine.speculator.describe()}{lora}]",
         file=sys.stderr,
         flush=True,
     )
