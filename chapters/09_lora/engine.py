@@ -89,6 +89,7 @@ class Engine:
         speculative_max_batch: int = 2,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         """max_model_len: the context, at most the model's (default: the model's).
         The pool: `num_blocks` blocks of `block_size` tokens, or as many as `kv_cache_bytes` hold
@@ -98,7 +99,8 @@ class Engine:
         cuda_graphs: replay decode steps as CUDA graphs (runner.py) where the model's ops can.
         proposer: guesses drafts for speculative decoding (proposers.py; None: off), up to
         num_speculative_tokens per sequence and step, while at most speculative_max_batch run.
-        max_loras: LoRA adapters resident at once (0: none served), of rank up to max_lora_rank."""
+        max_loras: LoRA adapters resident at once (0: none served), of rank up to max_lora_rank;
+        max_cpu_loras: host copies kept of adapters no request uses (lora_slots.py; None: all)."""
         self.model = model
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
@@ -122,7 +124,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         # Late-bound: a tensor-parallel engine swaps in a runner that reaches every rank.
         self.adapters = AdapterSlots(
-            max_loras, lambda path: self.runner.read_lora(path), lambda s, a: self.runner.write_lora(s, a)
+            max_loras, lambda p: self.runner.read_lora(p), lambda s, a: self.runner.write_lora(s, a), max_cpu_loras
         )
         if max_loras:
             self.runner.enable_lora(max_loras, max_lora_rank)
@@ -206,9 +208,9 @@ class Engine:
                     adapter=req.adapter,
                 )
             )
-        self.requests[rid] = RequestState(req, seqs, self.limits.stop_ids(req))
-        for seq in seqs:
+        for seq in seqs:  # first: an adapter read again from its folder may still refuse the request
             self.scheduler.add(seq)
+        self.requests[rid] = RequestState(req, seqs, self.limits.stop_ids(req))
         return rid
 
     def abort(self, request_id: str) -> None:

@@ -13,6 +13,11 @@ swapping, never refused.
 Unloading (`unregister`) stops new requests at once; sequences already added keep their adapter,
 which is dropped with the last of them (`users` counts them, waiting or running).
 
+With `max_cpu` (--max-cpu-loras), at most that many registered adapters keep their weights on the
+host while no sequence uses them: the least recently used beyond it drop theirs, and are read again
+from their folder when a request names them (vLLM's CPU LoRA cache). An adapter's files that changed
+since it was registered are refused then, not read: its uid would otherwise stand for other weights.
+
 Each registration gets a new `uid`: the prefix cache keys blocks by it (block_manager.py), so K/V
 computed with one adapter never serve another, nor the same name loaded again from new files.
 """
@@ -29,13 +34,25 @@ from lora import Adapter
 
 
 class AdapterSlots:
-    def __init__(self, n_slots: int, read: Callable[[Path], Adapter], write: Callable[[int, Adapter | None], None]):
+    def __init__(
+        self,
+        n_slots: int,
+        read: Callable[[Path], Adapter],
+        write: Callable[[int, Adapter | None], None],
+        max_cpu: int | None = None,
+    ):
         """read(path) -> the checked Adapter (lora.read_adapter for the model); write(slot, adapter)
-        fills a slot of the model's table, or empties it (None): the runner's, on every rank."""
+        fills a slot of the model's table, or empties it (None): the runner's, on every rank.
+        max_cpu: host copies kept of adapters no sequence uses (None: every one)."""
         if n_slots < 0:
             raise UserError(f"--max-loras must be at least 0 (0: no adapters), got {n_slots}")
-        self.n_slots, self._read, self._write = n_slots, read, write
-        self.adapters: dict[str, Adapter] = {}  # registered, by name (unloading ones included)
+        if max_cpu is not None and max_cpu < max(n_slots, 1):
+            raise UserError(f"--max-cpu-loras must be at least --max-loras ({max(n_slots, 1)}), got {max_cpu}")
+        self.n_slots, self._read, self._write, self.max_cpu = n_slots, read, write, max_cpu
+        self.adapters: dict[str, Adapter | None] = {}  # registered, by name (None: not on the host now)
+        self.source: dict[str, tuple[Path, tuple]] = {}  # name -> (its folder, its files' sizes and times)
+        self.on_host: OrderedDict[str, None] = OrderedDict()  # names with a host copy, least recent first
+        self.n_reads = 0  # host copies read again from their folder
         self.uid: dict[str, int] = {}
         self.unloading: set[str] = set()
         self.users: dict[str, int] = {}  # sequences added and not finished, per adapter
@@ -64,6 +81,8 @@ class AdapterSlots:
             raise UserError(f"LoRA adapter {name!r} is already loaded{why}; unload it first")
         adapter = self._read(Path(path))
         self.adapters[name], self.uid[name], self.users[name] = adapter, next(self._uids), 0
+        self.source[name] = (Path(path), _stamp(Path(path)))
+        self._keep_on_host(name)
 
     def unregister(self, name: str) -> None:
         """No new request may use `name`; it is dropped now, or when its last sequence ends."""
@@ -74,7 +93,8 @@ class AdapterSlots:
         self._drop_if_unused(name)
 
     def check(self, name: str | None) -> None:
-        """A request's adapter: None (the base model) or a loaded name, else UserError."""
+        """A request's adapter: None (the base model) or a loaded name, else UserError. Reads only:
+        a server's threads call it too."""
         if name is not None and not self.n_slots:
             raise UserError(f"LoRA adapter {name!r}: this engine serves no adapters (max_loras is 0)")
         if name is not None and (name not in self.adapters or name in self.unloading):
@@ -84,11 +104,16 @@ class AdapterSlots:
     # --- sequences ------------------------------------------------------------------------------
 
     def enter(self, name: str | None) -> int | None:
-        """A sequence of `name` was added. -> the adapter's uid (its prefix-cache identity)."""
+        """A sequence of `name` is being added (on the engine's thread): its host copy is read again
+        if it was dropped (UserError if its files changed, before anything is counted). -> the
+        adapter's uid (its prefix-cache identity)."""
         if name is None:
             return None
         self.check(name)
+        if self.adapters[name] is None:
+            self.adapters[name] = self._read_again(name)
         self.users[name] += 1
+        self._keep_on_host(name)
         return self.uid[name]
 
     def leave(self, name: str | None) -> None:
@@ -96,6 +121,7 @@ class AdapterSlots:
         if name is not None:
             self.users[name] -= 1
             self._drop_if_unused(name)
+            self._trim_host()
 
     def acquire(self, name: str | None) -> int | None:
         """A slot for a sequence about to run: -1 for the base model, the adapter's slot (copied
@@ -140,8 +166,38 @@ class AdapterSlots:
                 self.idle.pop(slot, None)
                 self.idle[slot] = None
                 self.idle.move_to_end(slot, last=False)  # an empty slot is the first to fill
-            del self.adapters[name], self.uid[name], self.users[name]
+            del self.adapters[name], self.uid[name], self.users[name], self.source[name]
+            self.on_host.pop(name, None)
             self.unloading.discard(name)
+
+    # --- host copies ------------------------------------------------------------------------------
+
+    def _keep_on_host(self, name: str) -> None:
+        self.on_host.pop(name, None)
+        self.on_host[name] = None  # most recently used
+        self._trim_host(keep=name)
+
+    def _trim_host(self, keep: str | None = None) -> None:
+        """Drops the least recently used host copies beyond max_cpu, of adapters no sequence uses
+        (a slot that holds one keeps its weights there), never `keep`'s, just asked for."""
+        if self.max_cpu is None:
+            return
+        for name in list(self.on_host):
+            if len(self.on_host) <= self.max_cpu:
+                return
+            if self.users.get(name, 0) == 0 and name != keep:
+                del self.on_host[name]
+                self.adapters[name] = None
+
+    def _read_again(self, name: str) -> Adapter:
+        path, stamp = self.source[name]
+        if _stamp(path) != stamp:
+            raise UserError(
+                f"LoRA adapter {name!r}: its files in {path} changed (or went) since it was loaded; "
+                "unload it and load it again"
+            )
+        self.n_reads += 1
+        return self._read(path)
 
     def stats(self) -> dict:
         if not self.n_slots:
@@ -152,4 +208,14 @@ class AdapterSlots:
             "lora_resident": len(self.slot_of),
             "lora_loads": self.n_loads,
             "lora_waits": self.n_waits,
+            "lora_host_copies": len(self.on_host),
+            "lora_reads": self.n_reads,
         }
+
+
+def _stamp(path: Path) -> tuple:
+    """The adapter folder's files by size and modification time: what a later read must find again."""
+    try:
+        return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file())
+    except OSError:
+        return ()

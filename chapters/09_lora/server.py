@@ -733,6 +733,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (default: %(default)s)")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank served (default: %(default)s)")
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory while no request uses them; the others are read again when named "
+        "(default: all)",
+    )
     args = ap.parse_args(argv)
     args.lora_modules = lora_modules(ap, args.lora_modules)
     return args
@@ -780,6 +787,7 @@ def main() -> int:
             lora_modules=args.lora_modules,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
             **speculative_args(args),
         )
         return engine

@@ -238,3 +238,56 @@ def test_the_default_pool_leaves_room_for_the_slot_table(engine, paths, monkeypa
     with_slots.load_lora("r8", paths["r8"])
     with_slots.generate([request(0, "r8", max_tokens=2)])
     assert model.lora.nbytes == table  # what was set aside is what the first load took
+
+
+def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
+    from common.errors import UserError
+    from lora_slots import AdapterSlots
+
+    reads, folders = [], {}
+    for name in "abc":
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "adapter_config.json").write_text("{}")
+
+    def read(path):
+        reads.append(path.name)
+        return SimpleNamespace(path=path)
+
+    with pytest.raises(UserError, match="--max-cpu-loras must be at least --max-loras"):
+        AdapterSlots(2, read, lambda s, a: None, max_cpu=1)
+    slots = AdapterSlots(1, read, lambda s, a: None, max_cpu=1)
+    for name in "abc":
+        slots.register(name, folders[name])
+    assert list(slots.on_host) == ["c"] and slots.adapters["a"] is None and reads == ["a", "b", "c"]
+    slots.enter("a")  # named again: read from its folder, and kept while a sequence uses it
+    assert reads[-1] == "a" and slots.adapters["a"] is not None and slots.adapters["c"] is None
+    slots.check("b")  # a check reads nothing (a server's threads call it)
+    assert slots.adapters["b"] is None
+    slots.enter("b")  # b read again; a is in use, so both stay (over the limit while in use)
+    assert list(slots.on_host) == ["a", "b"]
+    slots.leave("a")  # no longer in use: the least recently used copy goes
+    assert list(slots.on_host) == ["b"] and slots.adapters["a"] is None
+    (folders["c"] / "adapter_config.json").write_text('{"r": 4}')  # changed since it was registered
+    with pytest.raises(UserError, match="'c': its files in .* changed"):
+        slots.enter("c")
+    assert slots.users["c"] == 0  # refused before anything was counted
+    assert slots.stats()["lora_reads"] == 2 and slots.stats()["lora_host_copies"] == 1
+
+
+def test_an_engine_that_keeps_two_host_copies_gives_the_same_tokens(engine, paths):
+    from common.errors import UserError
+
+    few, _ = build_engine(
+        "tiny-llama3", "cpu", "float32", lora_modules=paths, max_loras=2, max_cpu_loras=2, num_blocks=256
+    )
+    reqs = [request(i, NAMES[i % len(NAMES)]) for i in range(10)]
+    got = [o[0].token_ids for o in few.generate(reqs)]
+    assert got == [o[0].token_ids for o in engine.generate(reqs)]
+    assert few.stats()["lora_reads"] > 0 and few.stats()["lora_host_copies"] <= 2
+    # an adapter whose files changed while its host copy was dropped: the request is refused whole
+    dropped = next(name for name, adapter in few.adapters.adapters.items() if adapter is None)
+    (paths[dropped] / "adapter_config.json").touch()
+    with pytest.raises(UserError, match="changed"):
+        few.add(request(0, dropped))
+    assert not few.requests and not few.has_work()

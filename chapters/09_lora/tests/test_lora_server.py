@@ -186,6 +186,8 @@ def test_a_bad_adapter_at_startup_is_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(tmp_path / "empty") in last, r.stderr
+    r = run_python(["server.py", "--model", MODEL, *flags, "--max-loras", "2", "--max-cpu-loras", "1"], cwd=CHAPTER, timeout=300)
+    assert r.returncode == 2 and "error: --max-cpu-loras must be at least --max-loras (2), got 1" in r.stderr, r.stderr
 
 
 def test_at_tensor_parallel_size_2_adapters_load_and_answer_as_at_1(tmp_path, paths, expected):
