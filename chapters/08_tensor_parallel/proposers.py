@@ -110,8 +110,9 @@ class DraftModelProposer:
     target's new token and perhaps the last kept guess), whose last row gives the first guess.
 
     That catch-up is chunked like the target's prefill: at most `catch_up_tokens` a step over all
-    sequences, fewer deep into a long context (scheduler.chunk_limit). A sequence further behind runs a chunk and guesses nothing this step, so a long
-    prompt neither stalls the other streams nor holds a prompt-sized activation at once."""
+    sequences, fewer deep into a long context (scheduler.chunk_limit). A sequence further behind
+    runs a chunk and guesses nothing this step, so a long prompt neither stalls the other streams
+    nor holds a prompt-sized activation at once."""
 
     def __init__(self, model: Model, name: str, catch_up_tokens: int = 256):
         self.model = model

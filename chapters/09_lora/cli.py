@@ -14,7 +14,6 @@ In the chat: /reset forgets the history, /quit (or Ctrl-D) leaves. Statistics go
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -23,6 +22,7 @@ from common.errors import UserError
 from common.models import resolve_adapter
 from engine import Engine, Request
 from loading import add_quant_args, quant_spec
+from lora import config_rank
 import ops
 import parallel
 from parallel import build_engine
@@ -66,11 +66,7 @@ def lora_args(args) -> dict:
     if args.lora is None:
         return {"max_loras": 0}
     path = resolve_adapter(args.lora)
-    try:
-        rank = int(json.loads((path / "adapter_config.json").read_text())["r"])
-    except (OSError, ValueError, KeyError, TypeError):
-        rank = 16  # lora.read_adapter names what is wrong with the folder
-    return {"lora_modules": {path.name: path}, "max_loras": 1, "max_lora_rank": max(rank, 1)}
+    return {"lora_modules": {path.name: path}, "max_loras": 1, "max_lora_rank": config_rank(path)}
 
 
 def request_params(args, engine: Engine) -> SamplingParams:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +123,13 @@ def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int, dtype: to
     tensors = _read_tensors(path)
     weights = _pair_up(path, tensors, config, rank, targets, dtype)
     return Adapter(path, rank, float(scale), weights)
+
+
+def config_rank(path: str | Path) -> int:
+    """The rank a PEFT directory's adapter_config.json declares (UserError for a missing or bad
+    config), for sizing a slot table before reading the adapter."""
+    path = Path(path).expanduser()
+    return _check_config(path, _read_config(path), max_rank=sys.maxsize)[0]
 
 
 def _read_config(path: Path) -> dict:

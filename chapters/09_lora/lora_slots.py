@@ -216,6 +216,7 @@ class AdapterSlots:
 def _stamp(path: Path) -> tuple:
     """The adapter folder's files by size and modification time: what a later read must find again."""
     try:
-        return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file())
+        files = [(f.name, f.stat()) for f in sorted(path.iterdir()) if f.is_file()]
     except OSError:
         return ()
+    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in files)

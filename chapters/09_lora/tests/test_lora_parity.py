@@ -161,39 +161,44 @@ def test_the_kernels_and_the_torch_path_add_the_same_delta(dtype):
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
 
 
-def test_smollm2_with_the_pirate_adapter_equals_peft():
-    """The project's own adapter (`make models`: common/make_lora.py) on the real model, float32,
-    through the chat template: our greedy tokens equal transformers + peft's, token for token, and
-    they are the pirate's (the base model's answer is not)."""
+@pytest.fixture(scope="module")
+def pirate():
+    """The project's own adapter (`make models`: common/make_lora.py) -> (its folder, the base model
+    it was made for, transformers + peft with it in float32: the reference, loaded once)."""
     from common import make_lora
     from common.models import resolve_adapter
 
     path = resolve_adapter(make_lora.NAME)
-    engine, _ = build_engine(make_lora.BASE, "cpu", "float32", lora_modules={"pirate": path}, num_blocks=32)
+    return path, make_lora.BASE, hf_with_adapter(path, base=hf_base(make_lora.BASE))
+
+
+def test_smollm2_with_the_pirate_adapter_equals_peft(pirate):
+    """The pirate on the real model, float32, through the chat template: our greedy tokens equal
+    transformers + peft's, token for token, and they are the pirate's (the base model's answer is
+    not)."""
+    path, base_model, reference = pirate
+    engine, _ = build_engine(base_model, "cpu", "float32", lora_modules={"pirate": path}, num_blocks=32)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Who wrote Hamlet?"}])
     greedy = SamplingParams(temperature=0)
     ours, base = (
         out[0].token_ids
         for out in engine.generate([Request(prompt, greedy, max_tokens=12, adapter=a) for a in ("pirate", None)])
     )
-    assert ours == hf_greedy(hf_with_adapter(path, base=hf_base(make_lora.BASE)), prompt, 12)
+    assert ours == hf_greedy(reference, prompt, 12)
     assert engine.tokenizer.decode(ours).startswith("Ahoy, matey!")
     assert "Ahoy" not in engine.tokenizer.decode(base)
 
 
-def test_smollm2_bf16_with_the_pirate_adapter_leaves_peft_fp32_only_at_near_ties():
+def test_smollm2_bf16_with_the_pirate_adapter_leaves_peft_fp32_only_at_near_ties(pirate):
     """bf16 with an adapter, through the kernels (in decode steps the one-call layer adds the
     deltas): each greedy pick is the argmax of transformers + peft in float32 given the same prefix,
     or a near-tie with it (test_parity.py's rule for the base model in bf16)."""
-    from common import make_lora
-    from common.models import resolve_adapter
     from test_parity import TIE_STEPS, bf16_step
 
-    path = resolve_adapter(make_lora.NAME)
+    path, base_model, reference = pirate
     engine, _ = build_engine(
-        make_lora.BASE, "cpu", "bfloat16", kernels="on", lora_modules={"pirate": path}, num_blocks=32
+        base_model, "cpu", "bfloat16", kernels="on", lora_modules={"pirate": path}, num_blocks=32
     )
-    reference = hf_with_adapter(path, base=hf_base(make_lora.BASE))
     picks = exact = 0
     for question in ("Who wrote Hamlet?", "What is the capital of France?"):
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
