@@ -41,7 +41,7 @@ from model import Model
 from ops import KernelFlags
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
-from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_token
+from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
 from runner import ModelRunner, pool_size
 from sampling import SamplingParams, choice_seed, make_generator, sample
 from scheduler import Scheduler
@@ -82,13 +82,7 @@ class Engine:
         eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = _context(model.config.max_position_embeddings, max_model_len)
-        for name, value in (
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if value < 1:
-                raise UserError(f"{name} must be at least 1, got {value}")
+        _at_least_one(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
             num_blocks = pool_size(model, block_size, most, kv_cache_bytes)
@@ -208,24 +202,16 @@ class Engine:
         return [(seq, [token], [logprob]) for seq, token, logprob in zip(seqs, tokens, logprobs)]
 
     def _emit(self, new_tokens: list[NewTokens]) -> list[tuple[str, list[Event], bool]]:
-        """Each sequence's new tokens through the stop rules, one Event per sequence and step (as a
-        server streams it: one chunk per step); a stop ends the choice there and drops the tokens
-        after it. -> per request with news: (request id, its events, whether it is finished)."""
+        """Each sequence's new tokens through the stop rules (request.append_tokens: one Event per
+        sequence and step). -> per request with news: (request id, its events, whether it is finished)."""
         news: dict[str, list[Event]] = {}
         for seq, tokens, logprobs in new_tokens:
             state = self.requests[seq.request_id]
-            step = Event(seq.index, "", [], [])
-            for token, logprob in zip(tokens, logprobs):
-                event = append_token(seq, token, logprob, state.stop_ids)
-                step.text += event.text
-                step.token_ids += event.token_ids
-                step.logprobs += event.logprobs
-                step.finish_reason = event.finish_reason
-                if event.finish_reason is not None:
-                    self.scheduler.finish(seq)
-                    state.n_finished += 1
-                    break
-            news.setdefault(seq.request_id, []).append(step)
+            event = append_tokens(seq, tokens, logprobs, state.stop_ids)
+            if event.finish_reason is not None:
+                self.scheduler.finish(seq)
+                state.n_finished += 1
+            news.setdefault(seq.request_id, []).append(event)
         out = []
         for rid, events in news.items():
             done = self.requests[rid].done
@@ -264,10 +250,7 @@ class Engine:
                 ids[self.add(requests[i])] = i
             for rid, events, _ in self.step():
                 for ev in events:
-                    out = outputs[ids[rid]][ev.index]
-                    out.text += ev.text
-                    out.token_ids += ev.token_ids
-                    out.finish_reason = ev.finish_reason or out.finish_reason
+                    outputs[ids[rid]][ev.index].add(ev)
             step += 1
         return outputs
 
@@ -305,6 +288,12 @@ def build_engine(
     engine = Engine(loaded, Tokenizer(model_dir), Engine.read_generation_config(model_dir), **limits)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name
+
+
+def _at_least_one(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
 
 
 def _context(model_context: int, max_model_len: int | None) -> int:

@@ -7,6 +7,7 @@ token becomes text or ends a choice.
     RequestState   a running request: its n sequences and its stop tokens
     append_token   one new token of a sequence through the stop rules -> an Event
                    (EOS / stop_token_ids / stop strings / max_tokens, as in chapter 03)
+    append_tokens  a step's new tokens of a sequence -> one Event (a server streams one chunk per step)
 
 Nothing here runs the model or touches the KV pool: the engine (engine.py) owns the step, the
 model runner (runner.py) the forward pass.
@@ -63,6 +64,11 @@ class Output:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+
+    def add(self, event: Event) -> None:
+        self.text += event.text
+        self.token_ids += event.token_ids
+        self.finish_reason = event.finish_reason or self.finish_reason
 
 
 @dataclass
@@ -183,6 +189,21 @@ def append_token(seq: Sequence, token: int, logprob: TokenLogprob | None, stop_i
         # flush() may still find a stop string that only the end of the text could confirm
         return Event(seq.index, text, [token], lps, "stop" if seq.matcher.stopped else "length")
     return Event(seq.index, text, [token], lps)
+
+
+def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, stop_ids: set[int]) -> Event:
+    """A step's new tokens of `seq` (one, or a run of verified guesses) through the stop rules, as
+    one Event; a stop ends the choice there and drops the tokens after it."""
+    step = Event(seq.index, "", [], [])
+    for token, logprob in zip(tokens, logprobs):
+        event = append_token(seq, token, logprob, stop_ids)
+        step.text += event.text
+        step.token_ids += event.token_ids
+        step.logprobs += event.logprobs
+        step.finish_reason = event.finish_reason
+        if event.finish_reason is not None:
+            break
+    return step
 
 
 def _remaining_text(detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> str:

@@ -76,7 +76,7 @@ def request_params(args, engine: Engine) -> SamplingParams:
 
 def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
     """Prints the reply as it is generated; returns its text."""
-    adapter = engine.lora_names()[0] if args.lora else None
+    adapter = engine.adapters.names()[0] if args.lora else None
     params = request_params(args, engine)
     req = Request(prompt_ids, params, max_tokens=args.max_new_tokens, stop=args.stop, adapter=adapter)
     # Fit max_tokens into what is left of the context, so a long chat ends its reply instead of failing.
@@ -157,7 +157,7 @@ def main() -> int:
     )
     m = engine.model
     dense = f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies" if m.dense_copy_bytes else ""
-    lora = f"; LoRA adapter {engine.lora_names()[0]}" if args.lora else ""
+    lora = f"; LoRA adapter {engine.adapters.names()[0]}" if args.lora else ""
     print(
         f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
         f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}; {engine.speculator.describe()}{lora}]",

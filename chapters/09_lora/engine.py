@@ -25,8 +25,8 @@ its pending token and k guesses, verified at the price of reading the weights on
 
 LoRA adapters (lora.py, lora_slots.py): a request names its adapter (Request.adapter; None: the
 base model); up to max_loras adapters sit in the model's slot table at once, and one step runs rows
-of many adapters and of the base model together. `load_lora`, `unload_lora` and `lora_names` are
-what a server calls to manage them while requests run.
+of many adapters and of the base model together. `engine.adapters` (lora_slots.AdapterSlots)
+registers and unregisters them while requests run: `register(name, path)`, `unregister`, `names`.
 
 `add`, `abort` and `step` are all a server needs (worker.py drives them from one thread);
 `stream` runs a single request to the end and `generate` a list of them, for scripts and tests.
@@ -55,7 +55,7 @@ from ops import KernelFlags
 from proposers import check_proposer_name, load_draft, make_proposer
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
-from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_token
+from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
 from runner import ModelRunner, pool_size
 from sampling import SamplingParams, choice_seed, make_generator, sample
 from scheduler import Scheduler
@@ -107,13 +107,7 @@ class Engine:
         eos = self.generation_config.get("eos_token_id", list(model.config.eos_token_ids))
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = _context(model.config.max_position_embeddings, max_model_len)
-        for name, value in (
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if value < 1:
-                raise UserError(f"{name} must be at least 1, got {value}")
+        _at_least_one(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
             # the default budget leaves room for the LoRA slot table, taken at the first load
@@ -164,22 +158,6 @@ class Engine:
         """Raises UserError with a message fit for the client (request.RequestLimits)."""
         self.limits.validate(req)
         self.adapters.check(req.adapter)
-
-    # --- LoRA adapters ---------------------------------------------------------------------------
-
-    def load_lora(self, name: str, path: str | Path) -> None:
-        """Registers the PEFT adapter at `path` as `name` (read and checked now: UserError for a
-        bad one or a name in use); it takes a slot when a request of it first runs."""
-        self.adapters.register(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """No new request may name `name` (UserError for an unknown name); requests already added
-        finish with it, and it is dropped with the last of them."""
-        self.adapters.unregister(name)
-
-    def lora_names(self) -> list[str]:
-        """The adapters a request may name now."""
-        return self.adapters.names()
 
     # --- the server's interface -----------------------------------------------------------------
 
@@ -269,24 +247,16 @@ class Engine:
         return [(seq, [token], [logprob]) for seq, token, logprob in zip(seqs, tokens, logprobs)]
 
     def _emit(self, new_tokens: list[NewTokens]) -> list[tuple[str, list[Event], bool]]:
-        """Each sequence's new tokens through the stop rules, one Event per sequence and step (as a
-        server streams it: one chunk per step); a stop ends the choice there and drops the tokens
-        after it. -> per request with news: (request id, its events, whether it is finished)."""
+        """Each sequence's new tokens through the stop rules (request.append_tokens: one Event per
+        sequence and step). -> per request with news: (request id, its events, whether it is finished)."""
         news: dict[str, list[Event]] = {}
         for seq, tokens, logprobs in new_tokens:
             state = self.requests[seq.request_id]
-            step = Event(seq.index, "", [], [])
-            for token, logprob in zip(tokens, logprobs):
-                event = append_token(seq, token, logprob, state.stop_ids)
-                step.text += event.text
-                step.token_ids += event.token_ids
-                step.logprobs += event.logprobs
-                step.finish_reason = event.finish_reason
-                if event.finish_reason is not None:
-                    self.scheduler.finish(seq)
-                    state.n_finished += 1
-                    break
-            news.setdefault(seq.request_id, []).append(step)
+            event = append_tokens(seq, tokens, logprobs, state.stop_ids)
+            if event.finish_reason is not None:
+                self.scheduler.finish(seq)
+                state.n_finished += 1
+            news.setdefault(seq.request_id, []).append(event)
         out = []
         for rid, events in news.items():
             done = self.requests[rid].done
@@ -325,10 +295,7 @@ class Engine:
                 ids[self.add(requests[i])] = i
             for rid, events, _ in self.step():
                 for ev in events:
-                    out = outputs[ids[rid]][ev.index]
-                    out.text += ev.text
-                    out.token_ids += ev.token_ids
-                    out.finish_reason = ev.finish_reason or out.finish_reason
+                    outputs[ids[rid]][ev.index].add(ev)
             step += 1
         return outputs
 
@@ -371,7 +338,7 @@ def build_engine(
     a --kernels choice), and a proposer by its --speculative name (proposers.py): for "draft",
     `draft_model` (default: the model itself) quantized on load with `draft_quant`; -> the engine,
     and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...).
-    LoRA: `lora_modules` {name: PEFT directory} loaded at start, more by Engine.load_lora;
+    LoRA: `lora_modules` {name: PEFT directory} loaded at start, more by engine.adapters.register;
     `max_loras` resident at once (0: none served; the slot table's memory is taken on the first
     load), of rank up to `max_lora_rank`."""
     check_proposer_name(speculative)  # a bad name fails before anything loads
@@ -392,9 +359,15 @@ def build_engine(
         **limits,
     )
     for name, path in (lora_modules or {}).items():
-        engine.load_lora(name, path)
+        engine.adapters.register(name, path)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name
+
+
+def _at_least_one(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
 
 
 def _context(model_context: int, max_model_len: int | None) -> int:

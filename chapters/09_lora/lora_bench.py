@@ -171,7 +171,7 @@ def main() -> int:
     first = None
     for i, name in enumerate(names):
         weights = random_adapter(config, seed=i)
-        engine.load_lora(name, write_peft(work / name, weights))
+        engine.adapters.register(name, write_peft(work / name, weights))
         first = first or weights
     gguf_lora = write_gguf_lora(work / "random-0.gguf", first, config)
     try:

@@ -46,7 +46,7 @@ async def load_lora_adapter(body: LoadLoraRequest, http: HTTPRequest):
     if name in state.adapters:
         raise APIError(400, f"LoRA adapter '{name}' is already loaded; unload it first", param="lora_name")
     try:
-        await state.worker.call(lambda engine: engine.load_lora(name, body.lora_path))
+        await state.worker.call(lambda engine: engine.adapters.register(name, body.lora_path))
     except UserError as e:
         raise APIError(400, str(e), param="lora_path") from None
     state.adapters[name] = body.lora_path
@@ -62,7 +62,7 @@ async def unload_lora_adapter(body: UnloadLoraRequest, http: HTTPRequest):
         raise APIError(404, f"no LoRA adapter named '{name}' is loaded (loaded: {loaded})", param="lora_name")
     del state.adapters[name]  # new requests naming it get a 404 from now on
     try:
-        await state.worker.call(lambda engine: engine.unload_lora(name))
+        await state.worker.call(lambda engine: engine.adapters.unregister(name))
     except UserError as e:
         raise APIError(404, str(e), param="lora_name") from None
     return f"Success: LoRA adapter '{name}' removed successfully."

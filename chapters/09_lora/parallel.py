@@ -554,7 +554,7 @@ def build_engine(
         engine.runner = ParallelRunner(group, engine.runner)
         engine.tensor_parallel = group
         for name, path in (lora_modules or {}).items():
-            engine.load_lora(name, path)
+            engine.adapters.register(name, path)
     except BaseException:
         group.close()
         raise

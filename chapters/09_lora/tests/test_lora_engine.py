@@ -152,27 +152,27 @@ def test_verify_rows_run_through_the_requests_adapter(speculating):
 
 def test_load_and_unload_while_requests_run(engine, paths):
     eng = engine
-    eng.load_lora("late", paths["r4"])  # the same files under a second name
-    assert "late" in eng.lora_names()
+    eng.adapters.register("late", paths["r4"])  # the same files under a second name
+    assert "late" in eng.adapters.names()
     want = tokens(eng.generate([request(5, "r4", 10)]))[0]
     rid = eng.add(request(5, "late", 10))
     got = []
     while rid in eng.requests:
         for r, events, _ in eng.step():
             got += [t for e in events for t in e.token_ids]
-        if got and "late" in eng.lora_names():
-            eng.unload_lora("late")  # in use: new requests are refused at once, this one finishes
+        if got and "late" in eng.adapters.names():
+            eng.adapters.unregister("late")  # in use: new requests are refused at once, this one finishes
             with pytest.raises(ValueError, match="unknown LoRA adapter 'late'"):
                 eng.add(request(1, "late"))
     assert got == want  # its stream went on to its end, through the adapter
     assert "late" not in eng.adapters.adapters and "late" not in eng.adapters.slot_of  # dropped with it
-    eng.load_lora("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
+    eng.adapters.register("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
     seq = eng.requests[eng.add(request(2, "late", 2))].seqs[0]
     while eng.has_work():
         eng.step()
     eng.scheduler.finish(seq)  # finished already (an abort of a request whose choice ended): no second leave
     assert eng.adapters.users["late"] == 0
-    eng.unload_lora("late")
+    eng.adapters.unregister("late")
     assert "late" not in eng.adapters.adapters
 
 
@@ -235,7 +235,7 @@ def test_the_default_pool_leaves_room_for_the_slot_table(engine, paths, monkeypa
     assert Engine(model, engine.tokenizer, max_loras=3, kv_cache_bytes=20 * block).blocks.num_blocks == 20
     with_slots = Engine(model, engine.tokenizer, max_loras=3, max_lora_rank=8)  # last: the model's table is its
     assert with_slots.blocks.num_blocks == 20
-    with_slots.load_lora("r8", paths["r8"])
+    with_slots.adapters.register("r8", paths["r8"])
     with_slots.generate([request(0, "r8", max_tokens=2)])
     assert model.lora.nbytes == table  # what was set aside is what the first load took
 

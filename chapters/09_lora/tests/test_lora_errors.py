@@ -23,7 +23,7 @@ def good(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(good):
     eng, _ = build_engine("tiny-llama3", "cpu", "float32", max_loras=2, max_lora_rank=8, num_blocks=16)
-    eng.load_lora("good", good)
+    eng.adapters.register("good", good)
     return eng
 
 
@@ -90,32 +90,32 @@ def test_a_bad_adapter_is_refused_at_load_with_the_reason(engine, good, tmp_path
     change, message = CASES[case]
     path = broken(good, tmp_path, **change)
     with pytest.raises(UserError, match="^LoRA adapter .*" + re.escape(message)) as e:
-        engine.load_lora("bad", path)
+        engine.adapters.register("bad", path)
     assert "\n" not in str(e.value)
-    assert "bad" not in engine.lora_names()  # nothing half-loaded
+    assert "bad" not in engine.adapters.names()  # nothing half-loaded
 
 
 def test_unreadable_files_are_refused(engine, good, tmp_path):
     path = broken(good, tmp_path)
     (path / "adapter_config.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
-        engine.load_lora("bad", path)
+        engine.adapters.register("bad", path)
     path = broken(good, tmp_path / "2")
     (path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
     with pytest.raises(UserError, match="the safetensors library cannot read it"):
-        engine.load_lora("bad", path)
+        engine.adapters.register("bad", path)
     with pytest.raises(UserError, match="no such directory"):
-        engine.load_lora("bad", tmp_path / "nowhere")
+        engine.adapters.register("bad", tmp_path / "nowhere")
 
 
 def test_names_are_checked(engine, good):
     with pytest.raises(UserError, match=r"unknown LoRA adapter 'nope' \(loaded: good\)"):
         engine.add(Request([1, 2, 3], adapter="nope"))
     with pytest.raises(UserError, match=r"no LoRA adapter named 'nope' is loaded \(loaded: good\)"):
-        engine.unload_lora("nope")
+        engine.adapters.unregister("nope")
     with pytest.raises(UserError, match="'good' is already loaded; unload it first"):
-        engine.load_lora("good", good)
-    assert engine.lora_names() == ["good"]
+        engine.adapters.register("good", good)
+    assert engine.adapters.names() == ["good"]
 
 
 def test_an_engine_without_slots_serves_no_adapter(good):
@@ -123,6 +123,6 @@ def test_an_engine_without_slots_serves_no_adapter(good):
     with pytest.raises(UserError, match="serves no adapters"):
         eng.add(Request([1, 2, 3], adapter="good"))
     with pytest.raises(UserError, match="serves no LoRA adapters"):
-        eng.load_lora("good", good)
+        eng.adapters.register("good", good)
     with pytest.raises(UserError, match="--max-lora-rank must be at least 1"):
         build_engine("tiny-llama3", "cpu", "float32", max_lora_rank=0, num_blocks=4)

@@ -117,7 +117,7 @@ def test_int4_base_with_an_adapter_equals_peft_on_the_dequantized_base(adapters)
     eng, _ = build_engine(
         "tiny-llama3", "cpu", "float32", quant=spec, kernels=KernelFlags("on"), matmul="fast", num_blocks=16
     )
-    eng.load_lora("a", adapters["every-r8"])
+    eng.adapters.register("a", adapters["every-r8"])
     ref = hf_with_adapter(adapters["every-r8"], int4_dequantized_hf(spec))
     tokens = eng.generate([greedy("a")])[0][0].token_ids
     assert tokens == hf_greedy(ref, PROMPT, N_NEW)
