@@ -167,7 +167,7 @@ def part_one(args, base: Engine) -> dict:
             proposer=NgramProposer(),
             num_speculative_tokens=k,
         )
-    prompts = {name: base.tokenizer.encode_chat([{"role": "user", "content": text}]) for name, text in TASKS.items()}
+    prompts = {name: base.tokenizer.encode_chat([{"role": "user", "content": TASKS[name]}]) for name in args.tasks}
     peers = {}
     if args.peers == "llama.cpp":
         why = llama_cpp_available()
@@ -176,7 +176,7 @@ def part_one(args, base: Engine) -> dict:
         else:
             peers = llama_cpp_engines(args, max(len(p) for p in prompts.values()) + args.max_tokens + 16)
     eos = set(base.eos_ids)
-    runs: dict[str, dict[str, list[dict]]] = {task: {} for task in TASKS}
+    runs: dict[str, dict[str, list[dict]]] = {task: {} for task in args.tasks}
     warm = next(iter(prompts.values()))[:32]  # a warm-up of every engine, untimed
     for engine in engines.values():
         ours(engine, warm, 4)
@@ -238,10 +238,10 @@ def part_draft(args) -> dict:
             num_speculative_tokens=k,
         )
         engines[f"bf16 + int4 draft k={k}"] = e
-    prompts = {name: bf16.tokenizer.encode_chat([{"role": "user", "content": text}]) for name, text in TASKS.items()}
+    prompts = {name: bf16.tokenizer.encode_chat([{"role": "user", "content": TASKS[name]}]) for name in args.tasks}
     for engine in engines.values():  # warm-up
         ours(engine, next(iter(prompts.values()))[:32], 4)
-    runs: dict[str, dict[str, list[dict]]] = {task: {} for task in TASKS}
+    runs: dict[str, dict[str, list[dict]]] = {task: {} for task in args.tasks}
     for r in range(args.repeats):
         for task, prompt in prompts.items():
             for name, engine in engines.items():
@@ -366,6 +366,7 @@ def main() -> int:
     ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4", help="weights (default: %(default)s)")
     ap.add_argument("--dtype", default="bfloat16", help="activations and KV cache (default: %(default)s)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tasks", default=",".join(TASKS), help=f"parts one and draft: some of {', '.join(TASKS)}")
     ap.add_argument("--ks", default="2,4,6,8", help="part one: the largest k of each prompt-lookup engine")
     ap.add_argument("--max-tokens", type=int, default=256, help="part one: a reply's cap (default: %(default)s)")
     ap.add_argument("--batches", default="1,2,4,8,16", help="part batch: sequences at once")
@@ -377,6 +378,9 @@ def main() -> int:
     args = ap.parse_args()
     args.ks, args.batches = int_list(args.ks), int_list(args.batches)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not args.tasks or any(t not in TASKS for t in args.tasks):
+        raise UserError(f"--tasks takes some of {', '.join(TASKS)}, got {', '.join(args.tasks) or '(none)'}")
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise UserError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
