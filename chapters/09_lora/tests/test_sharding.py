@@ -3,6 +3,7 @@ slice, bytes read per rank, and the sharded forward pass against the whole model
 (ranks as threads, an all-reduce as a barrier and a sum: the arithmetic of the processes' run)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -157,16 +158,16 @@ def test_sharded_forward_matches_the_whole_model_layer_by_layer(tiny, quant):
 def test_shared_memory_all_reduce_sums_in_one_order_on_every_rank(tmp_path):
     """Two ranks as threads, each with its own mapping of the file: many calls of changing sizes
     and dtypes (the slots alternate), every rank gets slot 0 + slot 1, bit for bit the same."""
-    from shm_allreduce import ShmAllReduce
+    from shm_channel import ShmChannel
 
     path = str(tmp_path / "shm")
-    ShmAllReduce.create(path, 2)
+    ShmChannel.create(path, 2)
     calls = [(torch.randn(rows, 64, generator=torch.Generator().manual_seed(i)), dtype) for i, (rows, dtype) in
              enumerate([(1, torch.float32), (16, torch.bfloat16), (3, torch.float32)] * 20)]
     got = [[], []]
 
     def rank(r):
-        shm = ShmAllReduce(path, r, 2, timeout_s=60)
+        shm = ShmChannel(path, r, 2, timeout_s=60)
         for x, dtype in calls:
             got[r].append(shm.all_reduce((x * (r + 1)).to(dtype)))
 
@@ -180,20 +181,67 @@ def test_shared_memory_all_reduce_sums_in_one_order_on_every_rank(tmp_path):
         assert torch.equal(a, x.to(dtype) + (2 * x).to(dtype))
 
 
+def test_shared_memory_carries_plans_all_reduces_and_gathers_in_a_step_s_order(tmp_path, monkeypatch):
+    """Three ranks as threads run what steps run: rank 0 sends a plan (pickled), every rank
+    all-reduces twice, the logits' slices are gathered on rank 0; a plan too big for a slot says so
+    on both sides (the process group carries it then). The workers read plans slowly, and three go
+    out in a row first: rank 0 must not rewrite a set before every rank has read it."""
+    import pickle
+
+    import shm_channel
+    from shm_channel import TOO_BIG, ShmChannel
+
+    loads = pickle.loads
+    monkeypatch.setattr(shm_channel.pickle, "loads", lambda b: time.sleep(0.002) or loads(b))
+    path = str(tmp_path / "shm")
+    ShmChannel.create(path, 3)
+    plans = [("run", i, list(range(i * 7))) for i in range(30)]
+    got = [[], [], []]
+
+    def rank(r):
+        ch = ShmChannel(path, r, 3, timeout_s=10)
+        firsts = [("copy", i) for i in range(3)]
+        got[r].append([ch.send(m) and m for m in firsts] if r == 0 else [ch.recv() for _ in firsts])
+        for i, plan in enumerate(plans):
+            got[r].append(plan if r == 0 and ch.send(plan) else ch.recv() if r else None)
+            x = torch.full((2, 8), float(r + i))
+            got[r].append(ch.all_reduce(x).clone())
+            got[r].append(ch.all_reduce(torch.full((1, 8), 1.0 + r, dtype=torch.bfloat16)).clone())
+            got[r].append(ch.gather_last_dim(torch.arange(5.0).expand(2, 5) + 10 * r).clone())
+        big = b"x" * shm_channel.SLOT_BYTES
+        got[r].append(ch.send(big) if r == 0 else ch.recv() is TOO_BIG)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0][0] == got[1][0] == got[2][0] == [("copy", i) for i in range(3)]
+    for i, plan in enumerate(plans):
+        p, reduced, reduced_bf16, gathered = zip(*(got[r][1 + 4 * i : 5 + 4 * i] for r in range(3)))
+        assert p[1] == p[2] == plan
+        for r in range(3):
+            assert torch.equal(reduced[r], torch.full((2, 8), float(3 * i + 3)))
+            assert torch.equal(reduced_bf16[r], torch.full((1, 8), 6.0, dtype=torch.bfloat16))
+        assert torch.equal(gathered[0], torch.cat([torch.arange(5.0).expand(2, 5) + 10 * r for r in range(3)], -1))
+        assert torch.equal(gathered[1], torch.arange(5.0).expand(2, 5) + 10)  # its own slice elsewhere
+    assert got[0][-1] is False and got[1][-1] is True and got[2][-1] is True
+
+
 def test_shared_memory_all_reduce_gives_up_when_a_rank_is_gone(tmp_path):
-    from shm_allreduce import ShmAllReduce
+    from shm_channel import ShmChannel
 
     path = str(tmp_path / "shm")
-    ShmAllReduce.create(path, 2)
+    ShmChannel.create(path, 2)
     gone = RuntimeError("rank 1 is gone")
 
     def check():
         raise gone
 
-    shm = ShmAllReduce(path, 0, 2, timeout_s=30, check=check)
+    shm = ShmChannel(path, 0, 2, timeout_s=30, check=check)
     with pytest.raises(RuntimeError, match="rank 1 is gone"):
         shm.all_reduce(torch.ones(4))
-    shm = ShmAllReduce(path, 0, 2, timeout_s=0.3)
+    shm = ShmChannel(path, 0, 2, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="did not arrive in 0.3 s"):
         shm.all_reduce(torch.ones(4))
 

@@ -53,7 +53,7 @@ def generate_py(*flags: str, env: dict | None = None) -> subprocess.CompletedPro
     return run_python(["generate.py", "--device", "cpu", "--dtype", "float32", *flags], cwd=CHAPTER, env=env, timeout=300)
 
 
-# float32 with the shared-memory all-reduce (the default on one host), int4 through gloo's.
+# float32 through shared memory (the default on one host), int4 through gloo.
 @pytest.mark.parametrize("quant, allreduce", [([], "shm"), (["--quant", "int4"], "gloo")], ids=["float32", "int4"])
 def test_generate_tp2_equals_tp1_on_the_tiny_model(quant, allreduce):
     from quant import QuantSpec
@@ -61,11 +61,11 @@ def test_generate_tp2_equals_tp1_on_the_tiny_model(quant, allreduce):
     flags = [a for p in PROMPTS for a in ("--prompt", p)]
     r = generate_py(
         "--model", "tiny-llama3", *flags, "--max-new-tokens", "8", "--tensor-parallel-size", "2", *quant,
-        env={"TP_ALLREDUCE": allreduce},
+        env={"TP_TRANSPORT": allreduce},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "tensor parallel: 2 ranks (gloo" in r.stderr and "TP=2" in r.stderr
-    assert ("all-reduce in shared memory" in r.stderr) == (allreduce == "shm")
+    assert ("in shared memory" in r.stderr) == (allreduce == "shm")
     want = tp1_texts("tiny-llama3", PROMPTS, 8, QuantSpec(4, 32) if quant else None)
     assert r.stdout.splitlines() == [line for text in want for line in text.split("\n")]
 
