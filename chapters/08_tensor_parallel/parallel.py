@@ -428,7 +428,7 @@ def load(
         f"tensor parallel: {world} ranks ({'NCCL' if dev.type == 'cuda' else 'gloo'}"
         f"{', plans, all-reduces and the gather in shared memory' if group.shm else ''}), {torch.get_num_threads()} "
         f"threads each; weights per rank {per_rank} MB (read from the checkpoint: "
-        f"{', '.join(f'{r / 1e6:.1f}' for _, r in sizes)} MB); the kernels' one-call layers off (no all-reduce inside)",
+        f"{', '.join(f'{r / 1e6:.1f}' for _, r in sizes)} MB)",
         file=sys.stderr,
         flush=True,
     )

@@ -294,18 +294,22 @@ def load_shard(
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        layers.append(
-            Layer(
-                attn_norm=t(p + "input_layernorm.weight"),
-                wqkv=t(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
-                wo=RowParallelLinear(t(p + "self_attn.o_proj.weight"), comm),
-                mlp_norm=t(p + "post_attention_layernorm.weight"),
-                w_gate_up=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                w_down=RowParallelLinear(t(p + "mlp.down_proj.weight"), comm),
-                # The one-call C++ layer has no all-reduce inside: at TP > 1 each layer runs as Python.
-                one_call=None,
-            )
+        layer = Layer(
+            attn_norm=t(p + "input_layernorm.weight"),
+            wqkv=t(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+            wo=RowParallelLinear(t(p + "self_attn.o_proj.weight"), comm),
+            mlp_norm=t(p + "post_attention_layernorm.weight"),
+            w_gate_up=t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            w_down=RowParallelLinear(t(p + "mlp.down_proj.weight"), comm),
         )
+        # The kernels' one-call layer (decode steps in one C++ call) multiplies by this rank's slices
+        # of o and down and calls the all-reduce back after each: the Python loop's order.
+        layer.one_call = ops.build_one_call_layer(
+            dataclasses.replace(layer, wo=layer.wo.prepared, w_down=layer.w_down.prepared), local
+        )
+        if layer.one_call is not None:
+            layer.one_call.all_reduce = comm.all_reduce
+        layers.append(layer)
     embed = w.pop("model.embed_tokens.weight")
     if isinstance(embed, torch.Tensor):
         embed = embed.to(device)

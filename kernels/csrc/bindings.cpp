@@ -6,6 +6,7 @@
 // frontend (modules, optimizers, data loaders): this file then compiles in about two thirds of
 // the time, in every first build and in `make kernels-check`.
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/functional.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -142,7 +143,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("decode", &DecoderLayer::decode, "the layer's decode step: x updated in place; -> rms_norm(x) * next_norm",
              py::arg("x"), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"),
              py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"), py::arg("next_norm"),
-             py::arg("partition_size"), py::arg("lora") = py::none(), py::arg("step") = py::none());
+             py::arg("partition_size"), py::arg("lora") = py::none(), py::arg("step") = py::none())
+        .def_readwrite("all_reduce", &DecoderLayer::all_reduce,
+                       "tensor parallelism: o_proj's and down_proj's partial sums -> their sums (None: one rank)");
     py::class_<LoraProjection>(m, "LoraProjection", "one projection's LoRA tables in one layer: a, b_t, ranks")
         .def(py::init<at::Tensor, at::Tensor, at::Tensor>(), py::arg("a"), py::arg("b_t"), py::arg("ranks"));
     py::class_<LayerLora>(m, "LayerLora", "a layer's LoRA tables per matmul (q, k, v; o; gate, up; down), scales")

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ struct DecoderLayer {
     at::Tensor mlp_norm;
     int64_t n_heads, n_kv_heads, head_dim;
     double eps;
+    // Tensor parallelism: wo and w_down hold this rank's inputs, so their outputs are partial sums;
+    // when set, all_reduce(partial) returns the whole sum (the caller's collective, e.g. Python's).
+    std::function<at::Tensor(const at::Tensor&)> all_reduce;
 
     // x: the residual stream [B, hidden], updated in place; h: rms_norm(x) * this layer's input norm.
     // -> rms_norm(x) * next_norm, x having taken this layer's attention and MLP outputs. With `lora`

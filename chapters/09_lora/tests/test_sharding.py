@@ -155,6 +155,46 @@ def test_sharded_forward_matches_the_whole_model_layer_by_layer(tiny, quant):
     assert torch.equal(logits.argmax(-1), want.argmax(-1))
 
 
+def test_the_one_call_layer_sums_o_and_down_through_its_all_reduce(tiny):
+    """At TP > 1 a decode step's layers run in one C++ call each (DecoderLayer), which calls the
+    all-reduce back on o_proj's and down_proj's partial sums. Here an all-reduce that doubles them,
+    as two ranks with equal shares would: the same logits, bit for bit, as a layer whose o and down
+    weights are doubled (float32: doubling is exact), and two calls per layer and step."""
+    import dataclasses
+
+    from batch import Work, build_step
+    from model import forward
+    from ops import resolve
+    from paged_cache import PagedKVCache
+
+    cpu = torch.device("cpu")
+    ops = resolve("on", cpu)
+    calls = []
+
+    def run(doubled: bool):
+        model = load_model(tiny, cpu, torch.float32, ops=ops)
+        for layer in model.layers:
+            if doubled:
+                layer.one_call = ops.build_one_call_layer(
+                    dataclasses.replace(layer, wo=2 * layer.wo, w_down=2 * layer.w_down), model.config
+                )
+            else:
+                layer.one_call.all_reduce = lambda t: calls.append(t.shape) or t + t
+        cache = PagedKVCache(model.config, 8, 16, cpu, torch.float32)
+        prompts, tables = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9]], [[0, 1], [2, 3]]
+        forward(model, build_step([Work(q, 0, b) for q, b in zip(prompts, tables)], 16, cpu), cache)  # Python
+        return [
+            forward(model, build_step([Work([11 + k], len(q) + k, b) for q, b in zip(prompts, tables)], 16, cpu), cache)
+            for k in range(2)
+        ]
+
+    want = run(doubled=True)
+    got = run(doubled=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    n_layers = load_config(tiny).num_hidden_layers
+    assert calls == [torch.Size([2, load_config(tiny).hidden_size])] * (2 * n_layers * 2)
+
+
 def test_shared_memory_all_reduce_sums_in_one_order_on_every_rank(tmp_path):
     """Two ranks as threads, each with its own mapping of the file: many calls of changing sizes
     and dtypes (the slots alternate), every rank gets slot 0 + slot 1, bit for bit the same."""
