@@ -43,7 +43,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from detokenizer import IncrementalDetokenizer, token_bytes
-from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request, build_engine
+from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
@@ -228,24 +228,8 @@ async def first_events(http: HTTPRequest, job: Job) -> list[Event] | None:
 # --- response bodies -------------------------------------------------------------------------
 
 
-@dataclass
-class Choice:
-    """One choice of a non-streaming reply, as its events arrive."""
-
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def add(self, ev: Event) -> None:
-        self.text += ev.text
-        self.tokens += ev.token_ids
-        self.logprobs += ev.logprobs
-        self.finish_reason = ev.finish_reason or self.finish_reason
-
-
-async def collect(job: Job, first: list[Event] | None) -> list[Choice]:
-    choices = [Choice() for _ in range(job.request.n)]
+async def collect(job: Job, first: list[Event] | None) -> list[Output]:
+    choices = [Output() for _ in range(job.request.n)]
     events = first
     while events is not None:
         for ev in events:
@@ -294,7 +278,7 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: TextOffsets
     }
 
 
-def reply_json(state: ServerState, rid: str, req: Request, choices: list[Choice], chat: bool) -> bytes:
+def reply_json(state: ServerState, rid: str, req: Request, choices: list[Output], chat: bool) -> bytes:
     return "".join(json_pieces(reply_body(state, rid, req, choices, chat))).encode()
 
 
@@ -326,7 +310,7 @@ def json_pieces(obj, depth: int = 0, items: int = 32):
         yield json.dumps(obj, ensure_ascii=False)
 
 
-def reply_body(state: ServerState, rid: str, req: Request, choices: list[Choice], chat: bool) -> dict:
+def reply_body(state: ServerState, rid: str, req: Request, choices: list[Output], chat: bool) -> dict:
     tokenizer, with_logprobs = state.engine.tokenizer, req.params.logprobs is not None
     if chat:
         out = [
@@ -354,7 +338,7 @@ def reply_body(state: ServerState, rid: str, req: Request, choices: list[Choice]
         "created": int(time.time()),
         "model": state.model_name,
         "choices": out,
-        "usage": usage_of(req, sum(len(c.tokens) for c in choices)),
+        "usage": usage_of(req, sum(len(c.token_ids) for c in choices)),
     }
 
 

@@ -59,15 +59,17 @@ class Event:
 
 @dataclass
 class Output:
-    """A finished choice, for `generate`."""
+    """A choice as its events arrive: `generate`'s result, a server's non-streaming reply."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, event: Event) -> None:
         self.text += event.text
         self.token_ids += event.token_ids
+        self.logprobs += event.logprobs
         self.finish_reason = event.finish_reason or self.finish_reason
 
 

@@ -22,8 +22,8 @@ would need a fence before each flag). The file is unlinked once every rank has m
 is left behind whatever way the ranks end.
 
 The hot path is NumPy on the flags and one or two torch operators on cached views of the slots:
-each torch operator costs a few microseconds, and the first version, ten of them per call, took
-~90 µs where the wait itself takes one.
+each torch operator costs a few microseconds, and ten of them per call took ~90 µs where the wait
+itself takes one.
 """
 
 from __future__ import annotations

@@ -169,17 +169,19 @@ def test_the_one_call_layer_sums_o_and_down_through_its_all_reduce(tiny):
 
     cpu = torch.device("cpu")
     ops = resolve("on", cpu)
+    model = load_model(tiny, cpu, torch.float32, ops=ops)
+    reduced = [layer.one_call for layer in model.layers]
     calls = []
+    for one_call in reduced:
+        one_call.all_reduce = lambda t: calls.append(t.shape) or t + t
+    doubled = [
+        ops.build_one_call_layer(dataclasses.replace(layer, wo=2 * layer.wo, w_down=2 * layer.w_down), model.config)
+        for layer in model.layers
+    ]
 
-    def run(doubled: bool):
-        model = load_model(tiny, cpu, torch.float32, ops=ops)
-        for layer in model.layers:
-            if doubled:
-                layer.one_call = ops.build_one_call_layer(
-                    dataclasses.replace(layer, wo=2 * layer.wo, w_down=2 * layer.w_down), model.config
-                )
-            else:
-                layer.one_call.all_reduce = lambda t: calls.append(t.shape) or t + t
+    def run(one_calls):
+        for layer, one_call in zip(model.layers, one_calls):
+            layer.one_call = one_call
         cache = PagedKVCache(model.config, 8, 16, cpu, torch.float32)
         prompts, tables = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9]], [[0, 1], [2, 3]]
         forward(model, build_step([Work(q, 0, b) for q, b in zip(prompts, tables)], 16, cpu), cache)  # Python
@@ -188,11 +190,10 @@ def test_the_one_call_layer_sums_o_and_down_through_its_all_reduce(tiny):
             for k in range(2)
         ]
 
-    want = run(doubled=True)
-    got = run(doubled=False)
+    want = run(doubled)
+    got = run(reduced)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    n_layers = load_config(tiny).num_hidden_layers
-    assert calls == [torch.Size([2, load_config(tiny).hidden_size])] * (2 * n_layers * 2)
+    assert calls == [torch.Size([2, model.config.hidden_size])] * (2 * model.config.num_hidden_layers * 2)
 
 
 def test_shared_memory_all_reduce_sums_in_one_order_on_every_rank(tmp_path):
