@@ -3,6 +3,7 @@
 #include <cmath>
 #include <utility>
 
+#include "dispatch.h"
 #include "ops.h"
 
 namespace kernels::ops {
@@ -29,20 +30,60 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
     return bf16_linear(x, weight[0]);
 }
 
+// The LoRA tables are checked once, when built (a layer's once per engine, a step's once per step):
+// the decode step then runs the kernels without checking them again, 14 calls a layer.
+LoraProjection::LoraProjection(at::Tensor a_, at::Tensor b_t_, at::Tensor ranks_)
+    : a(std::move(a_)), b_t(std::move(b_t_)), ranks(std::move(ranks_)) {
+    check_lora_weights(a, a, "a", ranks);
+    TORCH_CHECK(b_t.dim() == 3 && b_t.size(0) == a.size(0) && b_t.size(1) == a.size(1), "LoraProjection: a is ",
+                a.sizes(), ", b_t ", b_t.sizes(), ": the same slots and r_max expected");
+    check_lora_weights(a, b_t, "b_t", ranks);
+}
+
+LayerLora::LayerLora(std::vector<LoraProjection> qkv_, std::vector<LoraProjection> o_,
+                     std::vector<LoraProjection> gate_up_, std::vector<LoraProjection> down_, at::Tensor scale_)
+    : qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)),
+      scale(std::move(scale_)) {
+    TORCH_CHECK(qkv.size() == 3 && o.size() == 1 && gate_up.size() == 2 && down.size() == 1,
+                "LayerLora: 3 (q, k, v), 1 (o), 2 (gate, up) and 1 (down) projections expected, got ", qkv.size(),
+                ", ", o.size(), ", ", gate_up.size(), ", ", down.size());
+    for (const auto* group : {&qkv, &o, &gate_up, &down})
+        for (const LoraProjection& p : *group) {
+            TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == p.a.size(0) &&
+                            scale.is_contiguous(),
+                        "LayerLora: scale must be contiguous float32 [slots] (", p.a.size(0), " slots), got ",
+                        scale.scalar_type(), " ", scale.sizes());
+            check_same_device(p.a, scale, "scale");
+        }
+}
+
+StepLora::StepLora(at::Tensor seg_starts_, at::Tensor seg_slots_, std::vector<bool> adapted_)
+    : seg_starts(std::move(seg_starts_)), seg_slots(std::move(seg_slots_)), adapted(std::move(adapted_)) {
+    check_lora_segments(seg_starts, seg_starts, seg_slots, -1, -1);
+    TORCH_CHECK(adapted.size() == 7, "StepLora: adapted has one flag per projection (7), got ", adapted.size());
+}
+
 namespace {
 
 // y [rows, the group's outputs side by side] += each row's delta for the group's projections (the
-// first of them being projection `first` of the seven), through the library's shrink and expand.
+// first of them being projection `first` of the seven), through the library's shrink and expand;
+// v: float32 scratch [rows, r_max] between them, made by the first call that needs it.
 void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
-               const LayerLora& lora, const StepLora& step) {
+               const LayerLora& lora, const StepLora& step, at::Tensor& v) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1,
+                "DecoderLayer.decode: a LoRA delta needs contiguous rows of x and y");
     int64_t col = 0;
     for (size_t j = 0; j < group.size(); ++j) {
         const LoraProjection& p = group[j];
         const int64_t n_out = p.b_t.size(2);
-        if (step.adapted.at(first + j)) {
-            at::Tensor part = y.narrow(1, col, n_out);  // a view: the delta lands in y
-            const at::Tensor v = lora_shrink(x, p.a, p.ranks, step.seg_starts, step.seg_slots);
-            lora_expand_(part, v, p.b_t, p.ranks, lora.scale, step.seg_starts, step.seg_slots);
+        TORCH_CHECK(p.a.size(2) == x.size(1) && col + n_out <= y.size(1), "DecoderLayer.decode: LoRA tables for ",
+                    p.a.size(2), " inputs and ", n_out, " outputs do not fit a ", x.size(1), " -> ", y.size(1),
+                    " matmul");
+        if (step.adapted[first + j]) {
+            if (!v.defined() || v.size(1) != p.a.size(1))
+                v = at::empty({x.size(0), p.a.size(1)}, x.options().dtype(at::kFloat));
+            run_lora_shrink(v, x, p.a, p.ranks, step.seg_starts, step.seg_slots);
+            run_lora_expand(y, col, v, p.b_t, p.ranks, lora.scale, step.seg_starts, step.seg_slots);
         }
         col += n_out;
     }
@@ -56,13 +97,19 @@ at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Te
                                 const at::Tensor& next_norm, int64_t partition_size, const LayerLora* lora,
                                 const StepLora* step) const {
     TORCH_CHECK((lora == nullptr) == (step == nullptr), "DecoderLayer.decode: lora and step come together");
+    const int64_t rows = h.size(0);
+    if (lora != nullptr) {
+        check_same_device(h, lora->scale, "the LoRA tables");
+        check_same_device(h, step->seg_starts, "the step's LoRA segments");
+        if (h.is_cpu()) check_lora_segments(h, step->seg_starts, step->seg_slots, rows, lora->scale.size(0));
+    }
+    at::Tensor v;  // the LoRA shrink's output, one for the layer's 7 projections
     // matmul, then (with adapters) its LoRA deltas for the rows that use one
     auto linear = [&](const Linear& w, const at::Tensor& in, const std::vector<LoraProjection>* group, size_t first) {
         at::Tensor out = w(in);
-        if (lora != nullptr) add_lora_(out, in, *group, first, *lora, *step);
+        if (lora != nullptr) add_lora_(out, in, *group, first, *lora, *step, v);
         return out;
     };
-    const int64_t rows = h.size(0);
     at::Tensor qkv = linear(wqkv, h, lora ? &lora->qkv : nullptr, 0).view({rows, n_heads + 2 * n_kv_heads, head_dim});
     rope_cache_(qkv, cos, sin, k_pool, v_pool, slots);
     const at::Tensor q = qkv.narrow(1, 0, n_heads);  // [B, n_heads, head_dim], token stride of qkv's

@@ -38,6 +38,7 @@ struct Linear {
 // later is seen here).
 struct LoraProjection {
     at::Tensor a, b_t, ranks;
+    LoraProjection(at::Tensor a_, at::Tensor b_t_, at::Tensor ranks_);  // checks them, once
 };
 
 // A layer's LoRA: per matmul its projections in the order of the matmul's outputs (q, k, v; o;
@@ -45,6 +46,8 @@ struct LoraProjection {
 struct LayerLora {
     std::vector<LoraProjection> qkv, o, gate_up, down;
     at::Tensor scale;  // float32 [slots]
+    LayerLora(std::vector<LoraProjection> qkv_, std::vector<LoraProjection> o_, std::vector<LoraProjection> gate_up_,
+              std::vector<LoraProjection> down_, at::Tensor scale_);
 };
 
 // A step's rows by adapter slot (lora.py's StepLora): segments of rows, each segment's slot (-1: the
@@ -53,6 +56,7 @@ struct LayerLora {
 struct StepLora {
     at::Tensor seg_starts, seg_slots;
     std::vector<bool> adapted;
+    StepLora(at::Tensor seg_starts_, at::Tensor seg_slots_, std::vector<bool> adapted_);
 };
 
 struct DecoderLayer {

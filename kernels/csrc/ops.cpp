@@ -308,14 +308,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 // --- LoRA: shrink and expand over a segment table ------------------------------------------------
 
-namespace {
-
-// The adapters' weights (a or b_t: [slots, r_max, n]) and the tables every LoRA call takes, checked
-// against each other and the call's `rows`; -> the weights' dtype. On a CPU the tables' values are
-// checked too (on CUDA that would be a copy to the host and a wait: the kernels skip a slot outside
-// the table and read no rank past r_max instead, cpu_kernels.h).
-DType check_lora_tables(const at::Tensor& on, const at::Tensor& w, const char* w_name, const at::Tensor& ranks,
-                        const at::Tensor& seg_starts, const at::Tensor& seg_slots, int64_t rows) {
+// The adapters' weights (a or b_t: [slots, r_max, n]) and their ranks [slots], checked against each
+// other and the tensor `on` they are used with; -> the weights' dtype. On a CPU the ranks' values are
+// checked too (on CUDA that would be a copy to the host and a wait: the kernels read no rank past
+// r_max instead, cpu_kernels.h).
+void check_lora_weights(const at::Tensor& on, const at::Tensor& w, const char* w_name, const at::Tensor& ranks) {
     TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), w_name, ": contiguous [slots, r_max, n] expected, got ", w.sizes());
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, w_name,
                 ": float32 or bfloat16 adapter weights expected, got ", w.scalar_type());
@@ -323,6 +320,22 @@ DType check_lora_tables(const at::Tensor& on, const at::Tensor& w, const char* w
     TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.dim() == 1 && ranks.size(0) == slots && ranks.is_contiguous(),
                 "ranks: contiguous int32 [slots] expected (", slots, " slots in ", w_name, "), got ",
                 ranks.scalar_type(), " ", ranks.sizes());
+    check_same_device(on, w, w_name);
+    check_same_device(on, ranks, "ranks");
+    if (on.is_cpu()) {
+        const int32_t* rank = ranks.data_ptr<int32_t>();
+        for (int64_t s = 0; s < slots; ++s)
+            TORCH_CHECK(rank[s] >= 0 && rank[s] <= r_max, "ranks[", s, "] = ", rank[s], " is outside 0..", r_max,
+                        " (r_max: ", w_name, "'s second dimension)");
+    }
+    TORCH_CHECK(w.size(2) <= INT32_MAX && r_max <= INT32_MAX, "LoRA call too large");
+}
+
+// A step's segments (seg_starts [n_seg + 1], seg_slots [n_seg]), checked against the call's `rows`
+// and the tables' `slots`; on a CPU their values too (on CUDA the kernels count a slot outside the
+// table as -1 instead).
+void check_lora_segments(const at::Tensor& on, const at::Tensor& seg_starts, const at::Tensor& seg_slots, int64_t rows,
+                         int64_t slots) {
     TORCH_CHECK(seg_starts.scalar_type() == at::kInt && seg_starts.dim() == 1 && seg_starts.size(0) >= 1 &&
                     seg_starts.is_contiguous(),
                 "seg_starts: contiguous int32 [n_seg + 1] expected, got ", seg_starts.scalar_type(), " ",
@@ -332,44 +345,53 @@ DType check_lora_tables(const at::Tensor& on, const at::Tensor& w, const char* w
                     seg_slots.is_contiguous(),
                 "seg_slots: contiguous int32 [n_seg] expected (", n_seg, " segments in seg_starts), got ",
                 seg_slots.scalar_type(), " ", seg_slots.sizes());
-    for (const at::Tensor* t : {&w, &ranks, &seg_starts, &seg_slots}) check_same_device(on, *t, "an argument");
-    if (on.is_cpu()) {
-        const int32_t* starts = seg_starts.data_ptr<int32_t>();
-        const int32_t* slot = seg_slots.data_ptr<int32_t>();
-        const int32_t* rank = ranks.data_ptr<int32_t>();
-        TORCH_CHECK(starts[0] == 0 && starts[n_seg] == rows, "seg_starts must run from 0 to the call's ", rows,
-                    " rows, got ", starts[0], " .. ", starts[n_seg]);
-        for (int64_t i = 0; i < n_seg; ++i) {
-            TORCH_CHECK(starts[i] <= starts[i + 1], "seg_starts must not decrease: seg_starts[", i, "] = ", starts[i],
-                        " > seg_starts[", i + 1, "] = ", starts[i + 1]);
-            TORCH_CHECK(slot[i] >= -1 && slot[i] < slots, "seg_slots[", i, "] = ", slot[i], " is outside -1..",
-                        slots - 1, " (-1: no adapter; ", slots, " slots in ", w_name, ")");
-        }
-        for (int64_t s = 0; s < slots; ++s)
-            TORCH_CHECK(rank[s] >= 0 && rank[s] <= r_max, "ranks[", s, "] = ", rank[s], " is outside 0..", r_max,
-                        " (r_max: ", w_name, "'s second dimension)");
+    check_same_device(on, seg_starts, "seg_starts");
+    check_same_device(on, seg_slots, "seg_slots");
+    TORCH_CHECK(rows <= INT32_MAX, "LoRA call too large");
+    if (!on.is_cpu()) return;
+    const int32_t* starts = seg_starts.data_ptr<int32_t>();
+    const int32_t* slot = seg_slots.data_ptr<int32_t>();
+    TORCH_CHECK(starts[0] == 0 && (rows < 0 || starts[n_seg] == rows), "seg_starts must run from 0 to the call's ",
+                rows, " rows, got ", starts[0], " .. ", starts[n_seg]);
+    for (int64_t i = 0; i < n_seg; ++i) {
+        TORCH_CHECK(starts[i] <= starts[i + 1], "seg_starts must not decrease: seg_starts[", i, "] = ", starts[i],
+                    " > seg_starts[", i + 1, "] = ", starts[i + 1]);
+        TORCH_CHECK(slot[i] >= -1 && (slots < 0 || slot[i] < slots), "seg_slots[", i, "] = ", slot[i],
+                    " is outside -1..", slots - 1, " (-1: no adapter; ", slots, " slots in the adapters' tables)");
     }
-    TORCH_CHECK(rows <= INT32_MAX && w.size(2) <= INT32_MAX && r_max <= INT32_MAX, "LoRA call too large");
-    return w.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
 }
 
-}  // namespace
+void run_lora_shrink(at::Tensor& v, const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks,
+                     const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
+    const DType w_dtype = a.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
+    run_kernel("lora_shrink", x, cpu::lora_shrink, KERNELS_LAUNCHER(lora_shrink), v.data_ptr<float>(), v.stride(0),
+               x.data_ptr(), x.stride(0), a.data_ptr(), ranks.data_ptr<int32_t>(), seg_starts.data_ptr<int32_t>(),
+               seg_slots.data_ptr<int32_t>(), static_cast<int>(x.size(0)), static_cast<int>(seg_slots.size(0)),
+               static_cast<int>(a.size(0)), static_cast<int>(x.size(1)), static_cast<int>(a.size(1)),
+               dtype_of(x, "x"), w_dtype);
+}
+
+void run_lora_expand(at::Tensor& y, int64_t col, const at::Tensor& v, const at::Tensor& b_t, const at::Tensor& ranks,
+                     const at::Tensor& scale, const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
+    const DType w_dtype = b_t.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
+    void* y_at = static_cast<char*>(y.data_ptr()) + col * y.element_size();
+    run_kernel("lora_expand", y, cpu::lora_expand, KERNELS_LAUNCHER(lora_expand), y_at, y.stride(0),
+               v.data_ptr<float>(), v.stride(0), b_t.data_ptr(), ranks.data_ptr<int32_t>(), scale.data_ptr<float>(),
+               seg_starts.data_ptr<int32_t>(), seg_slots.data_ptr<int32_t>(), static_cast<int>(y.size(0)),
+               static_cast<int>(seg_slots.size(0)), static_cast<int>(b_t.size(0)), static_cast<int>(b_t.size(2)),
+               static_cast<int>(b_t.size(1)), dtype_of(y, "y"), w_dtype);
+}
 
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks, const at::Tensor& seg_starts,
                        const at::Tensor& seg_slots) {
     check_supported_device(x);
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, n_in] with contiguous rows expected, got ", x.sizes());
-    const DType dtype = dtype_of(x, "x");
-    const int64_t rows = x.size(0);
-    const DType w_dtype = check_lora_tables(x, a, "a", ranks, seg_starts, seg_slots, rows);
+    dtype_of(x, "x");
+    check_lora_weights(x, a, "a", ranks);
+    check_lora_segments(x, seg_starts, seg_slots, x.size(0), a.size(0));
     TORCH_CHECK(a.size(2) == x.size(1), "x has ", x.size(1), " inputs, the adapters' A (a) ", a.size(2));
-    const int64_t r_max = a.size(1);
-    at::Tensor v = at::empty({rows, r_max}, x.options().dtype(at::kFloat));
-    if (v.numel() == 0) return v;
-    run_kernel("lora_shrink", x, cpu::lora_shrink, KERNELS_LAUNCHER(lora_shrink), v.data_ptr<float>(), v.stride(0),
-               x.data_ptr(), x.stride(0), a.data_ptr(), ranks.data_ptr<int32_t>(), seg_starts.data_ptr<int32_t>(),
-               seg_slots.data_ptr<int32_t>(), static_cast<int>(rows), static_cast<int>(seg_slots.size(0)),
-               static_cast<int>(a.size(0)), static_cast<int>(x.size(1)), static_cast<int>(r_max), dtype, w_dtype);
+    at::Tensor v = at::empty({x.size(0), a.size(1)}, x.options().dtype(at::kFloat));
+    if (v.numel() > 0) run_lora_shrink(v, x, a, ranks, seg_starts, seg_slots);
     return v;
 }
 
@@ -377,9 +399,10 @@ void lora_expand_(at::Tensor& y, const at::Tensor& v, const at::Tensor& b_t, con
                   const at::Tensor& scale, const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
     check_supported_device(y);
     TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "y: [rows, n_out] with contiguous rows expected, got ", y.sizes());
-    const DType dtype = dtype_of(y, "y");
+    dtype_of(y, "y");
     const int64_t rows = y.size(0);
-    const DType w_dtype = check_lora_tables(y, b_t, "b_t", ranks, seg_starts, seg_slots, rows);
+    check_lora_weights(y, b_t, "b_t", ranks);
+    check_lora_segments(y, seg_starts, seg_slots, rows, b_t.size(0));
     TORCH_CHECK(b_t.size(2) == y.size(1), "y has ", y.size(1), " outputs, the adapters' B (b_t [slots, r_max, n_out]) ",
                 b_t.size(2));
     const int64_t r_max = b_t.size(1);
@@ -393,12 +416,7 @@ void lora_expand_(at::Tensor& y, const at::Tensor& v, const at::Tensor& b_t, con
                 scale.sizes());
     check_same_device(y, v, "v");
     check_same_device(y, scale, "scale");
-    if (y.numel() == 0) return;
-    run_kernel("lora_expand", y, cpu::lora_expand, KERNELS_LAUNCHER(lora_expand), y.data_ptr(), y.stride(0),
-               v.data_ptr<float>(), v.stride(0), b_t.data_ptr(), ranks.data_ptr<int32_t>(), scale.data_ptr<float>(),
-               seg_starts.data_ptr<int32_t>(), seg_slots.data_ptr<int32_t>(), static_cast<int>(rows),
-               static_cast<int>(seg_slots.size(0)), static_cast<int>(b_t.size(0)), static_cast<int>(y.size(1)),
-               static_cast<int>(r_max), dtype, w_dtype);
+    if (y.numel() > 0) run_lora_expand(y, 0, v, b_t, ranks, scale, seg_starts, seg_slots);
 }
 
 }  // namespace kernels::ops

@@ -48,4 +48,16 @@ at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tenso
 void lora_expand_(at::Tensor& y, const at::Tensor& v, const at::Tensor& b_t, const at::Tensor& ranks,
                   const at::Tensor& scale, const at::Tensor& seg_starts, const at::Tensor& seg_slots);
 
+// The same two kernels without the checks, for a caller that checked its tables once when it built
+// them (DecoderLayer's LoraProjection and StepLora) and calls them many times a step: v float32
+// [x's rows, r_max] with contiguous rows, written; the expand adds into y's columns col .. col + n_out.
+// check_lora_segments: rows or slots < 0 where the caller does not know them yet.
+void check_lora_weights(const at::Tensor& on, const at::Tensor& w, const char* w_name, const at::Tensor& ranks);
+void check_lora_segments(const at::Tensor& on, const at::Tensor& seg_starts, const at::Tensor& seg_slots, int64_t rows,
+                         int64_t slots);
+void run_lora_shrink(at::Tensor& v, const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks,
+                     const at::Tensor& seg_starts, const at::Tensor& seg_slots);
+void run_lora_expand(at::Tensor& y, int64_t col, const at::Tensor& v, const at::Tensor& b_t, const at::Tensor& ranks,
+                     const at::Tensor& scale, const at::Tensor& seg_starts, const at::Tensor& seg_slots);
+
 }  // namespace kernels::ops

@@ -198,6 +198,34 @@ def test_bad_calls_are_clear_errors(ops):
         shrink(slots=seg_slots[:-1])
 
 
+def test_the_decoder_layer_s_tables_are_checked_once_when_built(ops):
+    """The one-call layer (csrc/decoder_layer.cpp) runs the kernels without the operators' checks, 14
+    times a layer; its LoRA tables and a step's segments are checked when built instead."""
+    x, y, a, b_t, ranks, scale, starts, seg_slots = make_case(5, 24, 40, "mixed", torch.float32, torch.float32)
+    project = ops.LoraProjection(a, b_t, ranks)
+    with pytest.raises(RuntimeError, match="LoraProjection: a is \\[5, 64, 24\\], b_t \\[5, 32, 40\\]"):
+        ops.LoraProjection(a, b_t[:, :32].contiguous(), ranks)
+    bad_rank = ranks.clone()
+    bad_rank[1] = 65
+    with pytest.raises(RuntimeError, match=r"ranks\[1\] = 65 is outside 0..64"):
+        ops.LoraProjection(a, b_t, bad_rank)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 adapter weights expected, got Half"):
+        ops.LoraProjection(a, b_t.half(), ranks)
+    ops.LayerLora([project] * 3, [project], [project] * 2, [project], scale)
+    with pytest.raises(RuntimeError, match="LayerLora: 3 \\(q, k, v\\), 1 \\(o\\), 2 \\(gate, up\\)"):
+        ops.LayerLora([project] * 2, [project], [project] * 2, [project], scale)
+    with pytest.raises(RuntimeError, match="LayerLora: scale must be contiguous float32 \\[slots\\] \\(5 slots\\)"):
+        ops.LayerLora([project] * 3, [project], [project] * 2, [project], scale[:4])
+    flags = [True] * 7
+    ops.StepLora(starts, seg_slots, flags)
+    with pytest.raises(RuntimeError, match="seg_starts must not decrease"):
+        ops.StepLora(torch.tensor([0, 3, 2, 5], dtype=torch.int32), torch.tensor([1, 2, 3], dtype=torch.int32), flags)
+    with pytest.raises(RuntimeError, match="seg_slots\\[0\\] = -2 is outside"):
+        ops.StepLora(starts, torch.full_like(seg_slots, -2), flags)
+    with pytest.raises(RuntimeError, match="StepLora: adapted has one flag per projection \\(7\\), got 6"):
+        ops.StepLora(starts, seg_slots, flags[:6])
+
+
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with bugs put into a copy ----
 # One copy holds every bug, each behind a switch (planted_bug == n) the test sets through ctypes: one
 # compile instead of one per bug.
