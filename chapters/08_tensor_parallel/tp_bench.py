@@ -9,7 +9,10 @@ decoder layer, through gloo and through shared memory (shm_channel.py), calls in
 median time per call over --calls calls.
 decode: the engine decoding `batch` sequences; TP=1 with all the cores' threads against TP=N with
 cores/N threads per rank (SmolLM2 at TP=3: 2 does not divide its 9 heads; the tiny model at TP=2).
-Decode tok/s counts the tokens of the steps after the prefill.
+Both engines live in one process per case (rank 0 of TP=N is that process), and their runs
+alternate, --rounds times: each round's TP=N / TP=1 ratio compares two runs on the same machine
+moments apart (this machine's speed moves by half within minutes). Decode tok/s counts the tokens
+of the steps after the prefill; the table keeps each engine's median and range, and each ratio's.
 """
 
 from __future__ import annotations
@@ -83,29 +86,49 @@ def allreduce_part(calls: int) -> dict:
         os.unlink(shm_path)
 
 
-def decode_part(model: str, tp: int, batches: list[int], new_tokens: int, quant) -> dict:
+def decode_rate(engine, batch: int, new_tokens: int) -> float:
+    """Generated tokens per second of `batch` sequences' decode steps (after their prefill)."""
     from engine import Request
-    from parallel import build_engine
     from sampling import SamplingParams
 
+    for i in range(batch):
+        prompt = [1 + i] + list(range(100, 115))
+        engine.add(Request(prompt, SamplingParams(temperature=0), max_tokens=new_tokens, ignore_eos=True))
+    engine.step()  # the prefill
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_work():
+        tokens += sum(len(ev.token_ids) for _, events, _ in engine.step() for ev in events)
+    return tokens / (time.perf_counter() - t0)
+
+
+def decode_part(model: str, tp: int, batches: list[int], new_tokens: int, quant, rounds: int) -> dict:
+    """TP=1 (all cores' threads) and TP=tp (cores/tp threads per rank) in this process, their runs
+    alternating -> {batch: {"TP=1": [tok/s per round], "TP=N": [...], "ratio": [TP=N / TP=1 per round]}}."""
+    from parallel import build_engine, threads_per_rank
+
     cores = len(os.sched_getaffinity(0))
-    if tp == 1:
-        torch.set_num_threads(cores)
-    engine, _ = build_engine(model, "cpu", "auto", quant, tensor_parallel_size=tp, num_blocks=512, max_num_seqs=32)
+    kw = dict(num_blocks=512, max_num_seqs=32)
+    single, _ = build_engine(model, "cpu", "auto", quant, **kw)
+    split, _ = build_engine(model, "cpu", "auto", quant, tensor_parallel_size=tp, **kw)
+    engines = {"TP=1": (single, cores), f"TP={tp}": (split, threads_per_rank(tp))}
     out = {}
     try:
         for batch in batches:
-            reqs = [Request([1 + i] + list(range(100, 115)), SamplingParams(temperature=0), max_tokens=new_tokens, ignore_eos=True) for i in range(batch)]
-            for r in reqs:
-                engine.add(r)
-            engine.step()  # the prefill
-            t0, tokens = time.perf_counter(), 0
-            while engine.has_work():
-                tokens += sum(len(ev.token_ids) for _, events, _ in engine.step() for ev in events)
-            out[batch] = tokens / (time.perf_counter() - t0)
+            rates = {name: [] for name in engines}
+            for name, (engine, threads) in engines.items():  # warm-up: page-ins, thread pools, shm
+                torch.set_num_threads(threads)
+                decode_rate(engine, batch, 4)
+            for _ in range(rounds):
+                for name, (engine, threads) in engines.items():
+                    torch.set_num_threads(threads)
+                    # a pause first: the other engine's idle threads (OpenMP's, a worker rank's 50 ms of
+                    # polling, shm_channel.py) go to sleep instead of taking a core from this run
+                    time.sleep(0.2)
+                    rates[name].append(decode_rate(engine, batch, new_tokens))
+            rates["ratio"] = [n / one for n, one in zip(rates[f"TP={tp}"], rates["TP=1"])]
+            out[batch] = rates
     finally:
-        if tp > 1:
-            engine.tensor_parallel.close()
+        split.tensor_parallel.close()
     return out
 
 
@@ -117,6 +140,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--quant", choices=["int4", "none"], default="int4")
     ap.add_argument("--cases", default="tiny-llama3:2,smollm2-135m:3", help="model:TP pairs compared with TP=1")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating TP=1 / TP=N runs per batch size")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the JSON and .png go (default: %(default)s)")
     args = ap.parse_args()
     from quant import QuantSpec
 
@@ -131,24 +156,29 @@ def main() -> int:
         result["decode_tok_s"] = {}
         for case in args.cases.split(","):
             model, tp = case.split(":")
-            for n in (1, int(tp)):
-                # each TP in a fresh process: one process group per process, threads set at start
-                import subprocess
+            # each case in a fresh process: one process group per process, threads set at start
+            import subprocess
 
-                code = (
-                    f"import json; import tp_bench; "  # run in this folder: `python -c` imports from the cwd
-                    f"from quant import QuantSpec; print(json.dumps(tp_bench.decode_part({model!r}, {n}, {batches}, "
-                    f"{args.new_tokens}, {'QuantSpec(4, 32)' if quant else 'None'})))"
-                )
-                r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent)
-                if r.returncode:
-                    print(r.stderr, file=sys.stderr)
-                    return 1
-                tok_s = json.loads(r.stdout.strip().splitlines()[-1])
-                result["decode_tok_s"][f"{model} TP={n}"] = tok_s
-                print(f"{model} TP={n}: " + ", ".join(f"batch {b}: {v:.1f} tok/s" for b, v in tok_s.items()))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    path = OUT.with_suffix(".json")
+            code = (
+                f"import json; import tp_bench; "  # run in this folder: `python -c` imports from the cwd
+                f"from quant import QuantSpec; print(json.dumps(tp_bench.decode_part({model!r}, {int(tp)}, {batches}, "
+                f"{args.new_tokens}, {'QuantSpec(4, 32)' if quant else 'None'}, {args.rounds})))"
+            )
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent)
+            if r.returncode:
+                print(r.stderr, file=sys.stderr)
+                return 1
+            per_batch = json.loads(r.stdout.strip().splitlines()[-1])
+            result["decode_tok_s"][f"{model} TP={tp}"] = per_batch
+            for b, rates in per_batch.items():
+                line = ", ".join(f"{name} {statistics.median(v):.1f} tok/s [{min(v):.1f}-{max(v):.1f}]"
+                                 for name, v in rates.items() if name != "ratio")
+                ratio = rates["ratio"]
+                print(f"{model} batch {b}: {line}; TP={tp} / TP=1 {statistics.median(ratio):.2f}x "
+                      f"[{min(ratio):.2f}-{max(ratio):.2f}] over {len(ratio)} rounds")
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.with_suffix(".json")
     kept = json.loads(path.read_text()) if path.is_file() else {}
     result = kept | result  # a run of one part keeps the other part's figures
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -159,16 +189,15 @@ def main() -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        labels = list(result["decode_tok_s"])
-        for i, b in enumerate(next(iter(result["decode_tok_s"].values()))):
-            ax.bar([j + 0.4 * i for j in range(len(labels))], [result["decode_tok_s"][k][b] for k in labels], 0.4, label=f"batch {b}")
-        ax.set_xticks([j + 0.2 for j in range(len(labels))], labels, fontsize=8)
-        ax.set_ylabel("decode tok/s")
-        ax.set_title(f"TP=1 vs TP=N on {result['machine']} ({args.quant})")
-        ax.legend()
+        labels = [f"{case}, batch {b}" for case, per_batch in result["decode_tok_s"].items() for b in per_batch]
+        ratios = [per_batch[b]["ratio"] for per_batch in result["decode_tok_s"].values() for b in per_batch]
+        ax.boxplot(ratios, orientation="horizontal", tick_labels=labels)
+        ax.axvline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("decode tok/s, TP=N / TP=1 (one point per round)")
+        ax.set_title(f"TP=N against TP=1 on {result['machine']} ({args.quant})")
         fig.tight_layout()
-        fig.savefig(OUT.with_suffix(".png"), dpi=100)
-    print(f"-> {OUT.with_suffix('.json')}")
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+    print(f"-> {out.with_suffix('.json')}")
     return 0
 
 

@@ -1,0 +1,30 @@
+"""lora_bench.py runs in miniature and saves its figures (timings are printed and saved, never
+asserted)."""
+
+import json
+from pathlib import Path
+
+import peers
+from common.tools.warm_python import run_python
+
+REACHES = ["lora_bench.py"]  # a script run in a subprocess (common/tools/carried.py)
+
+CHAPTER = Path(__file__).resolve().parents[1]
+
+
+def test_lora_bench_runs_and_saves_figures(tmp_path):
+    out = tmp_path / "lora"
+    args = ["--tokens", "3", "--repeats", "1", "--batch", "2", "--out", str(out)]
+    proc = run_python([str(CHAPTER / "lora_bench.py"), *args], cwd=CHAPTER, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    ours = {"base x2", "2 adapters x2", "base x1", "adapter x1"}
+    assert ours <= set(result["tok_s"]) and result["batch"] == 2 and result["rank"] == 16
+    for name in ours:
+        assert len(result["tok_s"][name]) == 1 and result["tok_s"][name][0] > 0
+    assert {k: len(v) for k, v in result["ratio_per_round"].items()} == {"adapters": 1, "adapter x1": 1}
+    if peers.llama_cpp_available() is None:  # the same adapter through llama.cpp, its tokens compared
+        assert {"llama.cpp base", "llama.cpp adapter"} <= set(result["tok_s"])
+        assert set(result["tokens_agree"]) == {"base", "adapter"}
+    assert "adapter x1 / base x1" in proc.stdout
