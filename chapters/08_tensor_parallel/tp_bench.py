@@ -106,11 +106,10 @@ def decode_part(model: str, tp: int, batches: list[int], new_tokens: int, quant,
     alternating -> {batch: {"TP=1": [tok/s per round], "TP=N": [...], "ratio": [TP=N / TP=1 per round]}}."""
     from parallel import build_engine, threads_per_rank
 
-    cores = len(os.sched_getaffinity(0))
     kw = dict(num_blocks=512, max_num_seqs=32)
     single, _ = build_engine(model, "cpu", "auto", quant, **kw)
     split, _ = build_engine(model, "cpu", "auto", quant, tensor_parallel_size=tp, **kw)
-    engines = {"TP=1": (single, cores), f"TP={tp}": (split, threads_per_rank(tp))}
+    engines = {"TP=1": (single, threads_per_rank(1)), f"TP={tp}": (split, threads_per_rank(tp))}
     out = {}
     try:
         for batch in batches:

@@ -309,7 +309,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // --- LoRA: shrink and expand over a segment table ------------------------------------------------
 
 // The adapters' weights (a or b_t: [slots, r_max, n]) and their ranks [slots], checked against each
-// other and the tensor `on` they are used with; -> the weights' dtype. On a CPU the ranks' values are
+// other and the tensor `on` they are used with. On a CPU the ranks' values are
 // checked too (on CUDA that would be a copy to the host and a wait: the kernels read no rank past
 // r_max instead, cpu_kernels.h).
 void check_lora_weights(const at::Tensor& on, const at::Tensor& w, const char* w_name, const at::Tensor& ranks) {
@@ -361,25 +361,28 @@ void check_lora_segments(const at::Tensor& on, const at::Tensor& seg_starts, con
     }
 }
 
+// float32 or bfloat16, as check_lora_weights allows
+static DType lora_weight_dtype(const at::Tensor& w) {
+    return w.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
+}
+
 void run_lora_shrink(at::Tensor& v, const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks,
                      const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
-    const DType w_dtype = a.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
     run_kernel("lora_shrink", x, cpu::lora_shrink, KERNELS_LAUNCHER(lora_shrink), v.data_ptr<float>(), v.stride(0),
                x.data_ptr(), x.stride(0), a.data_ptr(), ranks.data_ptr<int32_t>(), seg_starts.data_ptr<int32_t>(),
                seg_slots.data_ptr<int32_t>(), static_cast<int>(x.size(0)), static_cast<int>(seg_slots.size(0)),
                static_cast<int>(a.size(0)), static_cast<int>(x.size(1)), static_cast<int>(a.size(1)),
-               dtype_of(x, "x"), w_dtype);
+               dtype_of(x, "x"), lora_weight_dtype(a));
 }
 
 void run_lora_expand(at::Tensor& y, int64_t col, const at::Tensor& v, const at::Tensor& b_t, const at::Tensor& ranks,
                      const at::Tensor& scale, const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
-    const DType w_dtype = b_t.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
     void* y_at = static_cast<char*>(y.data_ptr()) + col * y.element_size();
     run_kernel("lora_expand", y, cpu::lora_expand, KERNELS_LAUNCHER(lora_expand), y_at, y.stride(0),
                v.data_ptr<float>(), v.stride(0), b_t.data_ptr(), ranks.data_ptr<int32_t>(), scale.data_ptr<float>(),
                seg_starts.data_ptr<int32_t>(), seg_slots.data_ptr<int32_t>(), static_cast<int>(y.size(0)),
                static_cast<int>(seg_slots.size(0)), static_cast<int>(b_t.size(0)), static_cast<int>(b_t.size(2)),
-               static_cast<int>(b_t.size(1)), dtype_of(y, "y"), w_dtype);
+               static_cast<int>(b_t.size(1)), dtype_of(y, "y"), lora_weight_dtype(b_t));
 }
 
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks, const at::Tensor& seg_starts,
