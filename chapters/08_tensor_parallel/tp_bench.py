@@ -5,7 +5,8 @@ against TP=N on the same cores.
     python tp_bench.py --parts allreduce    # only the collective
 
 allreduce: two ranks all-reduce [rows, hidden] tensors, as a row-parallel layer does twice per
-decoder layer, through gloo and through shared memory (shm_channel.py), calls interleaved; the
+decoder layer, through gloo, through shared memory (shm_channel.py) and through its C++ twin in the
+kernel library (kernels/csrc/shm_channel.h, where it is built), calls interleaved; the
 median time per call over --calls calls.
 decode: the engine decoding `batch` sequences; TP=1 with all the cores' threads against TP=N with
 cores/N threads per rank (SmolLM2 at TP=3: 2 does not divide its 9 heads; the tiny model at TP=2).
@@ -35,13 +36,17 @@ OUT = ROOT / "bench" / "results" / "ch08_tensor_parallel"
 def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, calls: int, out: dict) -> None:
     import torch.distributed as dist
 
-    from shm_channel import ShmChannel
+    from ops import resolve
+    from shm_channel import SLOT_BYTES, ShmChannel
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     shm = ShmChannel(shm_path, rank, world, timeout_s=60)
     ways = {"gloo": dist.all_reduce, "shm": shm.all_reduce}
+    native = resolve("auto", torch.device("cpu")).shm_channel(shm.file, rank, world, SLOT_BYTES, 60, None)
+    if native is not None:  # the kernel library's C++ twin, on the same file (the flags are shared)
+        ways["shm-c++"] = native.all_reduce
     for rows, hidden, dtype in shapes:
         t = torch.ones(rows, hidden, dtype=dtype)
         times = {name: [] for name in ways}

@@ -23,7 +23,11 @@ is left behind whatever way the ranks end.
 
 The hot path is NumPy on the flags and one or two torch operators on cached views of the slots:
 each torch operator costs a few microseconds, and ten of them per call took ~90 µs where the wait
-itself takes one.
+itself takes one. Even so a call costs ~10 µs of Python, so where the kernel library is loaded its
+C++ twin of the all-reduce and the gather (kernels/csrc/shm_channel.h: the same file, flags and
+sums) takes them over (`native`), and the library's one-call decoder layer calls it without
+coming back to Python. A rank's flag is the number of its last call, whichever side made it: the
+two take turns on one file.
 """
 
 from __future__ import annotations
@@ -67,7 +71,13 @@ class ShmChannel:
         self.bytes = np.frombuffer(self.mem, dtype=np.uint8, offset=flags).reshape(2, world, SLOT_BYTES)
         self.slots = torch.frombuffer(self.mem, dtype=torch.uint8, offset=flags).view(2, world, SLOT_BYTES)
         self.views: dict = {}  # (set, dtype, shape) -> the slots of that set as [world, *shape] tensors
-        self.calls = 0
+        self.file = torch.frombuffer(self.mem, dtype=torch.uint8)  # the whole file, for `native`
+        self.native = None  # the kernel library's ShmChannel on this file: all_reduce and gather_last_dim
+
+    @property
+    def calls(self) -> int:
+        """The number of this rank's last call: its flag."""
+        return int(self.flags[self.rank])
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.numel() * t.element_size() <= SLOT_BYTES
@@ -75,12 +85,16 @@ class ShmChannel:
     # --- the three messages -----------------------------------------------------------------
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.all_reduce(t)
         slots = self._write(t)
         self._wait(self.calls, self.flags)
         return torch.sum(slots, dim=0, out=t)  # slot 0 + slot 1 + ..., the same order everywhere
 
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """[rows, V/N] on each rank -> [rows, V] on rank 0 (its own slice elsewhere)."""
+        if self.native is not None:
+            return self.native.gather_last_dim(t)
         slots = self._write(t)
         if self.rank != 0:
             return t
@@ -102,8 +116,7 @@ class ShmChannel:
 
     def recv(self):
         """The others: rank 0's next message, or TOO_BIG (it comes through the process group)."""
-        self.calls += 1
-        n = self.calls
+        n = self.calls + 1
         self._wait(n, self.flags[:1], idle=True)
         slot = self.bytes[n % 2, 0]
         length = int(slot[:8].view(np.int64)[0])
@@ -115,9 +128,9 @@ class ShmChannel:
 
     def _begin(self) -> int:
         """A call that writes: its number, once every rank is done with the set it will write."""
-        self.calls += 1
-        self._wait(self.calls - 1, self.flags)
-        return self.calls
+        n = self.calls + 1
+        self._wait(n - 1, self.flags)
+        return n
 
     def _write(self, t: torch.Tensor) -> torch.Tensor:
         """t into this rank's slot, the flag published. -> every rank's slot of this call as t's."""

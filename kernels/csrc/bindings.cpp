@@ -9,8 +9,11 @@
 #include <pybind11/functional.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <cstdint>
 #include <iterator>
+#include <memory>
+#include <thread>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +22,7 @@
 #include "decoder_layer.h"
 #include "kernels.h"
 #include "ops.h"
+#include "shm_channel.h"
 
 namespace ops = kernels::ops;
 using kernels::ops::DecoderLayer;
@@ -26,6 +30,7 @@ using kernels::ops::LayerLora;
 using kernels::ops::LoraProjection;
 using kernels::ops::StepLora;
 using kernels::ops::Linear;
+using kernels::ops::ShmChannel;
 
 namespace {
 
@@ -145,7 +150,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"), py::arg("next_norm"),
              py::arg("partition_size"), py::arg("lora") = py::none(), py::arg("step") = py::none())
         .def_readwrite("all_reduce", &DecoderLayer::all_reduce,
-                       "tensor parallelism: o_proj's and down_proj's partial sums -> their sums (None: one rank)");
+                       "tensor parallelism: o_proj's and down_proj's partial sums -> their sums (None: one rank)")
+        .def_readwrite("shm", &DecoderLayer::shm,
+                       "tensor parallelism: a ShmChannel that sums the partial sums it fits, before all_reduce");
+    py::class_<ShmChannel, std::shared_ptr<ShmChannel>>(
+        m, "ShmChannel", "the all-reduce and the gather of CPU ranks of one host through a shared file (shm_channel.h)")
+        .def(py::init([](at::Tensor file, int64_t rank, int64_t world, int64_t slot_bytes, double timeout_s,
+                         std::function<void()> check) {
+                 auto channel = std::make_shared<ShmChannel>(std::move(file), rank, world, slot_bytes, timeout_s);
+                 channel->check = std::move(check);
+                 // a long wait holds the GIL no longer than a moment: the server's other threads go on
+                 channel->pause = [] {
+                     py::gil_scoped_release released;
+                     std::this_thread::sleep_for(std::chrono::microseconds(100));
+                 };
+                 return channel;
+             }),
+             py::arg("file"), py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("timeout_s"),
+             py::arg("check") = py::none())
+        .def("fits", &ShmChannel::fits, py::arg("t"))
+        .def("all_reduce", &ShmChannel::all_reduce, "t summed over the ranks, in place; -> t", py::arg("t"))
+        .def("gather_last_dim", &ShmChannel::gather_last_dim,
+             "[..., cols] -> on rank 0 [..., world * cols], the ranks' parts in rank order; t elsewhere", py::arg("t"));
     py::class_<LoraProjection>(m, "LoraProjection", "one projection's LoRA tables in one layer: a, b_t, ranks")
         .def(py::init<at::Tensor, at::Tensor, at::Tensor>(), py::arg("a"), py::arg("b_t"), py::arg("ranks"));
     py::class_<LayerLora>(m, "LayerLora", "a layer's LoRA tables per matmul (q, k, v; o; gate, up; down), scales")

@@ -116,7 +116,10 @@ at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Te
     const at::Tensor attn = paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens,
                                                    std::pow(double(head_dim), -0.5), partition_size);
     // a row-parallel matmul's partial sum (its LoRA delta's too), then the sum over the ranks
-    auto whole = [&](at::Tensor partial) { return all_reduce ? all_reduce(partial) : partial; };
+    auto whole = [&](at::Tensor partial) {
+        if (shm && shm->fits(partial)) return shm->all_reduce(partial);
+        return all_reduce ? all_reduce(partial) : partial;
+    };
     const at::Tensor o = whole(linear(wo, attn.view({rows, n_heads * head_dim}), lora ? &lora->o : nullptr, 3));
     const at::Tensor h_mlp = add_rms_norm(x, o, mlp_norm, eps);
     const at::Tensor act = silu_mul(linear(w_gate_up, h_mlp, lora ? &lora->gate_up : nullptr, 4));

@@ -9,9 +9,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "shm_channel.h"
 
 namespace kernels::ops {
 
@@ -66,7 +69,9 @@ struct DecoderLayer {
     double eps;
     // Tensor parallelism: wo and w_down hold this rank's inputs, so their outputs are partial sums;
     // when set, all_reduce(partial) returns the whole sum (the caller's collective, e.g. Python's).
+    // With `shm` too, a partial sum that fits its slots goes through it instead, without Python.
     std::function<at::Tensor(const at::Tensor&)> all_reduce;
+    std::shared_ptr<ShmChannel> shm;
 
     // x: the residual stream [B, hidden], updated in place; h: rms_norm(x) * this layer's input norm.
     // -> rms_norm(x) * next_norm, x having taken this layer's attention and MLP outputs. With `lora`

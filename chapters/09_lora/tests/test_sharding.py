@@ -269,6 +269,44 @@ def test_shared_memory_carries_plans_all_reduces_and_gathers_in_a_step_s_order(t
     assert got[0][-1] is False and got[1][-1] is True and got[2][-1] is True
 
 
+def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(tmp_path):
+    """What a step does when the kernels are loaded: the plan goes through the Python channel, the
+    all-reduces and the gather through the library's C++ twin (kernels/csrc/shm_channel.h), on one
+    file, the flags shared. Here each rank switches side every call, so that every pairing meets:
+    the same sums and parts as the Python channel alone, bit for bit."""
+    from ops import resolve
+    from shm_channel import SLOT_BYTES, ShmChannel
+
+    path = str(tmp_path / "shm")
+    ShmChannel.create(path, 2)
+    ops = resolve("on", torch.device("cpu"))
+    parts = lambda i, r: (torch.randn(3, 40, generator=torch.Generator().manual_seed(i)) * 10.0 ** (4 * r - 2))  # noqa: E731
+    got = [[], []]
+
+    def rank(r):
+        ch = ShmChannel(path, r, 2, timeout_s=30)
+        native = ops.shm_channel(ch.file, r, 2, SLOT_BYTES, 30, None)
+        for i in range(24):
+            way = native if (i + r) % 2 else ch  # rank 0 and rank 1 on different sides, then swapped
+            got[r].append(ch.send(("run", i)) and ("run", i) if r == 0 else ch.recv())
+            got[r].append(way.all_reduce(parts(i, r).to(torch.bfloat16 if i % 3 else torch.float32)).clone())
+            got[r].append(way.gather_last_dim(parts(i, r)[:1]).clone())
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(24):
+        dtype = torch.bfloat16 if i % 3 else torch.float32
+        want = torch.sum(torch.stack([parts(i, r).to(dtype) for r in range(2)]), dim=0)
+        for r in range(2):
+            plan, reduced, gathered = got[r][3 * i : 3 * i + 3]
+            assert plan == ("run", i)
+            assert torch.equal(reduced, want), (i, r)
+            assert torch.equal(gathered, torch.cat([parts(i, 0)[:1], parts(i, 1)[:1]], -1) if r == 0 else parts(i, 1)[:1])
+
+
 def test_shared_memory_all_reduce_gives_up_when_a_rank_is_gone(tmp_path):
     from shm_channel import ShmChannel
 
