@@ -212,13 +212,17 @@ def sample(
     x = logits.to(torch.float32, copy=True)  # [batch, vocab]: ours to change
     for i, p in enumerate(params):
         apply_penalties(x[i], p, prompt_tokens[i], output_tokens[i])
-    # After the penalties: they keep finite logits finite, but turn a NaN into NaN and never fix one.
-    x = finite_logits(x)
-    check_some_token_possible(x)
-
     # Greedy rows take the argmax (the first one on ties); it is computed for every row because one
-    # batched argmax is cheaper than picking rows out, and sampled rows overwrite theirs.
-    tokens = x.argmax(dim=-1)  # [batch]
+    # batched argmax is cheaper than picking rows out, and sampled rows overwrite theirs. torch.max
+    # over the last dimension gives it with the row's max, at a third of torch.argmax's time on a CPU.
+    best, tokens = x.max(dim=-1)  # [batch] each
+    if not bool(torch.isfinite(best).all()):  # the one device-to-host transfer before the tokens'
+        # A row's max is a NaN if the row has one, +inf if it has one, -inf if no token is possible:
+        # only then does finite_logits change x (-inf stays -inf), so every other step skips it. The
+        # penalties keep finite logits finite, but turn a NaN into NaN and never fix one.
+        x = finite_logits(x)
+        check_some_token_possible(x)
+        tokens = x.argmax(dim=-1)  # [batch]
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if rows:
         r = torch.tensor(rows, device=device)
@@ -276,7 +280,7 @@ def finite_logits(x: torch.Tensor) -> torch.Tensor:
 def check_some_token_possible(x: torch.Tensor) -> None:
     """Raises NoTokenError when a row of x (finite_logits) is all -inf: its softmax would be NaN,
     torch.multinomial would fail (on a GPU, with a device-side assert) and argmax would pick
-    token 0 for no reason. One device-to-host transfer per step, of one bool."""
+    token 0 for no reason. One device-to-host transfer, of one bool."""
     possible = (x > float("-inf")).any(dim=-1)  # [batch]
     if not bool(possible.all()):
         rows = (~possible).nonzero().flatten().tolist()

@@ -59,6 +59,17 @@ def test_temperature_zero_is_argmax_even_with_extreme_logits():
     assert run(torch.tensor([[1.0, 5.0, 5.0, 2.0, 5.0]]), greedy)[0] == [1]  # ties: the lowest id
 
 
+def test_greedy_ties_go_to_the_lowest_id_across_a_whole_vocabulary(device):
+    """The max is found in vector lanes (and threads): a tie between ids far apart, in rows as wide
+    as a real vocabulary, still goes to the lowest id; banned tokens (-inf) change nothing."""
+    logits = torch.full((16, 49152), -3.0, device=device)
+    logits[:, 40000] = 7.0
+    for row in range(16):
+        logits[row, 17 * row + 5] = 7.0  # the same logit, at a lower id
+    logits[::2, 30000:31000] = float("-inf")
+    assert run(logits, SamplingParams(temperature=0.0))[0] == [17 * row + 5 for row in range(16)]
+
+
 def test_greedy_equals_argmax_on_random_batches(device):
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
