@@ -200,7 +200,8 @@ class Group:
 
     def _guard(self, fn, *args):
         """fn(*args), a collective or a step; any failure loses the group (a peer is gone or late)."""
-        self._poll_children()
+        if self.shm is None:  # (shared memory's waits look at the children every 0.1 s themselves)
+            self._poll_children()
         if self.lost_reason is not None:
             raise self.error()
         try:
