@@ -25,8 +25,8 @@ The hot path is NumPy on the flags and one or two torch operators on cached view
 each torch operator costs a few microseconds, and ten of them per call took ~90 µs where the wait
 itself takes one. Even so a call costs ~10 µs of Python, so where the kernel library is loaded its
 C++ twin of the all-reduce and the gather (kernels/csrc/shm_channel.h: the same file, flags and
-sums) takes them over (`native`), and the library's one-call decoder layer calls it without
-coming back to Python. A rank's flag is the number of its last call, whichever side made it: the
+sums) takes them over (`attach_library`, then `native`), and the library's one-call decoder layer
+calls it without coming back to Python. A rank's flag is the number of its last call, whichever side made it: the
 two take turns on one file.
 """
 
@@ -78,6 +78,18 @@ class ShmChannel:
     def calls(self) -> int:
         """The number of this rank's last call: its flag."""
         return int(self.flags[self.rank])
+
+    def attach_library(self, ops) -> None:
+        """Where the kernels run on this CPU (ops: an ops.KernelOps), the all-reduce and the gather go
+        through the library's C++ twin from now on (`native`). With ops.py, the one file here that
+        loads the library: chapters before this one have no use for its ShmChannel."""
+        from ops import KernelOps
+
+        if isinstance(ops, KernelOps) and ops.device.type == "cpu":
+            import kernels
+
+            lib = kernels.load()
+            self.native = lib.ShmChannel(self.file, self.rank, self.world, SLOT_BYTES, self.timeout_s, self.check)
 
     def fits(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.numel() * t.element_size() <= SLOT_BYTES

@@ -37,16 +37,17 @@ def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, cal
     import torch.distributed as dist
 
     from ops import resolve
-    from shm_channel import SLOT_BYTES, ShmChannel
+    from shm_channel import ShmChannel
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     shm = ShmChannel(shm_path, rank, world, timeout_s=60)
     ways = {"gloo": dist.all_reduce, "shm": shm.all_reduce}
-    native = resolve("auto", torch.device("cpu")).shm_channel(shm.file, rank, world, SLOT_BYTES, 60, None)
-    if native is not None:  # the kernel library's C++ twin, on the same file (the flags are shared)
-        ways["shm-c++"] = native.all_reduce
+    twin = ShmChannel(shm_path, rank, world, timeout_s=60)  # the same file (the flags are shared)
+    twin.attach_library(resolve("auto", torch.device("cpu")))
+    if twin.native is not None:  # the kernel library's C++ twin
+        ways["shm-c++"] = twin.native.all_reduce
     for rows, hidden, dtype in shapes:
         t = torch.ones(rows, hidden, dtype=dtype)
         times = {name: [] for name in ways}

@@ -93,10 +93,6 @@ class Ops(Protocol):
     def check_block_size(self, block_size: int) -> None:
         """Raises UserError, naming the limit, for a KV block size this implementation cannot read."""
 
-    def shm_channel(self, file: torch.Tensor, rank: int, world: int, slot_bytes: int, timeout_s: float, check):
-        """Chapter 08: the all-reduce and the gather of shm_channel.py over its mapped `file` in one
-        call each (the library's C++ twin), or None: shm_channel.py's Python makes them."""
-
     def describe(self) -> str:
         """For the startup line, e.g. "kernels: on (cpu, avx512)"."""
 
@@ -164,9 +160,6 @@ class TorchOps:
 
     def describe(self) -> str:
         return f"kernels: off ({self.why_off})"
-
-    def shm_channel(self, *_) -> None:
-        return None
 
 
 class KernelOps:
@@ -357,12 +350,6 @@ class KernelOps:
             adapted = [lora.adapts(p, step) for group in GROUPS.values() for p in group]
             step.library_form = self._ext.StepLora(step.seg_starts, step.seg_slots, adapted)
         return lora.library_form[i], step.library_form
-
-    def shm_channel(self, file: torch.Tensor, rank: int, world: int, slot_bytes: int, timeout_s: float, check):
-        """kernels/csrc/shm_channel.h: the same file, flags and sums as shm_channel.py's, in C++ (CPU ranks)."""
-        if self.device.type != "cpu":
-            return None
-        return self._ext.ShmChannel(file, rank, world, slot_bytes, timeout_s, check)
 
     def describe(self) -> str:
         where = self.device.type

@@ -56,7 +56,7 @@ from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from runner import ModelRunner
 from sharding import ShardPlan, load_shard
-from shm_channel import SLOT_BYTES, TOO_BIG, ShmChannel
+from shm_channel import TOO_BIG, ShmChannel
 from weights import spec_of
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective that takes longer: a rank is gone
@@ -397,11 +397,10 @@ def _load(group: Group, a: LoadArgs):
     ops = a.kernels.ops(device, config.head_dim)
     model, read = load_shard(a.model_dir, group.rank, group.world, group, device, a.dtype, a.quant, a.matmul, ops)
     if group.shm is not None:
-        shm = group.shm
-        shm.native = ops.shm_channel(shm.file, group.rank, group.world, SLOT_BYTES, a.timeout_s, group.raise_if_lost)
+        group.shm.attach_library(ops)
         for layer in model.layers:  # the one-call layers sum o's and down's partial sums without Python
             if layer.one_call is not None:
-                layer.one_call.shm = shm.native
+                layer.one_call.shm = group.shm.native
     sizes = [None] * group.world
     dist.all_gather_object(sizes, (model.weight_bytes, read), group=None)
     return model, sizes

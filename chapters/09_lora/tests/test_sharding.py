@@ -275,7 +275,7 @@ def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(
     file, the flags shared. Here each rank switches side every call, so that every pairing meets:
     the same sums and parts as the Python channel alone, bit for bit."""
     from ops import resolve
-    from shm_channel import SLOT_BYTES, ShmChannel
+    from shm_channel import ShmChannel
 
     path = str(tmp_path / "shm")
     ShmChannel.create(path, 2)
@@ -285,7 +285,9 @@ def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(
 
     def rank(r):
         ch = ShmChannel(path, r, 2, timeout_s=30)
-        native = ops.shm_channel(ch.file, r, 2, SLOT_BYTES, 30, None)
+        twin = ShmChannel(path, r, 2, timeout_s=30)
+        twin.attach_library(ops)
+        native = twin.native
         for i in range(24):
             way = native if (i + r) % 2 else ch  # rank 0 and rank 1 on different sides, then swapped
             got[r].append(ch.send(("run", i)) and ("run", i) if r == 0 else ch.recv())
