@@ -97,7 +97,7 @@ class ShmChannel:
     # --- the three messages -----------------------------------------------------------------
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
+        if self.native is not None and self.native.fits(t):
             return self.native.all_reduce(t)
         slots = self._write(t)
         self._wait(self.calls, self.flags)
@@ -105,7 +105,7 @@ class ShmChannel:
 
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """[rows, V/N] on each rank -> [rows, V] on rank 0 (its own slice elsewhere)."""
-        if self.native is not None:
+        if self.native is not None and self.native.fits(t):
             return self.native.gather_last_dim(t)
         slots = self._write(t)
         if self.rank != 0:

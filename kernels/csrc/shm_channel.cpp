@@ -47,7 +47,11 @@ ShmChannel::ShmChannel(at::Tensor file, int64_t rank, int64_t world, int64_t slo
     TORCH_CHECK(reinterpret_cast<uintptr_t>(base_) % 64 == 0, "ShmChannel: the file must be mapped at a line boundary");
 }
 
-bool ShmChannel::fits(const at::Tensor& t) const { return t.is_cpu() && int64_t(t.nbytes()) <= slot_bytes_; }
+bool ShmChannel::fits(const at::Tensor& t) const {
+    const auto dtype = t.scalar_type();
+    return t.is_cpu() && t.is_contiguous() && int64_t(t.nbytes()) <= slot_bytes_ &&
+           (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
+}
 
 void ShmChannel::wait(int64_t n, int64_t ranks) const {
     auto arrived = [&] {
@@ -79,8 +83,9 @@ void ShmChannel::wait(int64_t n, int64_t ranks) const {
 }
 
 int64_t ShmChannel::write(const at::Tensor& t, bool copy) const {
-    TORCH_CHECK(fits(t) && t.is_contiguous(), "ShmChannel: a contiguous CPU tensor of at most ", slot_bytes_,
-                " bytes, not ", t.nbytes(), " bytes on ", t.device());
+    TORCH_CHECK(fits(t), "ShmChannel: a contiguous CPU tensor of float32, bfloat16 or float16 of at most ",
+                slot_bytes_, " bytes, not ", t.scalar_type(), ", ", t.nbytes(), " bytes on ", t.device(),
+                t.is_contiguous() ? "" : ", strided");
     const int64_t n = load_flag(flag(rank_)) + 1;
     wait(n - 1, world_);
     if (copy) std::memcpy(slot(n, rank_), t.data_ptr(), t.nbytes());
@@ -90,8 +95,6 @@ int64_t ShmChannel::write(const at::Tensor& t, bool copy) const {
 
 at::Tensor ShmChannel::all_reduce(at::Tensor t) const {
     const auto dtype = t.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "ShmChannel.all_reduce: float32, bfloat16 or float16, not ", dtype);
     const int64_t n = write(t, /*copy=*/true);
     wait(n, world_);
     std::vector<const uint8_t*> slots(world_);

@@ -23,7 +23,7 @@ struct ShmChannel {
     // file: the whole mapped file as uint8 (the tensor keeps the mapping alive while this lives).
     ShmChannel(at::Tensor file, int64_t rank, int64_t world, int64_t slot_bytes, double timeout_s);
 
-    bool fits(const at::Tensor& t) const;  // a CPU tensor that a slot holds
+    bool fits(const at::Tensor& t) const;  // a contiguous CPU float32/bfloat16/float16 tensor a slot holds
     // t (float32, bfloat16 or float16, contiguous) replaced in place by the sum over the ranks, slot 0
     // first, in float32 for 16-bit types and rounded once (torch.sum over the slots); -> t
     at::Tensor all_reduce(at::Tensor t) const;
