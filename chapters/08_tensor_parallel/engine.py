@@ -45,7 +45,7 @@ from loading import load
 from memory import GiB
 from model import Model
 from ops import KernelFlags
-from proposers import check_proposer_name, load_draft, make_proposer
+from proposers import build_proposer, check_proposer_name
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
@@ -297,24 +297,20 @@ def build_engine(
     quant: QuantSpec | None = None,
     matmul: str = DEFAULT_PATH,
     kernels: KernelFlags | str = KernelFlags(),
-    speculative: str = "off",
+    speculative: str = "off",  # a proposer by its --speculative name (proposers.build_proposer)
     draft_model: str | None = None,
     draft_quant: QuantSpec | None = QuantSpec(4, 32),
     **limits,
 ) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),
     quantized on load when `quant` is given, onto a device, with the kernel flags (ops.from_args, or
-    a --kernels choice), and a proposer by its --speculative name (proposers.py): for "draft",
-    `draft_model` (default: the model itself) quantized on load with `draft_quant`; -> the engine,
-    and the name to call it by. `limits` are Engine's keyword arguments (max_model_len, ...)."""
+    a --kernels choice); -> the engine, and the name to call it by. `limits` are Engine's keyword
+    arguments (max_model_len, ...)."""
     check_proposer_name(speculative)  # a bad name fails before anything loads
     loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
-    tokenizer, draft = Tokenizer(model_dir), None
-    if speculative == "draft":
-        draft = load_draft(draft_model or model, loaded, tokenizer, device, dtype, draft_quant, matmul, kernels)
-        if limits.get("num_blocks") is None:  # one KV budget pays for both pools
-            limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
-    proposer = make_proposer(speculative, draft)
+    tokenizer = Tokenizer(model_dir)
+    draft = (draft_model or model, device, dtype, draft_quant, matmul, kernels)  # load_draft's arguments
+    proposer = build_proposer(speculative, loaded, tokenizer, limits, *draft)
     engine = Engine(loaded, tokenizer, Engine.read_generation_config(model_dir), proposer=proposer, **limits)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name

@@ -52,7 +52,7 @@ from lora_slots import AdapterSlots
 from memory import GiB
 from model import Model
 from ops import KernelFlags
-from proposers import check_proposer_name, load_draft, make_proposer
+from proposers import build_proposer, check_proposer_name
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
@@ -343,12 +343,9 @@ def build_engine(
     load), of rank up to `max_lora_rank`."""
     check_proposer_name(speculative)  # a bad name fails before anything loads
     loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
-    tokenizer, draft = Tokenizer(model_dir), None
-    if speculative == "draft":
-        draft = load_draft(draft_model or model, loaded, tokenizer, device, dtype, draft_quant, matmul, kernels)
-        if limits.get("num_blocks") is None:  # one KV budget pays for both pools
-            limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
-    proposer = make_proposer(speculative, draft)
+    tokenizer = Tokenizer(model_dir)
+    draft = (draft_model or model, device, dtype, draft_quant, matmul, kernels)  # load_draft's arguments
+    proposer = build_proposer(speculative, loaded, tokenizer, limits, *draft)
     engine = Engine(
         loaded,
         tokenizer,
