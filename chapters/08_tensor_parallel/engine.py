@@ -309,8 +309,9 @@ def build_engine(
     check_proposer_name(speculative)  # a bad name fails before anything loads
     loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
     tokenizer = Tokenizer(model_dir)
-    draft = (draft_model or model, device, dtype, draft_quant, matmul, kernels)  # load_draft's arguments
-    proposer = build_proposer(speculative, loaded, tokenizer, limits, *draft)
+    proposer = build_proposer(
+        speculative, loaded, tokenizer, limits, draft_model or model, device, dtype, draft_quant, matmul, kernels
+    )
     engine = Engine(loaded, tokenizer, Engine.read_generation_config(model_dir), proposer=proposer, **limits)
     named = model not in (None, "") and not Path(model).exists()
     return engine, model if named else Path(model or model_dir).name

@@ -26,8 +26,8 @@ each torch operator costs a few microseconds, and ten of them per call took ~90 
 itself takes one. Even so a call costs ~10 µs of Python, so where the kernel library is loaded its
 C++ twin of the all-reduce and the gather (kernels/csrc/shm_channel.h: the same file, flags and
 sums) takes them over (`attach_library`, then `native`), and the library's one-call decoder layer
-calls it without coming back to Python. A rank's flag is the number of its last call, whichever side made it: the
-two take turns on one file.
+calls it without coming back to Python. A rank's flag is the number of its last call, whichever
+side made it: the two take turns on one file.
 """
 
 from __future__ import annotations

@@ -220,14 +220,16 @@ def make_proposer(name: str, draft: DraftModelProposer | None = None):
     return draft
 
 
-def build_proposer(name: str, target: Model, tokenizer: Tokenizer, limits: dict, draft_model: str, *how):
+def build_proposer(
+    name: str, target: Model, tokenizer: Tokenizer, limits: dict, draft_model: str, device, dtype, quant, matmul, kernels
+):
     """The proposer `name` (make_proposer) for `target`. For "draft" it loads `draft_model` first
-    (load_draft, with `how`: device, dtype, quant, matmul, kernels), which then takes its part of
-    the KV budget in `limits` (Engine's keyword arguments, updated) unless they set the pool's size
-    in blocks: one budget pays for both pools."""
+    (load_draft, quantized with `quant`), which then takes its part of the KV budget in `limits`
+    (Engine's keyword arguments, updated) unless they set the pool's size in blocks: one budget
+    pays for both pools."""
     draft = None
     if check_proposer_name(name) == "draft":
-        draft = load_draft(draft_model, target, tokenizer, *how)
+        draft = load_draft(draft_model, target, tokenizer, device, dtype, quant, matmul, kernels)
         if limits.get("num_blocks") is None:
             limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), target)
     return make_proposer(name, draft)
