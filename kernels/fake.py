@@ -47,7 +47,7 @@ def register() -> None:
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
     @torch.library.register_fake(lib + "int4_linear")
-    def _(x, packed, scale, min, group_size):
+    def _(x, packed, scale, min, group_size, tiles=None):
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake(lib + "int8_linear")

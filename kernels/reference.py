@@ -143,6 +143,35 @@ def int4_linear(x, packed, scale, min_, group_size) -> torch.Tensor:
     return (x.float() @ int4_weight(packed, scale, min_, group_size).T).to(x.dtype)
 
 
+def quantize_blocks_int8(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, n_in] quantized to int8 per block of 32 inputs of a row, as the CPU's integer product
+    takes bf16 x (csrc/cpu/int4_q8_gemm.cpp): dx = max|x| / 127, xq = round(x / dx) (ties to even).
+    -> (xq as float32 [rows, n_in], dx [rows, n_in / 32]); x ~ dx * xq."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # 127 / amax as one division: `127.0 / tensor` is computed as 127 * (1 / tensor), rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    xq = torch.round(blocks * inv)
+    return xq.view(x.shape), (amax / 127.0).squeeze(-1)
+
+
+def int4_linear_q8(x, packed, scale, min_, group_size) -> torch.Tensor:
+    """int4_linear with x quantized per block (quantize_blocks_int8), the codes' sums exact:
+    y[r, o] = sum_b scale[o, b] * dx[r, b] * sum_k code[o, k] xq[r, k] + min[o, b] * sum_k x[r, k]
+    (k over block b's 32 inputs; scale and min of the block's group)."""
+    xq, dx = quantize_blocks_int8(x)
+    rows, n_in = x.shape
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).double()  # [n_out, n_in]
+    n_out = codes.shape[0]
+    per_block = group_size // 32
+    block_scale = scale.float().repeat_interleave(per_block, dim=1)  # [n_out, blocks]
+    block_min = min_.float().repeat_interleave(per_block, dim=1)
+    dots = torch.einsum("rbk,obk->rob", xq.double().view(rows, -1, 32), codes.view(n_out, -1, 32))  # exact
+    xsum = x.float().view(rows, -1, 32).sum(dim=-1)  # [rows, blocks]
+    y = (dots.float() * block_scale[None] * dx[:, None, :]).sum(-1) + xsum @ block_min.T
+    return y.to(x.dtype)
+
+
 def int8_linear(x, q, scale) -> torch.Tensor:
     return (x.float() @ (q.float() * scale[:, None]).T).to(x.dtype)
 

@@ -62,7 +62,8 @@ TORCH_LIBRARY(llm_kernels, m) {
         "rope_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor slots) "
         "-> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
-    m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
+    m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size, Tensor? tiles=None) -> Tensor");
+    m.def("int4_tiles(Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
     m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
 }
@@ -77,6 +78,7 @@ static void impl_all(torch::Library& m) {
     m.impl("rope_cache_", &ops::rope_cache_);
     m.impl("silu_mul", &ops::silu_mul);
     m.impl("int4_linear", &ops::int4_linear);
+    m.impl("int4_tiles", &ops::int4_tiles);
     m.impl("int8_linear", &ops::int8_linear);
     m.impl("bf16_linear", &ops::bf16_linear);
 }
@@ -132,8 +134,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "rotate q heads in place, k heads into k_pool at slots; copy v heads into v_pool at slots", py::arg("qkv"),
           py::arg("cos"), py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"));
     m.def("silu_mul", &ops::silu_mul, "silu(gate) * up for gate_up = [gate | up] -> [rows, inter]", py::arg("gate_up"));
-    m.def("int4_linear", &ops::int4_linear, "x @ W.T for group-wise int4 W", py::arg("x"), py::arg("packed"),
-          py::arg("scale"), py::arg("min"), py::arg("group_size"));
+    m.def("int4_linear", &ops::int4_linear, "x @ W.T for group-wise int4 W (bf16 x of many rows in integers with tiles)",
+          py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("min"), py::arg("group_size"),
+          py::arg("tiles") = py::none());
+    m.def("int4_tiles", &ops::int4_tiles,
+          "an int4 weight laid out for the CPU's integer product (int4_linear's tiles); empty where it has none",
+          py::arg("packed"), py::arg("scale"), py::arg("min"), py::arg("group_size"));
     m.def("int8_linear", &ops::int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
     m.def("bf16_linear", &ops::bf16_linear, "x @ W.T for bfloat16 W", py::arg("x"), py::arg("w"));
     py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, or torch's GEMM on a dense weight")
@@ -190,6 +196,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_fma_peak_gflops", &kernels::cpu::fma_peak_gflops, py::arg("steps") = 20'000'000,
           "the float32 FMA peak of this CPU at the current ISA and thread count, measured (GFLOP/s)");
     m.attr("gemm_min_rows") = kernels::kGemmMinRows;  // the linears' matrix product from this many rows (CPU, CUDA)
+    m.def("cpu_int8_product", [] {  // int4 weights times int8-quantized x (cpu/int4_q8_gemm.cpp)
+        const int width = kernels::cpu::q8_tile_width();
+        return std::string(width == 16 ? "avx512-vnni" : width == 8 ? "avx2-vpmaddubsw" : "none");
+    });
     m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
     m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
     m.def(

@@ -231,12 +231,13 @@ void rope_cache_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, 
 
 // --- quantized and bf16 linear layers ----------------------------------------------------------
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
-                       int64_t group_size) {
+namespace {
+
+// packed, scale, min as cpu_kernels.h's int4 layout has them; -> n_in.
+int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min, int64_t group_size) {
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
                 "packed: contiguous uint8 [n_out, n_in / 2] expected");
     const int64_t n_out = packed.size(0), n_in = packed.size(1) * 2;
-    check_x(x, n_in);
     TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && n_in % group_size == 0, "group_size ", group_size,
                 " must be a multiple of 32 that divides n_in ", n_in);
     for (const at::Tensor* t : {&scale, &min}) {
@@ -244,17 +245,55 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                         t->size(1) == n_in / group_size,
                     "scale, min: contiguous float16 [n_out, n_in / group_size] expected, got ", t->scalar_type(), " ",
                     t->sizes());
-        check_same_device(x, *t, "scale/min");
+        check_same_device(packed, *t, "scale/min");
     }
+    return n_in;
+}
+
+// The tiles' width, after checking them against the weight: [ceil(n_out / width), n_in / 32, 24 * width].
+int tiles_width(const at::Tensor& tiles, int64_t n_in, int64_t n_out) {
+    TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.is_contiguous() && tiles.is_cpu(),
+                "tiles: contiguous uint8 [n_tiles, n_in / 32, 24 * width] on the CPU expected (int4_tiles)");
+    const int64_t width = tiles.size(2) / 24;
+    TORCH_CHECK(tiles.size(2) == 24 * width && width > 0 && tiles.size(1) == n_in / 32 &&
+                    tiles.size(0) == (n_out + width - 1) / width,
+                "tiles ", tiles.sizes(), " are not int4_tiles of a [", n_out, ", ", n_in, "] weight");
+    return static_cast<int>(width);
+}
+
+}  // namespace
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
+                       int64_t group_size, const std::optional<at::Tensor>& tiles) {
+    const int64_t n_in = check_int4(packed, scale, min, group_size), n_out = packed.size(0);
+    check_x(x, n_in);
     check_same_device(x, packed, "packed");
     const DType dtype = dtype_of(x, "x");
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
+    if (tiles && tiles->numel() > 0 && x.is_cpu()) {
+        const int width = tiles_width(*tiles, n_in, n_out);
+        if (cpu::q8_gemm_applies(static_cast<int>(x.size(0)), dtype, width)) {
+            cpu::int4_q8_gemm(y.data_ptr(), x.data_ptr(), tiles->data_ptr<uint8_t>(), x.size(0), n_in, n_out, width,
+                              dtype);
+            return y;
+        }
+    }
     run_kernel("int4_linear", x, cpu::int4_linear,
                linear_launcher(x.size(0), KERNELS_LAUNCHER(int4_linear), KERNELS_LAUNCHER(int4_gemm)), y.data_ptr(),
                x.data_ptr(), packed.data_ptr<uint8_t>(), half_bits(scale), half_bits(min), x.size(0), n_in, n_out,
                group_size, dtype);
     return y;
+}
+
+at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min, int64_t group_size) {
+    const int64_t n_in = check_int4(packed, scale, min, group_size), n_out = packed.size(0);
+    const int width = cpu::q8_tile_width();
+    if (!packed.is_cpu() || width == 0) return at::empty({0}, packed.options());
+    at::Tensor tiles = at::empty({(n_out + width - 1) / width, n_in / 32, 24 * width}, packed.options());
+    cpu::int4_tiles(tiles.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), half_bits(scale), half_bits(min),
+                    static_cast<int>(n_in), static_cast<int>(n_out), static_cast<int>(group_size), width);
+    return tiles;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {

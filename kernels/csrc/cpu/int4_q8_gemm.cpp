@@ -1,0 +1,275 @@
+// int4 weights times x quantized to int8: the matrix product in integers, as llama.cpp's Q4_1 x Q8
+// dot products do it, for bf16 x of many rows.
+//
+// gemm.cpp turns every weight into a float and multiplies in float32: 8 multiply-adds an AVX2
+// instruction, 16 an AVX512 one. Integers go further per instruction: vpmaddubsw multiplies 32
+// unsigned bytes by 32 signed ones and adds neighbours (32 multiply-adds, AVX2), vpdpbusd (VNNI)
+// does 64 on AVX512 and adds them into its sums. A 4-bit code is already a small unsigned integer;
+// x becomes one by quantizing each block of 32 inputs of a row to int8 with a scale of its own:
+//   dx = max|x| / 127,  xq = round(x / dx),  so  x ~ dx * xq   (|x - dx * xq| <= dx / 2)
+// and with W = min + scale * code (Q4_1), one block of 32 inputs of output o and row r sums to
+//   sum_k W[o,k] x[k] ~ scale[o] * dx * sum_k code[o,k] xq[k]  +  min[o] * sum_k x[k]
+// the first sum exact in integers, the second over x as it is. Only bf16 x takes this road: its
+// own rounding (1 part in 256) is of the size of the int8 step; float32 x stays on gemm.cpp's, and
+// every engine result in float32 stays what --kernels off computes.
+//
+// The codes are laid out again, once, into tiles (int4_tiles): F outputs side by side, so that a
+// vector holds 4 consecutive inputs of each of F outputs and the multiply-adds land in one output
+// per 32-bit lane (an outer product: no horizontal sums), each block's scales and mins as F floats
+// beside its codes. F = 8 for AVX2 (vpmaddubsw), 16 for AVX512 with VNNI (vpdpbusd), which every
+// CPU with AVX512-BF16 has. A tile of one block, F outputs, 24 * F bytes:
+//   codes  16F bytes: part j (0..3) of 4F bytes, byte 4f + t: low nibble code(f, 8j + t),
+//          high nibble code(f, 8j + 4 + t); so one load, masked and shifted, gives inputs 8j..8j+3
+//          and 8j+4..8j+7 of all F outputs, 4 bytes an output: what vpmaddubsw / vpdpbusd pair
+//          with x's 4 bytes broadcast.
+//   scale  F floats, then min F floats (the block's group's, widened from float16).
+// AVX2 sums a block's products in 16 bits: each vpmaddubsw lane is at most 2 * 15 * 127 = 3810,
+// and 8 of them (a block) at most 30480 < 32767; vpmaddwd then makes them 32-bit outputs.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "vec.h"
+
+KERNELS_VECTOR_CODE_BEGIN
+
+namespace kernels::cpu {
+
+namespace {
+
+constexpr int kBlock = 32;  // inputs of a block: x's quantization step and a tile's
+
+#define KERNELS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+struct Q8Args {
+    void* y;               // [rows, n_out] in dtype
+    const int8_t* xq;      // [rows, n_in]
+    const float* dx;       // [rows, blocks] x's scales
+    const float* xsum;     // [rows, blocks] sums of x over each block
+    const uint8_t* tiles;  // [ceil(n_out / F), blocks, 24 F]
+    int rows, n_in, n_out, blocks;
+    DType dtype;
+};
+
+// y[r0 + r, o0 .. o0 + F - 1] from a tile's float sums.
+template <int F, DType D>
+void store_rows(const Q8Args& a, const float* sums, int r0, int mr, int o0) {
+    const int no = std::min(F, a.n_out - o0);
+    for (int r = 0; r < mr; ++r)
+        for (int f = 0; f < no; ++f) store_from_float<D>(a.y, int64_t(r0 + r) * a.n_out + o0 + f, sums[r * F + f]);
+}
+
+template <int F>
+void store_outputs(const Q8Args& a, const float* sums, int r0, int mr, int o0) {
+    if (a.dtype == DType::bf16) return store_rows<F, DType::bf16>(a, sums, r0, mr, o0);
+    if (a.dtype == DType::f16) return store_rows<F, DType::f16>(a, sums, r0, mr, o0);
+    store_rows<F, DType::f32>(a, sums, r0, mr, o0);
+}
+
+#ifdef KERNELS_X86
+
+// MR rows of x against one tile row (F = 8 outputs, every block): sums[r * 8 + f].
+template <int MR>
+KERNELS_AVX2 __attribute__((noinline)) void tile_avx2(const Q8Args& a, const uint8_t* tile, int r0, float* sums) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < a.blocks; ++b, tile += 24 * 8) {
+        __m256i isum[MR];
+        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+            const __m256i w_lo = _mm256_and_si256(packed, low4);
+            const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            for (int r = 0; r < MR; ++r) {
+                const int8_t* x = a.xq + int64_t(r0 + r) * a.n_in + b * kBlock + 8 * j;
+                int32_t x_lo, x_hi;
+                std::memcpy(&x_lo, x, 4);
+                std::memcpy(&x_hi, x + 4, 4);
+                isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(w_lo, _mm256_set1_epi32(x_lo)));
+                isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(w_hi, _mm256_set1_epi32(x_hi)));
+            }
+        }
+        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(tile + 16 * 8));
+        const __m256 min = _mm256_loadu_ps(reinterpret_cast<const float*>(tile + 20 * 8));
+        for (int r = 0; r < MR; ++r) {
+            const int64_t rb = int64_t(r0 + r) * a.blocks + b;
+            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
+            acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[rb])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum[rb]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(sums + r * 8, acc[r]);
+}
+
+// The same with F = 16 outputs and VNNI's vpdpbusd, which adds into 32-bit sums itself.
+template <int MR>
+KERNELS_AVX512_VNNI __attribute__((noinline)) void tile_vnni(const Q8Args& a, const uint8_t* tile, int r0,
+                                                             float* sums) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < a.blocks; ++b, tile += 24 * 16) {
+        __m512i isum[MR];
+        for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+            const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
+            const __m512i w_lo = _mm512_and_si512(packed, low4);
+            const __m512i w_hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+            for (int r = 0; r < MR; ++r) {
+                const int8_t* x = a.xq + int64_t(r0 + r) * a.n_in + b * kBlock + 8 * j;
+                int32_t x_lo, x_hi;
+                std::memcpy(&x_lo, x, 4);
+                std::memcpy(&x_hi, x + 4, 4);
+                isum[r] = _mm512_dpbusd_epi32(isum[r], w_lo, _mm512_set1_epi32(x_lo));
+                isum[r] = _mm512_dpbusd_epi32(isum[r], w_hi, _mm512_set1_epi32(x_hi));
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps(tile + 16 * 16);
+        const __m512 min = _mm512_loadu_ps(tile + 20 * 16);
+        for (int r = 0; r < MR; ++r) {
+            const int64_t rb = int64_t(r0 + r) * a.blocks + b;
+            const __m512 dots = _mm512_cvtepi32_ps(isum[r]);
+            acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[rb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.xsum[rb]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums + r * 16, acc[r]);
+}
+
+using TileFn = void (*)(const Q8Args&, const uint8_t*, int, float*);
+
+// Every row of x against tile row t, MR rows at a time, then the last 1..MR-1 (tile_of[rows]).
+template <int F, int MR>
+void tile_row(const Q8Args& a, int t, const TileFn* tile_of) {
+    const uint8_t* tile = a.tiles + int64_t(t) * a.blocks * 24 * F;
+    float sums[MR * F];
+    int r0 = 0;
+    for (; r0 + MR <= a.rows; r0 += MR) {
+        tile_of[MR](a, tile, r0, sums);
+        store_outputs<F>(a, sums, r0, MR, t * F);
+    }
+    if (r0 < a.rows) {
+        tile_of[a.rows - r0](a, tile, r0, sums);
+        store_outputs<F>(a, sums, r0, a.rows - r0, t * F);
+    }
+}
+
+constexpr int kRowsAvx2 = 4, kRowsVnni = 4;
+const TileFn avx2_tiles[kRowsAvx2 + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+const TileFn vnni_tiles[kRowsVnni + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
+
+// One row of x -> its blocks' xq, dx, xsum: round() of x * (127 / max|x|) to nearest, ties to
+// even (vcvtps2dq under the default rounding mode), as reference.py's torch.round.
+template <DType D>
+KERNELS_AVX2 __attribute__((flatten, noinline)) void quantize_row(const void* x, int64_t base, int blocks, int8_t* xq,
+                                                                  float* dx, float* xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int b = 0; b < blocks; ++b) {
+        __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = Avx2::load_as<D>(x, base + b * kBlock + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            sum = _mm256_add_ps(sum, v[i]);
+        }
+        const float m = Avx2::reduce_max(amax);
+        const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        // packs works within 128-bit lanes: 32-bit groups come out in the order 0 2 4 6 1 3 5 7
+        const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        const __m256i q8 = _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock), q8);
+        dx[b] = m / 127.f;
+        xsum[b] = Avx2::reduce_add(sum);
+    }
+}
+
+template <DType D>
+void quantize_rows(const void* x, int rows, int n_in, int8_t* xq, float* dx, float* xsum) {
+    const int blocks = n_in / kBlock;
+#pragma omp parallel for schedule(static) if (int64_t(rows) * n_in > (int64_t(1) << 14))
+    for (int r = 0; r < rows; ++r)
+        quantize_row<D>(x, int64_t(r) * n_in, blocks, xq + int64_t(r) * n_in, dx + int64_t(r) * blocks,
+                        xsum + int64_t(r) * blocks);
+}
+
+#endif  // KERNELS_X86
+
+}  // namespace
+
+int q8_tile_width() {
+#ifdef KERNELS_X86
+    // VNNI came with AVX512-BF16 on every CPU so far (Cooper Lake, Sapphire Rapids, Zen 4); asked anyway.
+    static const bool vnni = __builtin_cpu_supports("avx512vnni");
+    if (isa() == Isa::avx512_bf16 && vnni) return 16;
+    return isa() >= Isa::avx2 ? 8 : 0;
+#else
+    return 0;
+#endif
+}
+
+bool q8_gemm_applies(int rows, DType dtype, int tile_width) {
+    return tile_width > 0 && tile_width == q8_tile_width() && dtype == DType::bf16 && gemm_applies(rows);
+}
+
+void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int n_in, int n_out,
+                int group_size, int width) {
+    const int F = width, blocks = n_in / kBlock, groups = n_in / group_size, n_tiles = (n_out + F - 1) / F;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n_tiles; ++t)
+        for (int b = 0; b < blocks; ++b) {
+            uint8_t* tile = tiles + (int64_t(t) * blocks + b) * 24 * F;
+            std::memset(tile, 0, size_t(24) * F);  // outputs past n_out: zero codes, scales and mins
+            float* tile_scale = reinterpret_cast<float*>(tile + 16 * F);
+            float* tile_min = tile_scale + F;
+            for (int f = 0; f < F && t * F + f < n_out; ++f) {
+                const int o = t * F + f, g = b * kBlock / group_size;
+                auto code = [&](int k) {  // code(o, 32b + k): element 2j in byte j's low nibble
+                    const int i = b * kBlock + k;
+                    const uint8_t byte = packed[int64_t(o) * (n_in / 2) + i / 2];
+                    return i % 2 ? byte >> 4 : byte & 15;
+                };
+                for (int j = 0; j < 4; ++j)
+                    for (int k = 0; k < 4; ++k)
+                        tile[4 * F * j + 4 * f + k] = uint8_t(code(8 * j + k) | code(8 * j + 4 + k) << 4);
+                tile_scale[f] = f16_to_float(scale[int64_t(o) * groups + g]);
+                tile_min[f] = f16_to_float(min[int64_t(o) * groups + g]);
+            }
+        }
+}
+
+void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width, DType dtype) {
+#ifdef KERNELS_X86
+    const int blocks = n_in / kBlock, F = width;
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> scales;
+    if (int64_t(xq.size()) < int64_t(rows) * n_in) xq.resize(size_t(rows) * n_in);
+    if (int64_t(scales.size()) < 2 * int64_t(rows) * blocks) scales.resize(2 * size_t(rows) * blocks);
+    float* dx = scales.data();
+    float* xsum = dx + int64_t(rows) * blocks;
+    if (dtype == DType::bf16) quantize_rows<DType::bf16>(x, rows, n_in, xq.data(), dx, xsum);
+    else if (dtype == DType::f16) quantize_rows<DType::f16>(x, rows, n_in, xq.data(), dx, xsum);
+    else quantize_rows<DType::f32>(x, rows, n_in, xq.data(), dx, xsum);
+    const Q8Args a{y, xq.data(), dx, xsum, tiles, rows, n_in, n_out, blocks, dtype};
+    const int n_tiles = (n_out + F - 1) / F;
+    const bool parallel = int64_t(rows) * n_in * n_out > (int64_t(1) << 17) && n_tiles > 1;
+    if (F == 16) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int t = 0; t < n_tiles; ++t) tile_row<16, kRowsVnni>(a, t, vnni_tiles);
+    } else {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int t = 0; t < n_tiles; ++t) tile_row<8, kRowsAvx2>(a, t, avx2_tiles);
+    }
+#else
+    (void)y, (void)x, (void)tiles, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
+#endif
+}
+
+}  // namespace kernels::cpu
+
+KERNELS_VECTOR_CODE_END

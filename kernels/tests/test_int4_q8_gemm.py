@@ -1,0 +1,214 @@
+"""int4 weights times bf16 x quantized to int8 (csrc/cpu/int4_q8_gemm.cpp): int4_linear with the
+weight's tiles, at every row count on every CPU path, against reference.int4_linear_q8 (the same
+quantization of x, the codes' sums exact) to one bf16 rounding; below gemm_min_rows, and for float32
+x, the float path answers as if there were no tiles. Then the tiles' own checks, and bugs planted in
+a copy of the source, each of which the same check must catch."""
+
+import ctypes
+
+import pytest
+import torch
+
+from conftest import build_planted
+from kernels import reference
+from test_gemm import ROWS
+from test_quant_linear import int4_weight
+
+# (n_out, n_in, group_size): outputs past a tile of 8 and of 16; groups of two blocks
+SHAPES = [(70, 320, 32), (16, 64, 32), (40, 256, 64)]
+
+
+def check_q8(y, x, packed, scale, min_, group_size, what=""):
+    """y (bf16) against the reference in float32: one rounding to bf16 apart (2^-8 of the value),
+    plus float32's rounding of the sums in another order, bounded by their magnitude."""
+    expected = reference.int4_linear_q8(x.float(), packed, scale, min_, group_size)
+    w = reference.int4_weight(packed, scale, min_, group_size)
+    bound = 2.0**-8 * 1.01 * expected.abs() + 1e-5 * (x.float().abs() @ w.abs().T)
+    diff = (y.float() - expected).abs()
+    assert (diff <= bound).all(), f"{what}: |y - expected| {diff.max():.4g}, worst relative {(diff / bound).max():.3g}"
+
+
+def tiles_of(ops, w, group_size):
+    tiles = ops.int4_tiles(*w, group_size)
+    assert tiles.numel() > 0, f"no tiles at {ops.cpu_isa()}"
+    return tiles
+
+
+def test_every_row_count_on_every_cpu_path(ops, isa):
+    if isa == "scalar":
+        assert ops.int4_tiles(*int4_weight(16, 64, 32), 32).numel() == 0  # no integer path in portable C++
+        return
+    for n_out, n_in, group_size in SHAPES:
+        w = int4_weight(n_out, n_in, group_size, seed=n_out)
+        tiles = tiles_of(ops, w, group_size)
+        x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in)).bfloat16()
+        for rows in ROWS:
+            x = x_all[:rows]
+            y = ops.int4_linear(x, *w, group_size, tiles)
+            what = f"{isa} {rows} x {n_in} -> {n_out}, G={group_size}"
+            if rows >= ops.gemm_min_rows:
+                check_q8(y, x, *w, group_size, what)
+            else:  # the matrix-vector kernels, which take x as it is
+                assert torch.equal(y, ops.int4_linear(x, *w, group_size)), what
+
+
+def test_float32_x_and_batch_invariant_mode_leave_the_tiles_alone(ops, isa):
+    if isa == "scalar":
+        pytest.skip("no tiles in portable C++")
+    w = int4_weight(70, 320, 32, seed=3)
+    tiles = tiles_of(ops, w, 32)
+    x = torch.randn(40, 320)
+    assert torch.equal(ops.int4_linear(x, *w, 32, tiles), ops.int4_linear(x, *w, 32))
+    ops.set_batch_invariant(True)
+    try:
+        xb = x.bfloat16()
+        assert torch.equal(ops.int4_linear(xb, *w, 32, tiles), ops.int4_linear(xb, *w, 32))
+    finally:
+        ops.set_batch_invariant(False)
+
+
+def test_zero_blocks_outliers_and_extremes(ops, isa):
+    # A block of zeros (scale 0: no division by it), one value far above its block (the others round
+    # to few levels, as the reference's), values at +-max|x| (xq = +-127) and ties of rounding.
+    if isa == "scalar":
+        pytest.skip("no tiles in portable C++")
+    w = int4_weight(70, 320, 32, seed=4)
+    tiles = tiles_of(ops, w, 32)
+    x = torch.randn(20, 320)
+    x[0, :32] = 0
+    x[1, 40] = 1e4
+    x[2, 64:96] = -3.0
+    x[3, 96:128] = torch.arange(32) - 15.875  # k / 127 * max: halves land exactly on ties
+    x[4] = 0
+    x = x.bfloat16()
+    y = ops.int4_linear(x, *w, 32, tiles)
+    assert torch.isfinite(y).all()
+    check_q8(y, x, *w, 32, f"{isa} edges")
+
+
+def test_tiles_of_another_width_are_passed_over(ops):
+    # Tiles are laid out for the ISA that made them (8 outputs wide for AVX2, 16 for VNNI); under
+    # another, int4_linear takes the float path, with no wrong result and no error.
+    if ops.best_cpu_isa() != "avx512_bf16":
+        pytest.skip("needs a CPU with both tile widths (AVX512-BF16)")
+    w = int4_weight(70, 320, 32, seed=5)
+    wide = tiles_of(ops, w, 32)
+    x = torch.randn(32, 320).bfloat16()
+    ops.set_cpu_isa("avx2")
+    try:
+        narrow = tiles_of(ops, w, 32)
+        assert narrow.shape[2] * 2 == wide.shape[2], (narrow.shape, wide.shape)
+        assert torch.equal(ops.int4_linear(x, *w, 32, wide), ops.int4_linear(x, *w, 32))
+    finally:
+        ops.set_cpu_isa("avx512_bf16")
+
+
+def test_tiles_that_are_not_the_weight_s_are_refused(ops):
+    if ops.best_cpu_isa() == "scalar":
+        pytest.skip("no tiles in portable C++")
+    w = int4_weight(70, 320, 32)
+    other = tiles_of(ops, int4_weight(70, 256, 32), 32)
+    with pytest.raises(RuntimeError, match="are not int4_tiles of a"):
+        ops.int4_linear(torch.randn(20, 320).bfloat16(), *w, 32, other)
+
+
+def test_the_one_call_layer_s_linear_takes_the_tiles(ops):
+    if ops.best_cpu_isa() == "scalar":
+        pytest.skip("no tiles in portable C++")
+    w = int4_weight(70, 320, 32, seed=6)
+    tiles = tiles_of(ops, w, 32)
+    linear = ops.Linear("int4", [*w, tiles], 32)
+    x = torch.randn(24, 320).bfloat16()
+    assert torch.equal(linear(x), ops.int4_linear(x, *w, 32, tiles))
+    with pytest.raises(RuntimeError, match="takes 3 weight tensors"):
+        ops.Linear("int4", [*w, tiles, tiles], 32)
+
+
+# --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
+
+SHIM = """
+#include "cpu_kernels.h"
+using namespace kernels;
+int planted_bug = -1;  // which bug of PLANTED is on: one build serves every test
+extern "C" {
+void set_bug(int b) { planted_bug = b; }
+int set_isa(int level) { try { cpu::set_isa(cpu::Isa(level)); return 0; } catch (...) { return 1; } }
+int width() { return cpu::q8_tile_width(); }
+void tiles(uint8_t* t, const uint8_t* p, const uint16_t* s, const uint16_t* m, int n_in, int n_out, int g, int w) {
+    cpu::int4_tiles(t, p, s, m, n_in, n_out, g, w); }
+void gemm(void* y, const void* x, const uint8_t* t, int rows, int n_in, int n_out, int w) {
+    cpu::int4_q8_gemm(y, x, t, rows, n_in, n_out, w, DType::bf16); }
+}
+"""
+# Each bug: (the correct text, the text with the bug, on while BUG), the call that shows it
+# ((n_out, n_in), row counts) and the tile widths whose code it lives in.
+PLANTED = {
+    "x's scale is max|x| / 128": (("dx[b] = m / 127.f;", "dx[b] = m / (BUG ? 128.f : 127.f);"), (16, 64), [16], (8, 16)),
+    "the tiles put a high nibble's inputs in the wrong order": (
+        ("code(8 * j + 4 + k) << 4", "code(8 * j + 4 + (BUG ? k ^ 1 : k)) << 4"), (16, 64), [16], (8, 16)),
+    "AVX2 leaves out the mins' term of a tile's last row": (
+        ("acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum[rb]), acc[r]);",
+         "if (!BUG || r + 1 < MR) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum[rb]), acc[r]);"),
+        (16, 64), [16], (8,)),
+    "VNNI multiplies the high nibbles by x's low half": (
+        ("_mm512_dpbusd_epi32(isum[r], w_hi, _mm512_set1_epi32(x_hi))",
+         "_mm512_dpbusd_epi32(isum[r], w_hi, _mm512_set1_epi32(BUG ? x_lo : x_hi))"), (16, 64), [16], (16,)),
+    "a tail tile of rows stores one row too few": (
+        ("store_outputs<F>(a, sums, r0, a.rows - r0, t * F);", "store_outputs<F>(a, sums, r0, a.rows - r0 - BUG, t * F);"),
+        (16, 64), [17, 19], (8, 16)),
+    "the outputs of a partial tile lose their last": (
+        ("const int no = std::min(F, a.n_out - o0);", "const int no = std::min(F, a.n_out - o0) - (BUG && a.n_out - o0 < F);"),
+        (70, 64), [16], (8, 16)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The CPU half built once with every bug above in its copy of int4_q8_gemm.cpp, each behind a
+    switch (set_bug), so that each bug is checked alone at every tile width."""
+    changes = [
+        (old, new.replace("BUG", f"(planted_bug == {i})")) for i, ((old, new), *_) in enumerate(PLANTED.values())
+    ]
+    also = ("gemm.cpp", "quant_linear.cpp", "isa.cpp")
+    return build_planted(tmp_path_factory.mktemp("planted_q8"), "int4_q8_gemm.cpp", changes, SHIM, also,
+                         prologue="extern int planted_bug;\n")  # fmt: skip
+
+
+def planted_call(lib, x, w, n_out):
+    packed, scale, min_ = w
+    width = lib.width()
+    n_in = x.shape[1]
+    tiles = torch.zeros((n_out + width - 1) // width, n_in // 32, 24 * width, dtype=torch.uint8)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    lib.tiles(ptr(tiles), ptr(packed), ptr(scale), ptr(min_), n_in, n_out, 32, width)
+    y = torch.full((x.shape[0], n_out), float("nan"), dtype=x.dtype)
+    lib.gemm(ptr(y), ptr(x), ptr(tiles), x.shape[0], n_in, n_out, width)
+    return y, width
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_a_planted_bug_fails_the_check(ops, planted, bug):
+    _, (n_out, n_in), rows, widths = PLANTED[bug]
+    level = ["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa())
+    if level == 0:
+        pytest.skip("this CPU has no AVX2: no integer product")
+    w = int4_weight(n_out, n_in, 32, seed=7)
+    caught, ran = set(), set()
+    for on in (True, False):  # the bug on; then off: the same calls pass
+        planted.set_bug(list(PLANTED).index(bug) if on else -1)
+        for isa in range(1, level + 1):
+            assert planted.set_isa(isa) == 0
+            for r in rows:
+                x = torch.randn(r, n_in).bfloat16()
+                y, width = planted_call(planted, x, w, n_out)
+                ran.add(width)
+                try:
+                    check_q8(y, x, *w, 32, bug)
+                except AssertionError:
+                    assert on, f"{bug}: the copy fails with the bug off, at tile width {width}"
+                    caught.add(width)
+    planted.set_bug(-1)
+    expected = ran & set(widths)
+    if not expected:
+        pytest.skip(f"{bug}: lives in tiles {widths} wide; this CPU runs {sorted(ran)}")
+    assert caught == expected, f"{bug}: caught at tile widths {sorted(caught)}, expected {sorted(expected)}"
