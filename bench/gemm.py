@@ -11,8 +11,11 @@ every thread (peak.cpp), then GFLOP/s (2 flops per multiply-add) of int4_linear,
 bf16_linear over SmolLM2's four layer matrices (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536) at each row count, with bfloat16 and float32 x, and of torch's F.linear on the same
 matrices as dense bf16 and float32 weights. With bf16 x on AVX512-BF16 the product runs vdpbf16ps,
-two multiply-adds per float32 lane: its ceiling is twice the float32 peak printed. Each figure is
-the median of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
+two multiply-adds per float32 lane: its ceiling is twice the float32 peak printed. "int4 int8-x":
+int4_linear with the weight's tiles, which quantizes bf16 x to int8 and multiplies in integers
+(int4_q8_gemm.cpp: vpmaddubsw, or VNNI; the engine's default for bf16 x, chapter 06's
+--int8-activations), its ceiling above the float32 peak too; bf16 x only. Each figure is the median
+of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
     xs = {name: torch.randn(rows, n_in, generator=g).to(dtype) for name, (_, n_in) in SHAPES.items()}
     calls = {
         "int4": lambda x, w: ext.int4_linear(x, *w["int4"], 32),
+        "int4 int8-x": lambda x, w: ext.int4_linear(x, *w["int4"], 32, w["int4 tiles"]),
         "int8": lambda x, w: ext.int8_linear(x, *w["int8"]),
         "bf16": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
         "torch bf16": lambda x, w: F.linear(x.bfloat16(), w["torch bf16"]),
@@ -84,6 +88,9 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
     flops = sum(2 * rows * n_out * n_in for n_out, n_in in SHAPES.values())
     out = {}
     for kind, call in calls.items():
+        if kind == "int4 int8-x" and dtype != torch.bfloat16:
+            out[kind] = None  # float32 x keeps the float product
+            continue
         seconds = timed(lambda: [call(xs[name], mats[name]) for name in SHAPES], repeats)  # noqa: B023
         out[kind] = flops / seconds / 1e9
     return out
@@ -115,6 +122,8 @@ def main() -> int:
     results = []
     for isa in levels:
         ext.set_cpu_isa(isa)
+        for name in SHAPES:  # laid out for this level's integer product (8 or 16 outputs wide)
+            mats[name]["int4 tiles"] = ext.int4_tiles(*mats[name]["int4"], 32)
         peak = fma_peak(ext, isa, args.threads)
         print(f"[gemm] {isa}: float32 FMA peak {peak:.0f} GFLOP/s, {args.threads} threads", file=sys.stderr, flush=True)
         for dtype in (torch.bfloat16, torch.float32):
@@ -124,11 +133,16 @@ def main() -> int:
                                 "gflops": figures, "gemm": ext.cpu_gemm()})  # fmt: skip
     ext.set_cpu_isa(best)
 
-    kinds = ["int4", "int8", "bf16", "torch bf16", "torch f32"]
+    kinds = ["int4", "int4 int8-x", "int8", "bf16", "torch bf16", "torch f32"]
     print(f"\nGFLOP/s on SmolLM2-135M's layer matrices, {args.threads} threads (percent of the float32 FMA peak)")
     print(f"{'isa':<12}{'peak':>6} {'x':<9}{'rows':>5}" + "".join(f"{k:>17}" for k in kinds))
+
+    def cell(r, k):
+        g = r["gflops"][k]
+        return f"{'-':>17}" if g is None else f"{g:>9.1f} ({100 * g / r['peak_gflops']:>3.0f}%)"
+
     for r in results:
-        cells = "".join(f"{r['gflops'][k]:>9.1f} ({100 * r['gflops'][k] / r['peak_gflops']:>3.0f}%)" for k in kinds)
+        cells = "".join(cell(r, k) for k in kinds)
         print(f"{r['isa']:<12}{r['peak_gflops']:>6.0f} {r['x']:<9}{r['rows']:>5}{cells}")
     record = {"threads": args.threads, "clock": args.clock, "shapes": SHAPES, "results": results, "machine": machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +162,7 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
     isas = list(dict.fromkeys(r["isa"] for r in results))
     fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
     for ax, isa in zip(axes[0], isas):
-        for kind, style in (("int4", "-o"), ("int8", "-s"), ("bf16", "-^"), ("torch bf16", ":x"), ("torch f32", ":+")):
+        for kind, style in (("int4", "-o"), ("int4 int8-x", "-D"), ("int8", "-s"), ("bf16", "-^"), ("torch bf16", ":x"), ("torch f32", ":+")):
             here = {r["rows"]: r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16"}
             ys = [here[n] for n in rows_list]
             ax.plot(rows_list, ys, style, label=kind)

@@ -4,6 +4,7 @@ and a decode step of 16 sequences against a step of one, for the newest chapter 
 
     python bench/prefill.py                                  # int4 / Q4_1, prompts of 128 and 2000 tokens
     python bench/prefill.py --quant none                     # bf16 weights / the BF16 GGUF
+    python bench/prefill.py --no-int8-activations            # int4 x bf16 in float products
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=~/llama-cpp-avx2 python bench/prefill.py
                                                              # an AVX2-only CPU, reproduced on a wider one
 
@@ -49,18 +50,27 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="int4 weights meet bf16 x of many rows as int8 (the engine's default; chapter 06's README)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
-    ch = load_chapter(args.chapter, "engine", "loading", "sampling", "request", "peers")
+    ch = load_chapter(args.chapter, "engine", "loading", "sampling", "request", "peers", "ops")
+    kernels = ch.ops.KernelFlags("on", False, args.int8_activations)
     spec = ch.loading.quant_spec(
         SimpleNamespace(
             quant=None if args.quant == "none" else args.quant, group_size=32, symmetric=False, lm_head="int8"
         )
     )
     blocks = max(lengths) // 16 + 8
-    engine, _ = ch.engine.build_engine(args.model, "cpu", "bfloat16", spec, num_blocks=blocks, prefix_caching=False)
+    engine, _ = ch.engine.build_engine(
+        args.model, "cpu", "bfloat16", spec, kernels=kernels, num_blocks=blocks, prefix_caching=False
+    )
     ours_desc = engine.model.ops.describe()
 
     def ours(ids) -> float:
@@ -72,7 +82,7 @@ def main() -> int:
     theirs = llama_cpp_prefill(ch, args, max(lengths), clock) if args.model == "smollm2-135m" else None
     rng = random.Random(0)
     result = {"chapter": args.chapter, "model": args.model, "quant": args.quant, "clock": args.clock}
-    result |= {"threads": args.threads, "ttft": {}}
+    result |= {"threads": args.threads, "int8_activations": args.int8_activations, "ttft": {}}
     for n in lengths:
         ids = [rng.randrange(100, engine.model.config.vocab_size) for _ in range(n)]
         ours(ids), theirs and theirs(ids)  # warm-up
@@ -88,7 +98,9 @@ def main() -> int:
 
     steps = {}
     for seqs in (1, 16):
-        e = decoding_engine(args.chapter, args.model, args.quant, "bfloat16", "on", 128, 40, 4, sequences=seqs)
+        e = decoding_engine(
+            args.chapter, args.model, args.quant, "bfloat16", "on", 128, 40, 4, seqs, args.int8_activations
+        )
         times = []
         for _ in range(24):
             start = clock()
@@ -109,7 +121,8 @@ def main() -> int:
     print(f"decode step: 1 sequence {steps[1]:.1f} ms, 16 sequences {steps[16]:.1f} ms ({steps[16] / steps[1]:.2f}x)")
     isa = result["machine"]["isa"]
     print(f"vector instructions: ours {isa['ours']}, llama.cpp {isa['llama.cpp']}")
-    out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}.json"
+    float_x = "" if args.int8_activations else "_float_x"
+    out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}{float_x}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")

@@ -14,9 +14,11 @@ from common.tools.warm_python import run_python
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_prefill_records_ttft_per_prompt_length_and_the_step_ratio(tmp_path):
+@pytest.mark.parametrize("int8_x", [True, False], ids=["int8-activations", "no-int8-activations"])
+def test_prefill_records_ttft_per_prompt_length_and_the_step_ratio(tmp_path, int8_x):
     out = tmp_path / "p.json"
     args = ["--chapter", "6", "--model", "tiny-llama3", "--prompt-tokens", "5,40", "--rounds", "2", "--out", str(out)]
+    args += [] if int8_x else ["--no-int8-activations"]
     r = run_python(["bench/prefill.py", *args], cwd=REPO)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
@@ -24,6 +26,9 @@ def test_prefill_records_ttft_per_prompt_length_and_the_step_ratio(tmp_path):
     assert all(ms > 0 for v in result["ttft"].values() for ms in v["ours_ms"])
     assert set(result["step_ms"]) == {"1", "16"} and result["machine"]["isa"]["ours"]
     assert "decode step: 1 sequence" in r.stdout and "vector instructions: ours" in r.stdout
+    assert result["int8_activations"] is int8_x
+    if result["machine"]["isa"]["ours"] != "scalar":  # the portable C++ has no integer product
+        assert ("int8 activations" in r.stdout) == int8_x
 
 
 def test_gemm_bench_reports_each_kind_against_the_peak(tmp_path):
@@ -37,5 +42,6 @@ def test_gemm_bench_reports_each_kind_against_the_peak(tmp_path):
     assert [row["x"] for row in rows] == ["bfloat16", "float32"]
     for row in rows:
         assert row["isa"] == "avx2" and row["gemm"] == "avx2-fma" and row["peak_gflops"] > 0
-        assert set(row["gflops"]) == {"int4", "int8", "bf16", "torch bf16", "torch f32"}
+        assert set(row["gflops"]) == {"int4", "int4 int8-x", "int8", "bf16", "torch bf16", "torch f32"}
+        assert (row["gflops"]["int4 int8-x"] is None) == (row["x"] == "float32")
     assert out.with_suffix(".png").exists()

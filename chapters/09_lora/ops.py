@@ -33,6 +33,7 @@ they call.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -171,12 +172,17 @@ class KernelOps:
     PARTITION_KEYS = 256
     MAX_BLOCK_SIZE = 4096
 
-    def __init__(self, ext, device: torch.device = torch.device("cpu"), batch_invariant: bool = False):
+    def __init__(
+        self, ext, device: torch.device = torch.device("cpu"), batch_invariant: bool = False, int8_x: bool = True
+    ):
         """batch_invariant: every row of every step computed as it would be alone (--batch-invariant):
         the linear kernels in one form for any number of rows (a switch of the library, process-wide
         like torch.use_deterministic_algorithms), at any number of rows (no dense GEMM for big steps),
-        and prompt chunks' attention through the decode kernel, one query at a time."""
+        and prompt chunks' attention through the decode kernel, one query at a time. int8_x: int4
+        weights meet bf16 x of many rows as int8, on a CPU (--int8-activations, KernelInt4Linear)."""
         self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
+        self.int8_x = int8_x and self.device.type == "cpu"
+        self.tile_bytes = 0  # of the int4 weights' tiles built so far (describe() says it)
         self._chunk_note_given = False
         if self.device.type == "cpu":
             ext.set_batch_invariant(batch_invariant)
@@ -289,8 +295,11 @@ class KernelOps:
         (and an unknown path's error) as qmatmul.prepare."""
         if path not in ("fast", "auto"):
             return prepare(w, device, dtype, path)
-        kind = KernelInt8Linear if isinstance(w, Int8Weight) else KernelInt4Linear
-        kernel = kind(w, self._ext, device)
+        if isinstance(w, Int8Weight):
+            kernel = KernelInt8Linear(w, self._ext, device)
+        else:
+            kernel = KernelInt4Linear(w, self._ext, device, tiles=self.int8_x and dtype == torch.bfloat16)
+            self.tile_bytes += kernel.tile_bytes
         if path == "fast" or self.device.type == "cpu":
             return kernel
         return PerStepLinear(kernel, w.dequantize(dtype).to(device), KERNEL_MAX_ROWS[type(w)])
@@ -355,6 +364,9 @@ class KernelOps:
         where = self.device.type
         if where == "cpu":
             where = f"cpu, {self._ext.cpu_isa()}; gemm: {self._ext.cpu_gemm()}"
+            if self.int8_x and self._ext.cpu_int8_product() != "none":
+                where += f"; int4 x int8 activations: {self._ext.cpu_int8_product()}"
+                where += f", {self.tile_bytes / 1e6:.0f} MB of tiles" if self.tile_bytes else ""
         return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
 
 
@@ -368,20 +380,31 @@ KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
 
 
 class KernelInt4Linear:
-    """kernels/' int4 matmul; of the library `lib` it keeps int4_linear."""
+    """kernels/' int4 matmul; of the library `lib` it keeps int4_linear. With `tiles` (KernelOps: bf16
+    activations on a CPU), the weight also laid out as the library's tiles (lib.int4_tiles): a call of
+    many rows then quantizes x to int8 per block of 32 and multiplies in integers
+    (csrc/cpu/int4_q8_gemm.cpp), llama.cpp's Q4_1 x Q8 product. Their price: 0.75 bytes a weight
+    beside the 0.625 of codes and scales, and x's rounding (the README measures both)."""
 
-    def __init__(self, w: Int4Weight, lib, device: torch.device):
+    def __init__(self, w: Int4Weight, lib, device: torch.device, tiles: bool = False):
         self.matmul, self.group_size = lib.int4_linear, w.group_size
         self.packed = aligned(w.packed.to(device).contiguous())  # uint8 [out, in / 2]
         self.scale, self.min = w.scale.to(device).contiguous(), w.min.to(device).contiguous()  # float16 [out, in / G]
+        self.tiles = None  # uint8 [out / width, in / 32, 24 * width], width 8 (AVX2) or 16 (AVX512 VNNI)
+        if tiles and device.type == "cpu":
+            tiles = lib.int4_tiles(self.packed, self.scale, self.min, self.group_size)
+            self.tiles = tiles if tiles.numel() else None  # empty: no integer path on this CPU
+        self.tile_bytes = self.tiles.numel() if self.tiles is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.scale, self.min, self.group_size)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = self.matmul(x2, self.packed, self.scale, self.min, self.group_size, self.tiles)
         return y.view(*x.shape[:-1], -1)
 
     def library_form(self) -> tuple[str, list[torch.Tensor], int]:
         """(kind, weight tensors, group size) as the library's Linear takes them (KernelOps.build_one_call_layer)."""
-        return "int4", [self.packed, self.scale, self.min], self.group_size
+        tiles = [self.tiles] if self.tiles is not None else []
+        return "int4", [self.packed, self.scale, self.min, *tiles], self.group_size
 
 
 class KernelInt8Linear:
@@ -414,11 +437,14 @@ class KernelBf16Linear:
         return "bf16", [self.weight], 0
 
 
-def resolve(choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False) -> Ops:
+def resolve(
+    choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False, int8_x: bool = True
+) -> Ops:
     """choice: "on" (the kernels, an error where they cannot run), "off" (PyTorch), or "auto"
     (the kernels where they run on this device, else PyTorch, which then says why). head_dim: the
     model's, when known: the decode kernel is built for a few sizes (kernels.head_dims()).
-    batch_invariant: the kernels in their batch-invariant form (KernelOps), an error where they cannot."""
+    batch_invariant: the kernels in their batch-invariant form (KernelOps), an error where they cannot.
+    int8_x: KernelOps' (--int8-activations)."""
     if choice not in ("auto", "on", "off"):
         raise UserError(f"kernels must be 'auto', 'on' or 'off', got {choice!r}")
     if batch_invariant and (choice == "off" or device.type != "cpu"):
@@ -444,7 +470,7 @@ def resolve(choice: str, device: torch.device, head_dim: int | None = None, batc
         except kernels.KernelBuildError as e:
             why = str(e)
         if why is None:
-            return KernelOps(ext, device, batch_invariant)
+            return KernelOps(ext, device, batch_invariant, int8_x)
     if choice == "on" or batch_invariant:
         raise UserError(f"--kernels {choice}{' --batch-invariant' if batch_invariant else ''}: {why}")
     return TorchOps(why)
@@ -460,11 +486,12 @@ class KernelFlags:
 
     choice: str = "auto"  # --kernels
     batch_invariant: bool = False  # --batch-invariant
+    int8_x: bool = True  # --int8-activations / --no-int8-activations
 
     def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
         """The operations for `device` (and a model's head size); where "auto" falls back to
         PyTorch, a note says why."""
-        ops = resolve(self.choice, device, head_dim, self.batch_invariant)
+        ops = resolve(self.choice, device, head_dim, self.batch_invariant, self.int8_x)
         if self.choice == "auto" and isinstance(ops, TorchOps):
             print(f"note: kernels off ({ops.why_off}): chapter 05's PyTorch path runs", file=sys.stderr)
         return ops
@@ -485,7 +512,15 @@ def add_arguments(ap) -> None:
         help="a request's tokens at temperature 0 independent of what else runs (the batch, prefix-cache "
         "hits, n): every row through the same kernel in the same order; slower (see the README); CPU, kernels on",
     )
+    k.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a CPU, int4 weights meet bf16 activations of prompt chunks and batched steps as int8 per block "
+        "of 32, multiplied in integers as llama.cpp does: about 2x faster, a little less exact (see the README); "
+        "--no-int8-activations keeps float products",
+    )
 
 
 def from_args(args) -> KernelFlags:
-    return KernelFlags(args.kernels, args.batch_invariant)
+    return KernelFlags(args.kernels, args.batch_invariant, args.int8_activations)
