@@ -4,7 +4,7 @@ temperature 0 is reproducible, quoted in chapters 05 and 06's READMEs).
 
     python bench/reproducibility.py --chapter 6 [--dtype bfloat16|float32] [--quant int4|int8|none]
                                     [--requests 16] [--max-tokens 48] [--kv-cache-memory-gb 1]
-                                    [--batch-invariant] [--out results.json]
+                                    [--batch-invariant] [--no-int8-activations] [--out results.json]
 
 1. batch: the requests all at once (one running batch) against each one alone.
 2. n=2: each request asking for two greedy choices: are the two equal?
@@ -59,6 +59,12 @@ def main() -> int:
     # The engine's default pool is a quarter of free memory: gigabytes to zero for a few requests.
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="each engine's KV pool")
     ap.add_argument("--batch-invariant", action="store_true", help="chapter 06 on: the engine's --batch-invariant")
+    ap.add_argument(
+        "--no-int8-activations",
+        dest="int8_activations",
+        action="store_false",
+        help="chapter 06 on: int4 x bf16 in float products (the engine's --no-int8-activations)",
+    )
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()
     if args.chapter < 5:
@@ -70,7 +76,7 @@ def main() -> int:
     spec = {"int4": ch.quant.QuantSpec(4, 32), "int8": ch.quant.QuantSpec(8), "none": None}[args.quant]
     pool = {"kv_cache_bytes": int(args.kv_cache_memory_gb * 2**30)}
     if args.chapter >= 6:
-        pool["kernels"] = ch.ops.KernelFlags("auto", args.batch_invariant)
+        pool["kernels"] = ch.ops.KernelFlags("auto", args.batch_invariant, args.int8_activations)
     t0 = time.perf_counter()
     # 1 and 2 without the prefix cache, so that a cached prompt cannot change what they count
     engine, name = ch.engine.build_engine(args.model, "cpu", args.dtype, spec, prefix_caching=False, **pool)
@@ -101,6 +107,7 @@ def main() -> int:
         "n2_choices_equal": sum(c[0] == c[1] for c in pairs),
         "cached_prefix_equals_first_run": sum(a == b for a, b in zip(again, first)),
         "batch_invariant": args.batch_invariant,
+        "int8_activations": args.int8_activations and args.chapter >= 6,
         # what the mode costs: output tokens / second with all requests at once, and one at a time
         "tok_s_all_at_once": round(n_tokens / (t2 - t1), 1),
         "tok_s_one_at_a_time": round(n_tokens / (t3 - t2), 1),

@@ -330,9 +330,9 @@ class KernelOps:
         where = self.device.type
         if where == "cpu":
             where = f"cpu, {self._ext.cpu_isa()}; gemm: {self._ext.cpu_gemm()}"
-            if self.int8_x and self._ext.cpu_int8_product() != "none":
-                where += f"; int4 x int8 activations: {self._ext.cpu_int8_product()}"
-                where += f", {self.tile_bytes / 1e6:.0f} MB of tiles" if self.tile_bytes else ""
+            if self.tile_bytes:  # int4 weights with bf16 activations, --int8-activations
+                product = self._ext.cpu_int8_product()
+                where += f"; int4 x int8 activations: {product}, {self.tile_bytes / 1e6:.0f} MB of tiles"
         return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
 
 

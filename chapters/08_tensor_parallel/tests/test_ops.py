@@ -86,13 +86,15 @@ def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
     assert ops_module.from_args(ap.parse_args([])).int8_x
     assert not ops_module.from_args(ap.parse_args(["--no-int8-activations"])).int8_x
     w = make("int4", 40, 256)
-    on = resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "auto")
-    off = resolve("on", CPU, int8_x=False).quant_linear(w, CPU, torch.bfloat16, "auto")
-    f32 = resolve("on", CPU).quant_linear(w, CPU, torch.float32, "auto")
+    ops_on, ops_off, ops_f32 = resolve("on", CPU), resolve("on", CPU, int8_x=False), resolve("on", CPU)
+    on = ops_on.quant_linear(w, CPU, torch.bfloat16, "auto")
+    off = ops_off.quant_linear(w, CPU, torch.bfloat16, "auto")
+    f32 = ops_f32.quant_linear(w, CPU, torch.float32, "auto")
     assert off.tiles is None and f32.tiles is None
     assert (on.tiles is not None) == (cpu_isa != "scalar"), cpu_isa
-    assert ("int8 activations" in resolve("on", CPU).describe()) == (cpu_isa != "scalar")
-    assert "int8" not in resolve("on", CPU, int8_x=False).describe()
+    # the startup line names the product and the tiles' memory where there are tiles
+    assert ("int8 activations" in ops_on.describe()) == (cpu_isa != "scalar"), ops_on.describe()
+    assert "int8" not in ops_off.describe() and "int8" not in ops_f32.describe()
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     if on.tiles is not None:
         assert not torch.equal(on(x), off(x))  # x rounded to int8 is another product ...
