@@ -146,13 +146,16 @@ PLANTED = {
     "x's scale is max|x| / 128": (("dx[b] = m / 127.f;", "dx[b] = m / (BUG ? 128.f : 127.f);"), (16, 64), [16], (8, 16)),
     "the tiles put a high nibble's inputs in the wrong order": (
         ("code(8 * j + 4 + k) << 4", "code(8 * j + 4 + (BUG ? k ^ 1 : k)) << 4"), (16, 64), [16], (8, 16)),
-    "AVX2 leaves out the mins' term of a tile's last row": (
-        ("acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum[rb]), acc[r]);",
-         "if (!BUG || r + 1 < MR) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum[rb]), acc[r]);"),
-        (16, 64), [16], (8,)),
-    "VNNI multiplies the high nibbles by x's low half": (
-        ("_mm512_dpbusd_epi32(isum[r], w_hi, _mm512_set1_epi32(x_hi))",
-         "_mm512_dpbusd_epi32(isum[r], w_hi, _mm512_set1_epi32(BUG ? x_lo : x_hi))"), (16, 64), [16], (16,)),
+    "the mins' term is left out of a tile's last row": (
+        ("acc[r] = S::fma(min, S::set1(a.xsum[rb]), acc[r]);",
+         "if (!BUG || r + 1 < MR) acc[r] = S::fma(min, S::set1(a.xsum[rb]), acc[r]);"),
+        (16, 64), [16], (8, 16)),
+    "AVX2 counts one of each pair of 16-bit sums": (
+        ("_mm256_madd_epi16(sum, _mm256_set1_epi16(1))",
+         "_mm256_madd_epi16(sum, BUG ? _mm256_set1_epi32(1) : _mm256_set1_epi16(1))"), (16, 64), [16], (8,)),
+    "VNNI drops the fourth of every four inputs of x": (
+        ("_mm512_dpbusd_epi32(sum, codes, _mm512_set1_epi32(x))",
+         "_mm512_dpbusd_epi32(sum, codes, _mm512_set1_epi32(BUG ? x & 0xFFFFFF : x))"), (16, 64), [16], (16,)),
     "a tail tile of rows stores one row too few": (
         ("store_outputs<F>(a, sums, r0, a.rows - r0, t * F);", "store_outputs<F>(a, sums, r0, a.rows - r0 - BUG, t * F);"),
         (16, 64), [17, 19], (8, 16)),

@@ -72,73 +72,82 @@ void store_outputs(const Q8Args& a, const float* sums, int r0, int mr, int o0) {
 
 #ifdef KERNELS_X86
 
-// MR rows of x against one tile row (F = 8 outputs, every block): sums[r * 8 + f].
-template <int MR>
-KERNELS_AVX2 __attribute__((noinline)) void tile_avx2(const Q8Args& a, const uint8_t* tile, int r0, float* sums) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < a.blocks; ++b, tile += 24 * 8) {
-        __m256i isum[MR];
-        for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
-            const __m256i w_lo = _mm256_and_si256(packed, low4);
-            const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+// The integer dot products of one ISA, for the tile below: F outputs a vector; dot() adds the
+// products of 4 consecutive inputs of each output, codes (unsigned) times x (signed, 4 bytes
+// broadcast), into its block sums; block_sums() turns them into F floats.
+struct Avx2Dot {  // vpmaddubsw into 16-bit sums (a block's at most 8 x 3810), then vpmaddwd
+    static constexpr int F = 8;
+    using I = __m256i;
+    using V = __m256;
+    KERNELS_AVX2 static I zero() { return _mm256_setzero_si256(); }
+    KERNELS_AVX2 static void codes(const uint8_t* p, I& lo, I& hi) {
+        const I packed = _mm256_loadu_si256(reinterpret_cast<const I*>(p)), low4 = _mm256_set1_epi8(0x0F);
+        lo = _mm256_and_si256(packed, low4);
+        hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    }
+    KERNELS_AVX2 static I dot(I sum, I codes, int32_t x) {
+        return _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(x)));
+    }
+    KERNELS_AVX2 static V block_sums(I sum) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1))); }
+};
+
+struct VnniDot {  // vpdpbusd adds into 32-bit sums itself
+    static constexpr int F = 16;
+    using I = __m512i;
+    using V = __m512;
+    KERNELS_AVX512_VNNI static I zero() { return _mm512_setzero_si512(); }
+    KERNELS_AVX512_VNNI static void codes(const uint8_t* p, I& lo, I& hi) {
+        const I packed = _mm512_loadu_si512(p), low4 = _mm512_set1_epi8(0x0F);
+        lo = _mm512_and_si512(packed, low4);
+        hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+    KERNELS_AVX512_VNNI static I dot(I sum, I codes, int32_t x) {
+        return _mm512_dpbusd_epi32(sum, codes, _mm512_set1_epi32(x));
+    }
+    KERNELS_AVX512_VNNI static V block_sums(I sum) { return _mm512_cvtepi32_ps(sum); }
+};
+
+// MR rows of x against one tile row (D::F outputs, every block): sums[r * F + f]. S: the float
+// vectors of the same width (vec.h).
+template <class D, class S, int MR>
+KERNELS_INLINE void q8_tile(const Q8Args& a, const uint8_t* tile, int r0, float* sums) {
+    constexpr int F = D::F;
+    typename S::V acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = S::zero();
+    for (int b = 0; b < a.blocks; ++b, tile += 24 * F) {
+        typename D::I isum[MR];
+        for (int r = 0; r < MR; ++r) isum[r] = D::zero();
+        for (int j = 0; j < 4; ++j) {  // inputs 8j .. 8j + 3 (low nibbles) and 8j + 4 .. 8j + 7 (high)
+            typename D::I w_lo, w_hi;
+            D::codes(tile + 4 * F * j, w_lo, w_hi);
             for (int r = 0; r < MR; ++r) {
                 const int8_t* x = a.xq + int64_t(r0 + r) * a.n_in + b * kBlock + 8 * j;
                 int32_t x_lo, x_hi;
                 std::memcpy(&x_lo, x, 4);
                 std::memcpy(&x_hi, x + 4, 4);
-                isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(w_lo, _mm256_set1_epi32(x_lo)));
-                isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(w_hi, _mm256_set1_epi32(x_hi)));
+                isum[r] = D::dot(D::dot(isum[r], w_lo, x_lo), w_hi, x_hi);
             }
         }
-        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(tile + 16 * 8));
-        const __m256 min = _mm256_loadu_ps(reinterpret_cast<const float*>(tile + 20 * 8));
+        const typename S::V scale = S::load(reinterpret_cast<const float*>(tile + 16 * F));
+        const typename S::V min = S::load(reinterpret_cast<const float*>(tile + 20 * F));
         for (int r = 0; r < MR; ++r) {
             const int64_t rb = int64_t(r0 + r) * a.blocks + b;
-            const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
-            acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(scale, _mm256_set1_ps(a.dx[rb])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.xsum[rb]), acc[r]);
+            acc[r] = S::fma(D::block_sums(isum[r]), S::mul(scale, S::set1(a.dx[rb])), acc[r]);
+            acc[r] = S::fma(min, S::set1(a.xsum[rb]), acc[r]);
         }
     }
-    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(sums + r * 8, acc[r]);
+    for (int r = 0; r < MR; ++r) S::store(sums + r * F, acc[r]);
 }
 
-// The same with F = 16 outputs and VNNI's vpdpbusd, which adds into 32-bit sums itself.
 template <int MR>
-KERNELS_AVX512_VNNI __attribute__((noinline)) void tile_vnni(const Q8Args& a, const uint8_t* tile, int r0,
-                                                             float* sums) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int b = 0; b < a.blocks; ++b, tile += 24 * 16) {
-        __m512i isum[MR];
-        for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 4; ++j) {
-            const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
-            const __m512i w_lo = _mm512_and_si512(packed, low4);
-            const __m512i w_hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-            for (int r = 0; r < MR; ++r) {
-                const int8_t* x = a.xq + int64_t(r0 + r) * a.n_in + b * kBlock + 8 * j;
-                int32_t x_lo, x_hi;
-                std::memcpy(&x_lo, x, 4);
-                std::memcpy(&x_hi, x + 4, 4);
-                isum[r] = _mm512_dpbusd_epi32(isum[r], w_lo, _mm512_set1_epi32(x_lo));
-                isum[r] = _mm512_dpbusd_epi32(isum[r], w_hi, _mm512_set1_epi32(x_hi));
-            }
-        }
-        const __m512 scale = _mm512_loadu_ps(tile + 16 * 16);
-        const __m512 min = _mm512_loadu_ps(tile + 20 * 16);
-        for (int r = 0; r < MR; ++r) {
-            const int64_t rb = int64_t(r0 + r) * a.blocks + b;
-            const __m512 dots = _mm512_cvtepi32_ps(isum[r]);
-            acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[rb])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.xsum[rb]), acc[r]);
-        }
-    }
-    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums + r * 16, acc[r]);
+KERNELS_AVX2 __attribute__((flatten, noinline)) void tile_avx2(const Q8Args& a, const uint8_t* t, int r0, float* s) {
+    q8_tile<Avx2Dot, Avx2, MR>(a, t, r0, s);
+}
+
+template <int MR>
+KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Q8Args& a, const uint8_t* t, int r0,
+                                                                      float* s) {
+    q8_tile<VnniDot, Avx512, MR>(a, t, r0, s);
 }
 
 using TileFn = void (*)(const Q8Args&, const uint8_t*, int, float*);
