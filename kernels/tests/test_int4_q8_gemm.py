@@ -34,6 +34,14 @@ def tiles_of(ops, w, group_size):
     return tiles
 
 
+def weight_and_tiles(ops, isa, seed):
+    """A [70, 320] int4 weight (G=32) and its tiles at this ISA; skips in portable C++ (no tiles)."""
+    if isa == "scalar":
+        pytest.skip("no tiles in portable C++")
+    w = int4_weight(70, 320, 32, seed=seed)
+    return w, tiles_of(ops, w, 32)
+
+
 def test_every_row_count_on_every_cpu_path(ops, isa):
     if isa == "scalar":
         assert ops.int4_tiles(*int4_weight(16, 64, 32), 32).numel() == 0  # no integer path in portable C++
@@ -53,10 +61,7 @@ def test_every_row_count_on_every_cpu_path(ops, isa):
 
 
 def test_float32_x_and_batch_invariant_mode_leave_the_tiles_alone(ops, isa):
-    if isa == "scalar":
-        pytest.skip("no tiles in portable C++")
-    w = int4_weight(70, 320, 32, seed=3)
-    tiles = tiles_of(ops, w, 32)
+    w, tiles = weight_and_tiles(ops, isa, seed=3)
     x = torch.randn(40, 320)
     assert torch.equal(ops.int4_linear(x, *w, 32, tiles), ops.int4_linear(x, *w, 32))
     ops.set_batch_invariant(True)
@@ -70,10 +75,7 @@ def test_float32_x_and_batch_invariant_mode_leave_the_tiles_alone(ops, isa):
 def test_zero_blocks_outliers_and_extremes(ops, isa):
     # A block of zeros (scale 0: no division by it), one value far above its block (the others round
     # to few levels, as the reference's), values at +-max|x| (xq = +-127) and ties of rounding.
-    if isa == "scalar":
-        pytest.skip("no tiles in portable C++")
-    w = int4_weight(70, 320, 32, seed=4)
-    tiles = tiles_of(ops, w, 32)
+    w, tiles = weight_and_tiles(ops, isa, seed=4)
     x = torch.randn(20, 320)
     x[0, :32] = 0
     x[1, 40] = 1e4
