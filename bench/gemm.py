@@ -13,8 +13,8 @@ bf16_linear over SmolLM2's four layer matrices (qkv 960x576, o 576x576, gate_up 
 matrices as dense bf16 and float32 weights. With bf16 x on AVX512-BF16 the product runs vdpbf16ps,
 two multiply-adds per float32 lane: its ceiling is twice the float32 peak printed. "int4 int8-x":
 int4_linear with the weight's tiles, which quantizes bf16 x to int8 and multiplies in integers
-(int4_q8_gemm.cpp: vpmaddubsw, or VNNI; the engine's default for bf16 x, chapter 06's
---int8-activations), its ceiling above the float32 peak too; bf16 x only. Each figure is the median
+(int4_q8_gemm.cpp: vpmaddubsw, or VNNI; what chapter 06's --int8-activations runs), its ceiling
+above the float32 peak too; bf16 x only. Each figure is the median
 of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
 """
 
@@ -162,7 +162,8 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
     isas = list(dict.fromkeys(r["isa"] for r in results))
     fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
     for ax, isa in zip(axes[0], isas):
-        for kind, style in (("int4", "-o"), ("int4 int8-x", "-D"), ("int8", "-s"), ("bf16", "-^"), ("torch bf16", ":x"), ("torch f32", ":+")):
+        styles = {"int4": "-o", "int4 int8-x": "-D", "int8": "-s", "bf16": "-^", "torch bf16": ":x", "torch f32": ":+"}
+        for kind, style in styles.items():
             here = {r["rows"]: r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16"}
             ys = [here[n] for n in rows_list]
             ax.plot(rows_list, ys, style, label=kind)

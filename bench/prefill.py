@@ -4,7 +4,7 @@ and a decode step of 16 sequences against a step of one, for the newest chapter 
 
     python bench/prefill.py                                  # int4 / Q4_1, prompts of 128 and 2000 tokens
     python bench/prefill.py --quant none                     # bf16 weights / the BF16 GGUF
-    python bench/prefill.py --no-int8-activations            # int4 x bf16 in float products
+    python bench/prefill.py --int8-activations               # int4 x bf16 as int8, in integers
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=~/llama-cpp-avx2 python bench/prefill.py
                                                              # an AVX2-only CPU, reproduced on a wider one
 
@@ -52,9 +52,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="int4 weights meet bf16 x of many rows as int8 (the engine's default; chapter 06's README)",
+        action="store_true",
+        help="int4 weights meet bf16 x of many rows as int8 (the engine's --int8-activations; chapter 06's README)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -121,8 +120,8 @@ def main() -> int:
     print(f"decode step: 1 sequence {steps[1]:.1f} ms, 16 sequences {steps[16]:.1f} ms ({steps[16] / steps[1]:.2f}x)")
     isa = result["machine"]["isa"]
     print(f"vector instructions: ours {isa['ours']}, llama.cpp {isa['llama.cpp']}")
-    float_x = "" if args.int8_activations else "_float_x"
-    out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}{float_x}.json"
+    int8_x = "_int8_x" if args.int8_activations else ""
+    out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}{int8_x}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")

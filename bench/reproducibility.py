@@ -4,7 +4,7 @@ temperature 0 is reproducible, quoted in chapters 05 and 06's READMEs).
 
     python bench/reproducibility.py --chapter 6 [--dtype bfloat16|float32] [--quant int4|int8|none]
                                     [--requests 16] [--max-tokens 48] [--kv-cache-memory-gb 1]
-                                    [--batch-invariant] [--no-int8-activations] [--out results.json]
+                                    [--batch-invariant] [--int8-activations] [--out results.json]
 
 1. batch: the requests all at once (one running batch) against each one alone.
 2. n=2: each request asking for two greedy choices: are the two equal?
@@ -60,10 +60,9 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="each engine's KV pool")
     ap.add_argument("--batch-invariant", action="store_true", help="chapter 06 on: the engine's --batch-invariant")
     ap.add_argument(
-        "--no-int8-activations",
-        dest="int8_activations",
-        action="store_false",
-        help="chapter 06 on: int4 x bf16 in float products (the engine's --no-int8-activations)",
+        "--int8-activations",
+        action="store_true",
+        help="chapter 06 on: int4 x bf16 of many rows as int8 (the engine's --int8-activations)",
     )
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()

@@ -64,8 +64,10 @@ def make_requests(n: int, low: int, high: int, vocab: int, seed: int) -> list[tu
 
 
 def run_ours(chapter: int, args, requests) -> dict:
-    ch = load_chapter(chapter, "engine", "loading", "sampling")
+    ch = load_chapter(chapter, "engine", "loading", "sampling", *(["ops"] if args.int8_activations else []))
     spec = ch.loading.quant_spec(SimpleNamespace(quant=args.quant, group_size=32, symmetric=False, lm_head="int8"))
+    # chapter 06 on: --int8-activations (ops.py's flags, of this same load)
+    flags = {"kernels": ch.ops.KernelFlags("auto", False, True)} if args.int8_activations else {}
     engine, _ = ch.engine.build_engine(
         args.model,
         args.device,
@@ -75,6 +77,7 @@ def run_ours(chapter: int, args, requests) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=False,  # random prompts share nothing; no hit would be real
+        **flags,
     )
     greedy = ch.sampling.SamplingParams(temperature=0)
 
@@ -94,7 +97,9 @@ def run_ours(chapter: int, args, requests) -> dict:
     if args.device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "ids": [ids.get(f"r{i}", []) for i in range(len(requests))]}
+    # chapter 06 on: the kernels' line (their path, and int8 activations where on); chapter 05 has none
+    ops = engine.model.ops.describe() if hasattr(engine.model, "ops") else "torch"
+    return {"wall_s": wall, "ids": [ids.get(f"r{i}", []) for i in range(len(requests))], "ops": ops}
 
 
 def run_llama_cpp(args, requests) -> dict:
@@ -242,6 +247,9 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="our engines' batch, and llama.cpp's slots")
+    ap.add_argument(
+        "--int8-activations", action="store_true", help="chapters 06 on: the engine's --int8-activations (int4, CPU)"
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     ap.add_argument("--hf-batch", type=int, default=16, help="requests per static batch of HF generate")
@@ -285,6 +293,7 @@ def main() -> int:
         },
         "model": args.model, "weights": weights, "dtype": args.dtype, "device": args.device,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "int8_activations": args.int8_activations,
         "runs": {k: {f: v for f, v in r.items() if f != "ids"} for k, r in runs.items()},
         "skipped": skipped,
         "machine": machine(),

@@ -42,3 +42,17 @@ def test_bad_lengths_and_engines_are_usage_errors():
     # chapter 04's engine does not batch; there is no chapter 99; an older batching one is fine
     r = run_python(["bench/workload.py", "--engines", "ch06,ch04,ch99,hf"], cwd=REPO, timeout=120)
     assert r.returncode == 2 and "unknown engines ['ch04', 'ch99']" in r.stderr
+
+
+def test_int8_activations_reach_the_chapter_engine_and_the_record(tmp_path):
+    # --int8-activations builds the newest chapter's engine with the flag (int4 weights, bf16); the
+    # record says so, and the requests are served to their length as without it
+    out = tmp_path / "w.json"
+    args = ["--model", "tiny-llama3", "--engines", NEWEST, "--requests", "3", "--min-len", "3", "--max-len", "20"]
+    r = run_python(["bench/workload.py", *args, "--int8-activations", "--out", str(out)], cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["int8_activations"] is True and result["runs"][NEWEST]["tok_s"] > 0
+    assert result["runs"][NEWEST]["output_tokens"] == result["workload"]["output_tokens"]
+    if "avx" in result["runs"][NEWEST]["ops"]:  # a CPU with an integer product: the engine names it
+        assert "int4 x int8 activations" in result["runs"][NEWEST]["ops"], result["runs"][NEWEST]["ops"]

@@ -33,7 +33,6 @@ they call.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -162,7 +161,7 @@ class KernelOps:
     MAX_BLOCK_SIZE = 4096
 
     def __init__(
-        self, ext, device: torch.device = torch.device("cpu"), batch_invariant: bool = False, int8_x: bool = True
+        self, ext, device: torch.device = torch.device("cpu"), batch_invariant: bool = False, int8_x: bool = False
     ):
         """batch_invariant: every row of every step computed as it would be alone (--batch-invariant):
         the linear kernels in one form for any number of rows (a switch of the library, process-wide
@@ -170,7 +169,7 @@ class KernelOps:
         and prompt chunks' attention through the decode kernel, one query at a time. int8_x: int4
         weights meet bf16 x of many rows as int8, on a CPU (--int8-activations, KernelInt4Linear)."""
         self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
-        self.int8_x = int8_x and self.device.type == "cpu"
+        self.int8_x = int8_x and self.device.type == "cpu" and not batch_invariant  # invariant: matvec only
         self.tile_bytes = 0  # of the int4 weights' tiles built so far (describe() says it)
         self._chunk_note_given = False
         if self.device.type == "cpu":
@@ -404,7 +403,7 @@ class KernelBf16Linear:
 
 
 def resolve(
-    choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False, int8_x: bool = True
+    choice: str, device: torch.device, head_dim: int | None = None, batch_invariant: bool = False, int8_x: bool = False
 ) -> Ops:
     """choice: "on" (the kernels, an error where they cannot run), "off" (PyTorch), or "auto"
     (the kernels where they run on this device, else PyTorch, which then says why). head_dim: the
@@ -452,7 +451,7 @@ class KernelFlags:
 
     choice: str = "auto"  # --kernels
     batch_invariant: bool = False  # --batch-invariant
-    int8_x: bool = True  # --int8-activations / --no-int8-activations
+    int8_x: bool = False  # --int8-activations
 
     def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
         """The operations for `device` (and a model's head size); where "auto" falls back to
@@ -480,11 +479,10 @@ def add_arguments(ap) -> None:
     )
     k.add_argument(
         "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        action="store_true",
         help="on a CPU, int4 weights meet bf16 activations of prompt chunks and batched steps as int8 per block "
-        "of 32, multiplied in integers as llama.cpp does: about 2x faster, a little less exact (see the README); "
-        "--no-int8-activations keeps float products",
+        "of 32, multiplied in integers as llama.cpp does: 1.5-3x faster prompts, a little less exact, and a "
+        "token's rounding then depends on how many rows share its call (see chapter 06's README)",
     )
 
 

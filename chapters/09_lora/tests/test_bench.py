@@ -13,8 +13,7 @@ REACHES = ["bench.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
 CHAPTER = Path(__file__).resolve().parents[1]
 # two of the four tasks: the one prompt lookup helps, and a chat
-# 12 tokens: the code edit's answer opens with a line of its own (```python, a comment) before it copies
-SMALL = ["--tasks", "code edit,chat: cooking", "--ks", "1,3", "--max-tokens", "12"]
+SMALL = ["--tasks", "code edit,chat: cooking", "--ks", "1,3", "--max-tokens", "6"]
 SMALL += ["--batches", "2", "--batch-tokens", "4", "--repeats", "1"]
 
 
@@ -34,7 +33,7 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
         assert set(rows) == {"off", "ngram k=1", "ngram k=3"}
         assert rows["off"]["acceptance"] is None and rows["off"]["same_tokens_as_plain"]
         for r in rows.values():
-            assert 1 <= r["tokens"] <= 12 and r["decode_tok_s"] > 0 and len(r["speedup_per_round"]) == 1
+            assert 1 <= r["tokens"] <= 6 and r["decode_tok_s"] > 0 and len(r["speedup_per_round"]) == 1
     # the code edit copies its input: prompt lookup proposes there, and the rows say how it went
     edit = one["code edit"]["ngram k=3"]
     assert edit["acceptance"] is not None and 1 <= edit["tokens_per_verify"] <= 4
