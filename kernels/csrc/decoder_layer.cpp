@@ -67,15 +67,16 @@ StepLora::StepLora(at::Tensor seg_starts_, at::Tensor seg_slots_, std::vector<bo
     TORCH_CHECK(adapted.size() == 7, "StepLora: adapted has one flag per projection (7), got ", adapted.size());
 }
 
-namespace {
-
 // y [rows, the group's outputs side by side] += each row's delta for the group's projections (the
 // first of them being projection `first` of the seven), through the library's shrink and expand;
-// v: float32 scratch [rows, r_max] between them, made by the first call that needs it.
-void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
-               const LayerLora& lora, const StepLora& step, at::Tensor& v) {
+// v: float32 scratch between them. On a CPU the group's projections run as one team of threads
+// (cpu::lora_group: a decode row's delta is too little work to pay for a team per call); on a GPU
+// as a shrink and an expand per projection.
+void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
+                 const at::Tensor& scale, const StepLora& step, at::Tensor& v) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1,
                 "DecoderLayer.decode: a LoRA delta needs contiguous rows of x and y");
+    std::vector<cpu::LoraPart> parts;
     int64_t col = 0;
     for (size_t j = 0; j < group.size(); ++j) {
         const LoraProjection& p = group[j];
@@ -83,17 +84,32 @@ void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProject
         TORCH_CHECK(p.a.size(2) == x.size(1) && col + n_out <= y.size(1), "DecoderLayer.decode: LoRA tables for ",
                     p.a.size(2), " inputs and ", n_out, " outputs do not fit a ", x.size(1), " -> ", y.size(1),
                     " matmul");
+        TORCH_CHECK(p.a.size(1) == group[0].a.size(1) && p.a.scalar_type() == group[0].a.scalar_type(),
+                    "DecoderLayer.decode: a group's LoRA tables share r_max and dtype");
         if (step.adapted[first + j]) {
-            if (!v.defined() || v.size(1) != p.a.size(1))
-                v = at::empty({x.size(0), p.a.size(1)}, x.options().dtype(at::kFloat));
-            run_lora_shrink(v, x, p.a, p.ranks, step.seg_starts, step.seg_slots);
-            run_lora_expand(y, col, v, p.b_t, p.ranks, lora.scale, step.seg_starts, step.seg_slots);
+            if (!x.is_cpu()) {
+                if (!v.defined() || v.size(1) != p.a.size(1))
+                    v = at::empty({x.size(0), p.a.size(1)}, x.options().dtype(at::kFloat));
+                run_lora_shrink(v, x, p.a, p.ranks, step.seg_starts, step.seg_slots);
+                run_lora_expand(y, col, v, p.b_t, p.ranks, scale, step.seg_starts, step.seg_slots);
+            } else {
+                parts.push_back({p.a.data_ptr(), p.b_t.data_ptr(), p.ranks.data_ptr<int32_t>(), nullptr, col,
+                                 static_cast<int>(n_out)});
+            }
         }
         col += n_out;
     }
+    if (parts.empty()) return;
+    const int64_t rows = x.size(0), r_max = group[0].a.size(1);
+    if (!v.defined() || v.numel() < int64_t(group.size()) * rows * r_max)
+        v = at::empty({int64_t(group.size()), rows, r_max}, x.options().dtype(at::kFloat));
+    for (size_t j = 0; j < parts.size(); ++j) parts[j].v = v.data_ptr<float>() + j * rows * r_max;
+    const DType w_dtype = group[0].a.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
+    cpu::lora_group(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), parts.data(), int(parts.size()),
+                    scale.data_ptr<float>(), step.seg_starts.data_ptr<int32_t>(), step.seg_slots.data_ptr<int32_t>(),
+                    int(rows), int(step.seg_slots.size(0)), int(scale.size(0)), int(x.size(1)), int(r_max),
+                    dtype_of(x, "x"), w_dtype);
 }
-
-}  // namespace
 
 at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                                 at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
@@ -111,7 +127,7 @@ at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Te
     // matmul, then (with adapters) its LoRA deltas for the rows that use one
     auto linear = [&](const Linear& w, const at::Tensor& in, const std::vector<LoraProjection>* group, size_t first) {
         at::Tensor out = w(in);
-        if (lora != nullptr) add_lora_(out, in, *group, first, *lora, *step, v);
+        if (lora != nullptr) lora_group_(out, in, *group, first, lora->scale, *step, v);
         return out;
     };
     at::Tensor qkv = linear(wqkv, h, lora ? &lora->qkv : nullptr, 0).view({rows, n_heads + 2 * n_kv_heads, head_dim});

@@ -226,6 +226,99 @@ def test_the_decoder_layer_s_tables_are_checked_once_when_built(ops):
         ops.StepLora(starts, seg_slots, flags[:6])
 
 
+# --- a fused matmul's projections as one team of threads (cpu::lora_group, the one-call layer's form) --
+# Three parts over one x, their outputs side by side in one y, as q, k and v sit in wqkv's output: the
+# group must give every part what its own shrink and expand give it, bit for bit (the same tiles of
+# the same sums), leave a part the step does not adapt as it was, and split its work over threads by
+# ranks and outputs when rows are fewer than threads, by rows otherwise.
+GROUP_OUTS = [328, 40, 200]
+
+
+def group_case(rows, pattern, dtype, w_dtype, seed, slots: list[int] | None = None):
+    """-> (x, y [rows, sum of GROUP_OUTS], parts [(a, b_t)], ranks, scale, starts, seg_slots): the parts
+    share x, the segments, the ranks and the scales, as a layer's projections do. slots: each row's
+    slot, in place of the pattern's."""
+    cases = [make_case(rows, 200, n_out, pattern, dtype, w_dtype, seed=seed) for n_out in GROUP_OUTS]
+    x, _, _, _, ranks, scale, starts, seg_slots = cases[0]
+    assert all(torch.equal(c[0], x) and torch.equal(c[6], starts) and torch.equal(c[7], seg_slots) for c in cases)
+    y = torch.cat([c[1] for c in cases], dim=1)
+    if slots is not None:
+        starts, seg_slots = reference.lora_segments(slots)
+    # the parts' A would be alike (one n_in, one seed): scaled apart, so one part's v is not another's
+    return x, y, [(c[2] * (1 + j), c[3]) for j, c in enumerate(cases)], ranks, scale, starts, seg_slots
+
+
+def one_by_one(ops, case, adapted):
+    x, y, parts, ranks, scale, starts, seg_slots = case
+    y, col = y.clone(), 0
+    for (a, b_t), on in zip(parts, adapted):
+        if on:
+            v = ops.lora_shrink(x, a, ranks, starts, seg_slots)
+            ops.lora_expand_(y[:, col : col + b_t.shape[2]], v, b_t, ranks, scale, starts, seg_slots)
+        col += b_t.shape[2]
+    return y
+
+
+def as_group(ops, case, adapted):
+    x, y, parts, ranks, scale, starts, seg_slots = case
+    y = y.clone()
+    group = [ops.LoraProjection(a, b_t, ranks) for a, b_t in parts]
+    ops.lora_group_(y, x, group, scale, ops.StepLora(starts, seg_slots, adapted + [True] * (7 - len(adapted))))
+    return y
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_group_gives_each_projection_what_it_gets_alone(ops, isa, threads):
+    kept = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype, w_dtype in [
+            (torch.bfloat16, torch.bfloat16),
+            (torch.float32, torch.float32),
+            (torch.float16, torch.bfloat16),
+        ]:
+            for rows in [1, 2, 3, 4, 5, 7, 12, 17, 40]:
+                for pattern in PATTERNS:
+                    case = group_case(rows, pattern, dtype, w_dtype, seed=rows)
+                    for adapted in ([True, True, True], [True, False, True]):
+                        what = f"{isa} {threads} threads {dtype} {pattern} {rows} rows, parts {adapted}"
+                        y_group = as_group(ops, case, adapted)
+                        assert torch.equal(
+                            y_group.view(torch.uint8), one_by_one(ops, case, adapted).view(torch.uint8)
+                        ), what
+                    # and against the reference, part by part (the last `adapted`: the middle part untouched)
+                    x, y, parts, ranks, scale, starts, seg_slots = case
+                    col = 0
+                    for (a, b_t), on in zip(parts, adapted):
+                        part = slice(col, col + b_t.shape[2])
+                        v = reference.lora_shrink(x, a, ranks, starts, seg_slots)
+                        expected = (
+                            reference.lora_expand(y[:, part], v, b_t, ranks, scale, starts, seg_slots)
+                            if on
+                            else y[:, part]
+                        )
+                        assert_close(y_group[:, part], expected, f"{what}: part at {col}")
+                        col += b_t.shape[2]
+    finally:
+        torch.set_num_threads(kept)
+
+
+def test_a_group_s_bad_calls_are_clear_errors(ops):
+    x, y, parts, ranks, scale, starts, seg_slots = group_case(5, "mixed", torch.float32, torch.float32, seed=1)
+    group = [ops.LoraProjection(a, b_t, ranks) for a, b_t in parts]
+    step = ops.StepLora(starts, seg_slots, [True] * 7)
+    with pytest.raises(RuntimeError, match="do not fit a 200 -> 500 matmul"):
+        ops.lora_group_(y[:, :500], x, group, scale, step)
+    with pytest.raises(RuntimeError, match="one dtype expected"):
+        ops.lora_group_(y.bfloat16(), x, group, scale, step)
+    with pytest.raises(RuntimeError, match="seg_starts must run from 0 to the call's 4 rows"):
+        ops.lora_group_(y[:4], x[:4], group, scale, step)
+    with pytest.raises(RuntimeError, match="scale must be contiguous float32 \\[slots\\] \\(5 slots\\)"):
+        ops.lora_group_(y, x, group, scale[:4], step)
+    with pytest.raises(RuntimeError, match="1 to 7 projections, got 0"):
+        ops.lora_group_(y, x, [], scale, step)
+
+
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with bugs put into a copy ----
 # One copy holds every bug, each behind a switch (planted_bug == n) the test sets through ctypes: one
 # compile instead of one per bug.
@@ -246,6 +339,18 @@ void expand(void* y, const float* v, const void* b, const int32_t* ranks, const 
             const int32_t* slots, int rows, int n_seg, int n_slots, int n_out, int r_max, int dtype, int w_dtype) {
     cpu::lora_expand(y, n_out, v, r_max, b, ranks, scale, starts, slots, rows, n_seg, n_slots, n_out, r_max,
                      DType(dtype), DType(w_dtype));
+}
+void group(void* y, int64_t y_stride, const void* x, const void** a, const void** b, const int* n_outs, float* v,
+           int n_parts, const int32_t* ranks, const float* scale, const int32_t* starts, const int32_t* slots, int rows,
+           int n_seg, int n_slots, int n_in, int r_max, int dtype, int w_dtype) {
+    cpu::LoraPart parts[8];
+    int64_t col = 0;
+    for (int j = 0; j < n_parts; ++j) {
+        parts[j] = {a[j], b[j], ranks, v + int64_t(j) * rows * r_max, col, n_outs[j]};
+        col += n_outs[j];
+    }
+    cpu::lora_group(y, y_stride, x, n_in, parts, n_parts, scale, starts, slots, rows, n_seg, n_slots, n_in, r_max,
+                    DType(dtype), DType(w_dtype));
 }
 }
 """
@@ -271,10 +376,33 @@ PLANTED = {
 }
 
 
+# the same for lora_group, numbered on from PLANTED's
+PLANTED_GROUP = {
+    "a few-row group's first rank tile computed as its second": [
+        (
+            "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), kt * k_step,",
+            "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), (kt + (planted_bug == 5 && few && !kt)) * k_step,",
+        ),
+    ],
+    "every part expanded from the first part's v": [
+        ("y_stride, part.v, r_max,", "y_stride, parts[planted_bug == 6 ? 0 : j].v, r_max,"),
+    ],
+    "a part's outputs written from column 0": [
+        ("part.y_col * (dtype", "(planted_bug == 7 ? 0 : part.y_col) * (dtype"),
+    ],
+    "the zeros past a slot's rank left out of a rank tile": [
+        (
+            "std::fill(row + std::max(rk, k_lo), row + k_hi, 0.f);",
+            "std::fill(row + std::max(rk, k_lo), row + k_hi - (planted_bug == 8), 0.f);",
+        ),
+    ],
+}
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """The CPU LoRA kernels built with every bug above in a copy of lora.cpp, as a plain shared library."""
-    changes = [change for changes in PLANTED.values() for change in changes]
+    changes = [change for bugs in (PLANTED, PLANTED_GROUP) for changes in bugs.values() for change in changes]
 
     def declare(source):  # the switch the bugs read, defined by the shim
         return source.replace("namespace kernels::cpu {", "extern int planted_bug;\nnamespace kernels::cpu {", 1)
@@ -318,3 +446,59 @@ def test_a_planted_bug_fails_the_check(ops, planted, bug):
             assert caught, f"{bug}: not caught at ISA level {level}"
     finally:
         planted.plant(0)
+
+
+def planted_group_run(lib, case):
+    x, y, parts, ranks, scale, starts, seg_slots = case
+    rows, n_in, r_max = x.shape[0], x.shape[1], parts[0][0].shape[1]
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    array = lambda ts: (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])  # noqa: E731
+    v = torch.full((len(parts), rows, r_max), float("nan"))
+    n_outs = (ctypes.c_int * len(parts))(*[b_t.shape[2] for _, b_t in parts])
+    y_out = y.clone()
+    lib.group(ptr(y_out), ctypes.c_int64(y.shape[1]), ptr(x), array([a for a, _ in parts]),
+              array([b for _, b in parts]), n_outs, ptr(v), len(parts), ptr(ranks), ptr(scale), ptr(starts),
+              ptr(seg_slots), rows, seg_slots.numel(), parts[0][0].shape[0], n_in, r_max,
+              DTYPE_CODES[x.dtype], DTYPE_CODES[parts[0][0].dtype])  # fmt: skip
+    return v, y_out
+
+
+def check_group(v_out, y_out, case, what):
+    """Each part's v (zeros past the rank included) and its outputs against the reference."""
+    x, y, parts, ranks, scale, starts, seg_slots = case
+    col = 0
+    for j, (a, b_t) in enumerate(parts):
+        part = slice(col, col + b_t.shape[2])
+        v = reference.lora_shrink(x, a, ranks, starts, seg_slots)
+        assert_close(v_out[j], v, f"{what}: v of part {j}")
+        assert_close(y_out[:, part], reference.lora_expand(y[:, part], v, b_t, ranks, scale, starts, seg_slots), what)
+        col += b_t.shape[2]
+
+
+@pytest.mark.parametrize("bug", PLANTED_GROUP)
+def test_a_planted_bug_in_the_group_fails_the_check(ops, planted, bug):
+    # Slots of rank 7 (a tile that ends past the rank), 16 and 64; 2 threads, so a decode row's group
+    # splits its ranks and outputs over threads.
+    levels = range(["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa()) + 1)
+    cases = [(1, [4]), (2, [2, 4]), (9, [3, 3, 3, -1, 4, 4, 2, 2, 2])]
+    kept = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        planted.plant(0)
+        for seed, (rows, slots) in enumerate(cases):
+            case = group_case(rows, "mixed", torch.bfloat16, torch.bfloat16, seed, slots)
+            check_group(*planted_group_run(planted, case), case, f"{slots}, no bug planted")
+        planted.plant(len(PLANTED) + list(PLANTED_GROUP).index(bug) + 1)
+        for level in levels:
+            assert planted.set_isa(level) == 0
+            caught = []
+            for seed, (rows, slots) in enumerate(cases):
+                case = group_case(rows, "mixed", torch.bfloat16, torch.bfloat16, seed, slots)
+                try:
+                    check_group(*planted_group_run(planted, case), case, bug)
+                except AssertionError:
+                    caught.append(slots)
+            assert caught, f"{bug}: not caught at ISA level {level}"
+    finally:
+        planted.plant(0)
+        torch.set_num_threads(kept)

@@ -177,4 +177,20 @@ void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, co
                  const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
                  int n_slots, int n_out, int r_max, DType dtype, DType w_dtype);
 
+// The projections of one fused matmul (q, k, v; gate, up) that share x, their deltas added into
+// y's columns: every part's shrink, then every part's expand, by one team of threads. Each part's
+// a, b_t and ranks as above (all with r_max ranks and n_in inputs), its outputs at y_col.., its v
+// float32 [rows, r_max] contiguous (scratch, left holding the shrink).
+struct LoraPart {
+    const void* a;
+    const void* b_t;
+    const int32_t* ranks;
+    float* v;
+    int64_t y_col;
+    int n_out;
+};
+void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, const LoraPart* parts, int n_parts,
+                const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
+                int n_slots, int n_in, int r_max, DType dtype, DType w_dtype);
+
 }  // namespace kernels::cpu

@@ -148,44 +148,47 @@ KERNELS_INLINE void shrink_tile(const ShrinkArgs& p, int r0, int64_t a0, int nk,
                 sums[r * NO + n] += load_as_float<DX>(p.x, xo[r] + i) * load_as_float<DW>(p.a, ao[n] + i);
 }
 
-// Rows r0 .. r0 + MR - 1, all of slot s (rank rk >= 1): every rank tile, then zeros to r_max.
+// Rows r0 .. r0 + MR - 1, all of slot s (rank rk >= 1), ranks k_lo .. k_hi - 1 of v (k_lo a multiple
+// of NO): the rank tiles below rk, zeros from rk on.
 template <class S, DType DX, DType DW, int MR>
-KERNELS_INLINE void shrink_rows(const ShrinkArgs& p, int r0, int s, int rk) {
+KERNELS_INLINE void shrink_rows(const ShrinkArgs& p, int r0, int s, int rk, int k_lo, int k_hi) {
     constexpr int NO = Tile<S>::NO;
     float sums[MR * NO];
-    for (int k0 = 0; k0 < rk; k0 += NO) {
+    for (int k0 = k_lo; k0 < std::min(rk, k_hi); k0 += NO) {
         const int nk = std::min(NO, rk - k0);
         shrink_tile<S, DX, DW, MR, NO>(p, r0, (int64_t(s) * p.r_max + k0) * p.n_in, nk, sums);
         for (int r = 0; r < MR; ++r)
             for (int n = 0; n < nk; ++n) p.v[int64_t(r0 + r) * p.v_stride + k0 + n] = sums[r * NO + n];
     }
-    for (int r = 0; r < MR; ++r) {
-        float* row = p.v + int64_t(r0 + r) * p.v_stride;
-        std::fill(row + rk, row + p.r_max, 0.f);
-    }
+    if (rk < k_hi)
+        for (int r = 0; r < MR; ++r) {
+            float* row = p.v + int64_t(r0 + r) * p.v_stride;
+            std::fill(row + std::max(rk, k_lo), row + k_hi, 0.f);
+        }
 }
 
 // A tile of the last rows of a run: fewer than MR.
 template <class S, DType DX, DType DW, int R>
-KERNELS_INLINE void shrink_rest(const ShrinkArgs& p, int rows, int r0, int s, int rk) {
+KERNELS_INLINE void shrink_rest(const ShrinkArgs& p, int rows, int r0, int s, int rk, int k_lo, int k_hi) {
     if constexpr (R > 0) {
-        if (rows == R) return shrink_rows<S, DX, DW, R>(p, r0, s, rk);
-        shrink_rest<S, DX, DW, R - 1>(p, rows, r0, s, rk);
+        if (rows == R) return shrink_rows<S, DX, DW, R>(p, r0, s, rk, k_lo, k_hi);
+        shrink_rest<S, DX, DW, R - 1>(p, rows, r0, s, rk, k_lo, k_hi);
     }
 }
 
+// Rows t0 .. t1 - 1, ranks k_lo .. k_hi - 1 of v.
 template <class S, DType DX, DType DW>
-KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1) {
+KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1, int k_lo, int k_hi) {
     constexpr int MR = Tile<S>::MR;
     for (Run run{p.seg, t0, t1}; run.next();) {
         const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
         int row = run.row;
         if (rk == 0) {
-            for (; row < end; ++row) std::fill_n(p.v + int64_t(row) * p.v_stride, p.r_max, 0.f);
+            for (; row < end; ++row) std::fill_n(p.v + int64_t(row) * p.v_stride + k_lo, k_hi - k_lo, 0.f);
             continue;
         }
-        for (; row + MR <= end; row += MR) shrink_rows<S, DX, DW, MR>(p, row, s, rk);
-        if (row < end) shrink_rest<S, DX, DW, MR - 1>(p, end - row, row, s, rk);
+        for (; row + MR <= end; row += MR) shrink_rows<S, DX, DW, MR>(p, row, s, rk, k_lo, k_hi);
+        if (row < end) shrink_rest<S, DX, DW, MR - 1>(p, end - row, row, s, rk, k_lo, k_hi);
     }
 }
 
@@ -261,8 +264,8 @@ KERNELS_INLINE void expand_range(const ExpandArgs& p, int t0, int t1, int o0, in
 template <class S>
 struct Entry {
     template <DType DX, DType DW>
-    static void shrink(const ShrinkArgs& p, int t0, int t1) {
-        shrink_range<S, DX, DW>(p, t0, t1);
+    static void shrink(const ShrinkArgs& p, int t0, int t1, int k_lo, int k_hi) {
+        shrink_range<S, DX, DW>(p, t0, t1, k_lo, k_hi);
     }
     template <DType DY, DType DW>
     static void expand(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
@@ -274,8 +277,8 @@ struct Entry {
 template <>
 struct Entry<Avx2> {
     template <DType DX, DType DW>
-    KERNELS_AVX2 __attribute__((flatten)) static void shrink(const ShrinkArgs& p, int t0, int t1) {
-        shrink_range<Avx2, DX, DW>(p, t0, t1);
+    KERNELS_AVX2 __attribute__((flatten)) static void shrink(const ShrinkArgs& p, int t0, int t1, int k_lo, int k_hi) {
+        shrink_range<Avx2, DX, DW>(p, t0, t1, k_lo, k_hi);
     }
     template <DType DY, DType DW>
     KERNELS_AVX2 __attribute__((flatten)) static void expand(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
@@ -286,8 +289,9 @@ struct Entry<Avx2> {
 template <>
 struct Entry<Avx512> {
     template <DType DX, DType DW>
-    KERNELS_AVX512 __attribute__((flatten)) static void shrink(const ShrinkArgs& p, int t0, int t1) {
-        shrink_range<Avx512, DX, DW>(p, t0, t1);
+    KERNELS_AVX512 __attribute__((flatten)) static void shrink(const ShrinkArgs& p, int t0, int t1, int k_lo,
+                                                               int k_hi) {
+        shrink_range<Avx512, DX, DW>(p, t0, t1, k_lo, k_hi);
     }
     template <DType DY, DType DW>
     KERNELS_AVX512 __attribute__((flatten)) static void expand(const ExpandArgs& p, int t0, int t1, int o0, int o1) {
@@ -296,7 +300,7 @@ struct Entry<Avx512> {
 };
 #endif
 
-using ShrinkFn = void (*)(const ShrinkArgs&, int, int);
+using ShrinkFn = void (*)(const ShrinkArgs&, int, int, int, int);
 using ExpandFn = void (*)(const ExpandArgs&, int, int, int, int);
 
 // The entry of this ISA for x's (y's) dtype and the weights' (f32 or bf16).
@@ -347,7 +351,7 @@ void lora_shrink(float* v, int64_t v_stride, const void* x, int64_t x_stride, co
     const int mr = row_tile(), tasks = (rows + mr - 1) / mr;
     const bool parallel = int64_t(rows) * n_in * r_max > kParallelMacs && tasks > 1;
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int t = 0; t < tasks; ++t) fn(p, t * mr, std::min(rows, (t + 1) * mr));
+    for (int t = 0; t < tasks; ++t) fn(p, t * mr, std::min(rows, (t + 1) * mr), 0, r_max);
 }
 
 void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, const void* b_t, const int32_t* ranks,
@@ -364,6 +368,68 @@ void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, co
     for (int t = 0; t < tasks; ++t) {
         const int rt = t / out_tiles, ot = t % out_tiles;
         fn(p, rt * mr, std::min(rows, (rt + 1) * mr), ot * kOutTile, std::min(n_out, (ot + 1) * kOutTile));
+    }
+}
+
+// One fused matmul's projections at once (cpu_kernels.h): a decode step's delta is so little work
+// per projection (q's rank-16 tables are 36 KB) that a team of threads per call costs as much as it
+// saves, and one thread alone cannot pull the tables from memory as fast as the base matmul pulls
+// its weight (serial, the deltas added 40 % to a batch-1 step of SmolLM2). So one team runs the group:
+// every part's shrink, split over rows and, when rows are fewer than threads, over tiles of ranks;
+// a barrier (every v complete); every part's expand, split over rows and tiles of outputs.
+void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, const LoraPart* parts, int n_parts,
+                const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
+                int n_slots, int n_in, int r_max, DType dtype, DType w_dtype) {
+    if (rows <= 0 || n_parts <= 0) return;
+    const Segments seg{seg_starts, seg_slots, n_seg, n_slots, r_max};
+    const auto [shrink, expand] = entries(dtype, w_dtype);
+    const int mr = row_tile(), row_tasks = (rows + mr - 1) / mr, threads = omp_get_max_threads();
+    // Few rows: each thread takes some of every projection's ranks and outputs, not all of one row.
+    const bool few = row_tasks < threads;
+    const int k_step = few ? Tile<Scalar>::NO : r_max, k_tiles = (r_max + k_step - 1) / k_step;
+    const int o_step = few ? 64 : kOutTile;
+    int64_t macs = 0;
+    int shrink_tasks = 0, expand_tasks = 0;
+    for (int j = 0; j < n_parts; ++j) {
+        macs += int64_t(rows) * r_max * (n_in + parts[j].n_out);
+        shrink_tasks += row_tasks * k_tiles;
+        expand_tasks += row_tasks * ((parts[j].n_out + o_step - 1) / o_step);
+    }
+    auto shrink_args = [&](int j) {
+        return ShrinkArgs{parts[j].v, r_max, x, x_stride, parts[j].a, parts[j].ranks, seg, rows, n_in, r_max};
+    };
+    auto expand_args = [&](int j) {
+        const LoraPart& part = parts[j];
+        void* y_at = static_cast<char*>(y) + part.y_col * (dtype == DType::f32 ? 4 : 2);
+        return ExpandArgs{y_at, y_stride, part.v, r_max, part.b_t, part.ranks, scale, seg, rows, part.n_out, r_max};
+    };
+    struct Task {
+        int part, r0, r1, lo, hi;  // rows r0 .. r1 - 1, ranks (shrink) or outputs (expand) lo .. hi - 1
+    };
+    auto shrink_task = [&](int t) {
+        const int j = t / (row_tasks * k_tiles), rt = t / k_tiles % row_tasks, kt = t % k_tiles;
+        return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), kt * k_step, std::min(r_max, (kt + 1) * k_step)};
+    };
+    auto expand_task = [&](int t) {
+        int j = 0;
+        for (int n; t >= (n = row_tasks * ((parts[j].n_out + o_step - 1) / o_step)); ++j) t -= n;
+        const int o_tiles = (parts[j].n_out + o_step - 1) / o_step, rt = t / o_tiles, ot = t % o_tiles;
+        return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), ot * o_step,
+                    std::min(parts[j].n_out, (ot + 1) * o_step)};
+    };
+#pragma omp parallel if (macs > kParallelMacs && threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < shrink_tasks; ++t) {
+            const Task k = shrink_task(t);
+            shrink(shrink_args(k.part), k.r0, k.r1, k.lo, k.hi);
+        }
+        // the implicit barrier here: every part's v is whole before an expand reads it
+#pragma omp for schedule(static)
+        for (int t = 0; t < expand_tasks; ++t) {
+            const Task k = expand_task(t);
+            expand(expand_args(k.part), k.r0, k.r1, k.lo, k.hi);
+        }
     }
 }
 
