@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument(
         "--int8-activations",
         action="store_true",
-        help="int4 weights meet bf16 x of many rows as int8 (the engine's --int8-activations; chapter 06's README)",
+        help="int4 weights meet bf16 x as int8 at every row count (the engine's --int8-activations; chapter 06's README)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument(
         "--int8-activations",
         action="store_true",
-        help="chapter 06 on: int4 x bf16 of many rows as int8 (the engine's --int8-activations)",
+        help="chapter 06 on: int4 x bf16 as int8 at every row count (the engine's --int8-activations)",
     )
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()

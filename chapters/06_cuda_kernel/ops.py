@@ -167,7 +167,7 @@ class KernelOps:
         the linear kernels in one form for any number of rows (a switch of the library, process-wide
         like torch.use_deterministic_algorithms), at any number of rows (no dense GEMM for big steps),
         and prompt chunks' attention through the decode kernel, one query at a time. int8_x: int4
-        weights meet bf16 x of many rows as int8, on a CPU (--int8-activations, KernelInt4Linear)."""
+        weights meet bf16 x as int8 at every row count, on a CPU (--int8-activations, KernelInt4Linear)."""
         self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
         self.int8_x = int8_x and self.device.type == "cpu" and not batch_invariant  # invariant: matvec only
         self.tile_bytes = 0  # of the int4 weights' tiles built so far (describe() says it)
@@ -346,16 +346,17 @@ KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
 
 class KernelInt4Linear:
     """kernels/' int4 matmul; of the library `lib` it keeps int4_linear. With `tiles` (KernelOps: bf16
-    activations on a CPU), the weight also laid out as the library's tiles (lib.int4_tiles): a call of
-    many rows then quantizes x to int8 per block of 32 and multiplies in integers
-    (csrc/cpu/int4_q8_gemm.cpp), llama.cpp's Q4_1 x Q8 product. Their price: 0.75 bytes a weight
-    beside the 0.625 of codes and scales, and x's rounding (the README measures both)."""
+    activations on a CPU), the weight also laid out as the library's tiles (lib.int4_tiles): every call
+    then quantizes each row of x to int8 per block of 32 and multiplies in integers
+    (csrc/cpu/int4_q8_gemm.cpp), llama.cpp's Q4_1 x Q8 product, a row's result the same whatever
+    shares its call. Their price: 0.625 bytes a weight beside the same of codes and scales, and x's
+    rounding (the README measures both)."""
 
     def __init__(self, w: Int4Weight, lib, device: torch.device, tiles: bool = False):
         self.matmul, self.group_size = lib.int4_linear, w.group_size
         self.packed = aligned(w.packed.to(device).contiguous())  # uint8 [out, in / 2]
         self.scale, self.min = w.scale.to(device).contiguous(), w.min.to(device).contiguous()  # float16 [out, in / G]
-        self.tiles = None  # uint8 [out / width, in / 32, 24 * width], width 8 (AVX2) or 16 (AVX512 VNNI)
+        self.tiles = None  # uint8 [out / width, in / 32, 20 * width], width 8 (AVX2) or 16 (AVX512 VNNI)
         if tiles and device.type == "cpu":
             tiles = lib.int4_tiles(self.packed, self.scale, self.min, self.group_size)
             self.tiles = tiles if tiles.numel() else None  # empty: no integer path on this CPU
@@ -480,9 +481,9 @@ def add_arguments(ap) -> None:
     k.add_argument(
         "--int8-activations",
         action="store_true",
-        help="on a CPU, int4 weights meet bf16 activations of prompt chunks and batched steps as int8 per block "
-        "of 32, multiplied in integers as llama.cpp does: 1.5-3x faster prompts, a little less exact, and a "
-        "token's rounding then depends on how many rows share its call (see chapter 06's README)",
+        help="on a CPU, int4 weights meet bf16 activations as int8 per block of 32, multiplied in integers as "
+        "llama.cpp does, at every row count: 1.5-3x faster prompts and batched steps, a little less exact "
+        "(perplexity +1.2 %%), and a row's result the same whatever shares its step (see chapter 06's README)",
     )
 
 

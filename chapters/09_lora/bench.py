@@ -44,6 +44,7 @@ from common.errors import UserError
 from common.tools.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, save_json, summarize
 from engine import Engine, Request, build_engine
 from loading import quant_spec
+from ops import KernelFlags
 from peers import gguf_path, llama_cpp_available
 from proposers import DraftModelProposer, NgramProposer
 from quant import QuantSpec
@@ -224,8 +225,13 @@ def summarize_runs(by_engine: dict[str, list[dict]], plain_of) -> dict:
 
 def part_draft(args) -> dict:
     """bf16 target + int4 self-draft, against each alone (one stream, greedy)."""
-    bf16, _ = build_engine(args.model, args.device, args.dtype, None, max_num_seqs=1, prefix_caching=False)
-    int4, _ = build_engine(args.model, args.device, args.dtype, QuantSpec(4, 32), max_num_seqs=1, prefix_caching=False)
+    kernels = KernelFlags("auto", False, args.int8_activations)
+    bf16, _ = build_engine(
+        args.model, args.device, args.dtype, None, kernels=kernels, max_num_seqs=1, prefix_caching=False
+    )
+    int4, _ = build_engine(
+        args.model, args.device, args.dtype, QuantSpec(4, 32), kernels=kernels, max_num_seqs=1, prefix_caching=False
+    )
     engines = {"bf16": bf16, "int4": int4}
     for k in (2, 4):
         e = Engine(
@@ -374,6 +380,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--peers", default="", help="llama.cpp: also llama.cpp, plain and with prompt lookup (part one)")
+    ap.add_argument("--int8-activations", action="store_true", help="the engines' --int8-activations (a CPU)")
     ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"), help="the JSON (a .png beside it)")
     args = ap.parse_args()
     args.ks, args.batches = int_list(args.ks), int_list(args.batches)
@@ -395,7 +402,8 @@ def main() -> int:
             quant=None if args.quant == "none" else args.quant, group_size=32, symmetric=False, lm_head="int8"
         )
     )
-    base, _ = build_engine(args.model, args.device, args.dtype, spec)
+    kernels = KernelFlags("auto", False, args.int8_activations)
+    base, _ = build_engine(args.model, args.device, args.dtype, spec, kernels=kernels)
     result = {
         "model": args.model,
         "quant": "bf16" if args.quant == "none" else args.quant,
@@ -406,6 +414,8 @@ def main() -> int:
         "command": command_line(__file__, sys.argv[1:]),
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
+        "int8_activations": args.int8_activations,
+        "kernels": base.model.ops.describe(),
     }
     t0 = time.perf_counter()
     if "one" in parts:

@@ -250,12 +250,12 @@ int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::
     return n_in;
 }
 
-// The tiles' width, after checking them against the weight: [ceil(n_out / width), n_in / 32, 24 * width].
+// The tiles' width, after checking them against the weight: [ceil(n_out / width), n_in / 32, 20 * width].
 int tiles_width(const at::Tensor& tiles, int64_t n_in, int64_t n_out) {
     TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.is_contiguous() && tiles.is_cpu(),
-                "tiles: contiguous uint8 [n_tiles, n_in / 32, 24 * width] on the CPU expected (int4_tiles)");
-    const int64_t width = tiles.size(2) / 24;
-    TORCH_CHECK(tiles.size(2) == 24 * width && width > 0 && tiles.size(1) == n_in / 32 &&
+                "tiles: contiguous uint8 [n_tiles, n_in / 32, 20 * width] on the CPU expected (int4_tiles)");
+    const int64_t width = tiles.size(2) / cpu::kQ8TileBytes;
+    TORCH_CHECK(tiles.size(2) == cpu::kQ8TileBytes * width && width > 0 && tiles.size(1) == n_in / 32 &&
                     tiles.size(0) == (n_out + width - 1) / width,
                 "tiles ", tiles.sizes(), " are not int4_tiles of a [", n_out, ", ", n_in, "] weight");
     return static_cast<int>(width);
@@ -290,7 +290,7 @@ at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& scale, const a
     const int64_t n_in = check_int4(packed, scale, min, group_size), n_out = packed.size(0);
     const int width = cpu::q8_tile_width();
     if (!packed.is_cpu() || width == 0) return at::empty({0}, packed.options());
-    at::Tensor tiles = at::empty({(n_out + width - 1) / width, n_in / 32, 24 * width}, packed.options());
+    at::Tensor tiles = at::empty({(n_out + width - 1) / width, n_in / 32, cpu::kQ8TileBytes * width}, packed.options());
     cpu::int4_tiles(tiles.data_ptr<uint8_t>(), packed.data_ptr<uint8_t>(), half_bits(scale), half_bits(min),
                     static_cast<int>(n_in), static_cast<int>(n_out), static_cast<int>(group_size), width);
     return tiles;

@@ -1,8 +1,9 @@
 """int4 weights times bf16 x quantized to int8 (csrc/cpu/int4_q8_gemm.cpp): int4_linear with the
 weight's tiles, at every row count on every CPU path, against reference.int4_linear_q8 (the same
-quantization of x, the codes' sums exact) to one bf16 rounding; below gemm_min_rows, and for float32
-x, the float path answers as if there were no tiles. Then the tiles' own checks, and bugs planted in
-a copy of the source, each of which the same check must catch."""
+quantization of x, the codes' sums exact) to one bf16 rounding; a row's result the same bits whatever
+else shares its call; for float32 x and in batch-invariant mode the float path answers as if there
+were no tiles. Then the tiles' own checks, and bugs planted in a copy of the source, each of which
+the same check must catch."""
 
 import ctypes
 
@@ -31,6 +32,10 @@ def check_q8(y, x, packed, scale, min_, group_size, what=""):
 def tiles_of(ops, w, group_size):
     tiles = ops.int4_tiles(*w, group_size)
     assert tiles.numel() > 0, f"no tiles at {ops.cpu_isa()}"
+    # [ceil(n_out / F), n_in / 32, 20 F]: per output and block 16 bytes of codes and a float16 scale
+    # and min, the 0.625 bytes a weight of the checkpoint's own layout
+    (n_out, half_n_in), width = w[0].shape, tiles.shape[2] // 20
+    assert width in (8, 16) and tuple(tiles.shape) == (-(-n_out // width), half_n_in // 16, 20 * width), tiles.shape
     return tiles
 
 
@@ -53,11 +58,20 @@ def test_every_row_count_on_every_cpu_path(ops, isa):
         for rows in ROWS:
             x = x_all[:rows]
             y = ops.int4_linear(x, *w, group_size, tiles)
-            what = f"{isa} {rows} x {n_in} -> {n_out}, G={group_size}"
-            if rows >= ops.gemm_min_rows:
-                check_q8(y, x, *w, group_size, what)
-            else:  # the matrix-vector kernels, which take x as it is
-                assert torch.equal(y, ops.int4_linear(x, *w, group_size)), what
+            check_q8(y, x, *w, group_size, f"{isa} {rows} x {n_in} -> {n_out}, G={group_size}")
+
+
+def test_a_row_gets_the_same_bits_alone_and_amid_others(ops, isa):
+    # Each row's x is quantized by itself and its sums run the same instructions in a tile of 4 rows
+    # as in a tail of 1..3 (one template), over threads split by outputs: so a decode row, a prompt
+    # chunk's row and the same row amid 36 others give one result. The engine's replies owe their
+    # independence of the batch to this (bench/reproducibility.py).
+    w, tiles = weight_and_tiles(ops, isa, seed=6)
+    x = torch.randn(37, 320, generator=torch.Generator().manual_seed(6)).bfloat16()
+    together = ops.int4_linear(x, *w, 32, tiles)
+    for start, rows in [(0, 1), (5, 1), (36, 1), (3, 2), (10, 3), (17, 4), (20, 16), (1, 36)]:
+        alone = ops.int4_linear(x[start : start + rows], *w, 32, tiles)
+        assert torch.equal(alone, together[start : start + rows]), f"{isa}: rows {start}..{start + rows - 1}"
 
 
 def test_float32_x_and_batch_invariant_mode_leave_the_tiles_alone(ops, isa):
@@ -183,7 +197,7 @@ def planted_call(lib, x, w, n_out):
     packed, scale, min_ = w
     width = lib.width()
     n_in = x.shape[1]
-    tiles = torch.zeros((n_out + width - 1) // width, n_in // 32, 24 * width, dtype=torch.uint8)
+    tiles = torch.zeros((n_out + width - 1) // width, n_in // 32, 20 * width, dtype=torch.uint8)
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
     lib.tiles(ptr(tiles), ptr(packed), ptr(scale), ptr(min_), n_in, n_out, 32, width)
     y = torch.full((x.shape[0], n_out), float("nan"), dtype=x.dtype)

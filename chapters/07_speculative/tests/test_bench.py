@@ -46,6 +46,19 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
     assert "One stream" in proc.stdout and "Many streams" in proc.stdout and "int4 copy drafting" in proc.stdout
 
 
+def test_int8_activations_reach_the_engines(tmp_path):
+    import kernels
+
+    out = tmp_path / "bench.json"
+    proc = run("--parts", "one", *SMALL, "--threads", "1", "--int8-activations", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["int8_activations"] is True
+    # where the CPU has an integer product the engines' kernels line names it (none in portable C++)
+    has_product = kernels.load().cpu_int8_product() != "none"
+    assert ("int8 activations" in result["kernels"]) == has_product, result["kernels"]
+
+
 def test_beside_llama_cpp(tmp_path):
     why = peers.llama_cpp_available()
     if why:

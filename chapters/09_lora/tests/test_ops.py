@@ -26,9 +26,9 @@ def close_to_the_reference(prepared, w, rows):
         x = torch.randn(n, w.shape[1], generator=torch.Generator().manual_seed(n)).bfloat16()
         expected = linear(x, ref).float()
         bound = 2e-2 + 2e-2 * expected.abs()
-        if getattr(prepared, "tiles", None) is not None and n >= kernels.load().gemm_min_rows:
-            # bf16 x of many rows meets int4 weights as int8 (csrc/cpu/int4_q8_gemm.cpp): an input
-            # moves by at most half its block's step, max|x| over the block of 32 / 254
+        if getattr(prepared, "tiles", None) is not None and not kernels.load().batch_invariant():
+            # bf16 x meets int4 weights as int8 (csrc/cpu/int4_q8_gemm.cpp): an input moves by at most
+            # half its block's step, max|x| over the block of 32 / 254
             step = x.float().abs().view(n, -1, 32).amax(-1).repeat_interleave(32, dim=-1) / 254
             bound = bound + step @ dense.T
         diff = (linear(x, prepared).float() - expected).abs()
@@ -76,7 +76,8 @@ def test_the_reference_path_and_the_torch_ops_are_qmatmul_s():
 
 def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
     # --int8-activations (off by default): int4 weights get the library's tiles where the CPU has an
-    # integer product, and bf16 x of many rows is multiplied as int8; off, or float32 x: no tiles.
+    # integer product, and bf16 x is multiplied as int8 at every row count, each row by itself; off,
+    # or float32 x: no tiles.
     import argparse
 
     import ops as ops_module
@@ -97,6 +98,8 @@ def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
     assert "int8" not in ops_off.describe() and "int8" not in ops_f32.describe()
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     if on.tiles is not None:
-        assert not torch.equal(on(x), off(x))  # x rounded to int8 is another product ...
-        assert torch.equal(on(x[:8]), off(x[:8]))  # ... of many rows only: decode's few rows stay float
-    close_to_the_reference(on, w, (40,))
+        assert not torch.equal(on(x[:1]), off(x[:1]))  # x rounded to int8 is another product, for decode's
+        assert not torch.equal(on(x), off(x))  # one row as for a prompt chunk's many ...
+        for start, rows in [(0, 1), (7, 1), (3, 5), (0, 16)]:  # ... and a row's result is the same in both
+            assert torch.equal(on(x[start : start + rows]), on(x)[start : start + rows]), (start, rows)
+    close_to_the_reference(on, w, (1, 3, 40))

@@ -141,6 +141,7 @@ void bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, in
 // The codes are first laid out into tiles of `width` outputs (int4_tiles; the layout is in the
 // .cpp), whose width is the ISA's: q8_tile_width(), 0 where there is none (portable C++).
 // tiles: uint8 [ceil(n_out / width), n_in / 32, 24 * width]; n_in a multiple of group_size.
+constexpr int kQ8TileBytes = 20;  // a tile's bytes per output and block: 16 of codes, a float16 scale and min
 int q8_tile_width();
 bool q8_gemm_applies(int rows, DType dtype, int tile_width);  // and the tiles' width is this ISA's
 void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int n_in, int n_out,

@@ -15,14 +15,16 @@
 //
 // The codes are laid out again, once, into tiles (int4_tiles): F outputs side by side, so that a
 // vector holds 4 consecutive inputs of each of F outputs and the multiply-adds land in one output
-// per 32-bit lane (an outer product: no horizontal sums), each block's scales and mins as F floats
+// per 32-bit lane (an outer product: no horizontal sums), each block's scales and mins as F float16
 // beside its codes. F = 8 for AVX2 (vpmaddubsw), 16 for AVX512 with VNNI (vpdpbusd), which every
-// CPU with AVX512-BF16 has. A tile of one block, F outputs, 24 * F bytes:
+// CPU with AVX512-BF16 has. A tile of one block, F outputs, kQ8TileBytes (20) * F bytes:
 //   codes  16F bytes: part j (0..3) of 4F bytes, byte 4f + t: low nibble code(f, 8j + t),
 //          high nibble code(f, 8j + 4 + t); so one load, masked and shifted, gives inputs 8j..8j+3
 //          and 8j+4..8j+7 of all F outputs, 4 bytes an output: what vpmaddubsw / vpdpbusd pair
 //          with x's 4 bytes broadcast.
-//   scale  F floats, then min F floats (the block's group's, widened from float16).
+//   scale  F float16, then min F float16 (the block's group's, as the checkpoint has them: widened
+//          by the tile's one vcvtph2ps; as floats they cost a fifth more bytes, which a decode
+//          row, reading every byte once, pays in full).
 // AVX2 sums a block's products in 16 bits: each vpmaddubsw lane is at most 2 * 15 * 127 = 3810,
 // and 8 of them (a block) at most 30480 < 32767; vpmaddwd then makes them 32-bit outputs.
 #include <omp.h>
@@ -50,7 +52,7 @@ struct Q8Args {
     const int8_t* xq;      // [rows, n_in]
     const float* dx;       // [rows, blocks] x's scales
     const float* xsum;     // [rows, blocks] sums of x over each block
-    const uint8_t* tiles;  // [ceil(n_out / F), blocks, 24 F]
+    const uint8_t* tiles;  // [ceil(n_out / F), blocks, kQ8TileBytes F]
     int rows, n_in, n_out, blocks;
     DType dtype;
 };
@@ -88,6 +90,7 @@ struct Avx2Dot {  // vpmaddubsw into 16-bit sums (a block's at most 8 x 3810), t
     KERNELS_AVX2 static I dot(I sum, I codes, int32_t x) {
         return _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(x)));
     }
+    KERNELS_AVX2 static I add(I a, I b) { return _mm256_add_epi16(a, b); }  // a block's parts: no overflow
     KERNELS_AVX2 static V block_sums(I sum) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1))); }
 };
 
@@ -104,19 +107,24 @@ struct VnniDot {  // vpdpbusd adds into 32-bit sums itself
     KERNELS_AVX512_VNNI static I dot(I sum, I codes, int32_t x) {
         return _mm512_dpbusd_epi32(sum, codes, _mm512_set1_epi32(x));
     }
+    KERNELS_AVX512_VNNI static I add(I a, I b) { return _mm512_add_epi32(a, b); }
     KERNELS_AVX512_VNNI static V block_sums(I sum) { return _mm512_cvtepi32_ps(sum); }
 };
 
 // MR rows of x against one tile row (D::F outputs, every block): sums[r * F + f]. S: the float
-// vectors of the same width (vec.h).
+// vectors of the same width (vec.h). A block's 8 integer dot products of a row would each wait for
+// the one before (5 cycles a vpdpbusd); with a row or two in the tile, nothing else fills that
+// time, so those rows sum the low and the high nibbles' inputs apart and add the two at the end:
+// integers, so the same sums to the bit (a row's result does not depend on its tile).
 template <class D, class S, int MR>
 KERNELS_INLINE void q8_tile(const Q8Args& a, const uint8_t* tile, int r0, float* sums) {
-    constexpr int F = D::F;
+    constexpr int F = D::F, C = MR <= 2 ? 2 : 1;  // C: a row's chains of dot products
     typename S::V acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = S::zero();
-    for (int b = 0; b < a.blocks; ++b, tile += 24 * F) {
-        typename D::I isum[MR];
-        for (int r = 0; r < MR; ++r) isum[r] = D::zero();
+    for (int b = 0; b < a.blocks; ++b, tile += kQ8TileBytes * F) {
+        typename D::I isum[MR][C];
+        for (int r = 0; r < MR; ++r)
+            for (int c = 0; c < C; ++c) isum[r][c] = D::zero();
         for (int j = 0; j < 4; ++j) {  // inputs 8j .. 8j + 3 (low nibbles) and 8j + 4 .. 8j + 7 (high)
             typename D::I w_lo, w_hi;
             D::codes(tile + 4 * F * j, w_lo, w_hi);
@@ -125,14 +133,16 @@ KERNELS_INLINE void q8_tile(const Q8Args& a, const uint8_t* tile, int r0, float*
                 int32_t x_lo, x_hi;
                 std::memcpy(&x_lo, x, 4);
                 std::memcpy(&x_hi, x + 4, 4);
-                isum[r] = D::dot(D::dot(isum[r], w_lo, x_lo), w_hi, x_hi);
+                isum[r][0] = D::dot(isum[r][0], w_lo, x_lo);
+                isum[r][C - 1] = D::dot(isum[r][C - 1], w_hi, x_hi);
             }
         }
-        const typename S::V scale = S::load(reinterpret_cast<const float*>(tile + 16 * F));
-        const typename S::V min = S::load(reinterpret_cast<const float*>(tile + 20 * F));
+        const typename S::V scale = S::template load_as<DType::f16>(tile + 16 * F, 0);
+        const typename S::V min = S::template load_as<DType::f16>(tile + 18 * F, 0);
         for (int r = 0; r < MR; ++r) {
             const int64_t rb = int64_t(r0 + r) * a.blocks + b;
-            acc[r] = S::fma(D::block_sums(isum[r]), S::mul(scale, S::set1(a.dx[rb])), acc[r]);
+            const typename D::I block = C == 2 ? D::add(isum[r][0], isum[r][C - 1]) : isum[r][0];
+            acc[r] = S::fma(D::block_sums(block), S::mul(scale, S::set1(a.dx[rb])), acc[r]);
             acc[r] = S::fma(min, S::set1(a.xsum[rb]), acc[r]);
         }
     }
@@ -155,7 +165,7 @@ using TileFn = void (*)(const Q8Args&, const uint8_t*, int, float*);
 // Every row of x against tile row t, MR rows at a time, then the last 1..MR-1 (tile_of[rows]).
 template <int F, int MR>
 void tile_row(const Q8Args& a, int t, const TileFn* tile_of) {
-    const uint8_t* tile = a.tiles + int64_t(t) * a.blocks * 24 * F;
+    const uint8_t* tile = a.tiles + int64_t(t) * a.blocks * kQ8TileBytes * F;
     float sums[MR * F];
     int r0 = 0;
     for (; r0 + MR <= a.rows; r0 += MR) {
@@ -223,7 +233,7 @@ int q8_tile_width() {
 }
 
 bool q8_gemm_applies(int rows, DType dtype, int tile_width) {
-    return tile_width > 0 && tile_width == q8_tile_width() && dtype == DType::bf16 && gemm_applies(rows);
+    return tile_width > 0 && tile_width == q8_tile_width() && dtype == DType::bf16 && rows >= 1 && !batch_invariant();
 }
 
 void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int n_in, int n_out,
@@ -232,10 +242,10 @@ void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, co
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < n_tiles; ++t)
         for (int b = 0; b < blocks; ++b) {
-            uint8_t* tile = tiles + (int64_t(t) * blocks + b) * 24 * F;
-            std::memset(tile, 0, size_t(24) * F);  // outputs past n_out: zero codes, scales and mins
-            float* tile_scale = reinterpret_cast<float*>(tile + 16 * F);
-            float* tile_min = tile_scale + F;
+            uint8_t* tile = tiles + (int64_t(t) * blocks + b) * kQ8TileBytes * F;
+            std::memset(tile, 0, size_t(kQ8TileBytes) * F);  // outputs past n_out: zero codes, scales and mins
+            uint16_t* tile_scale = reinterpret_cast<uint16_t*>(tile + 16 * F);
+            uint16_t* tile_min = tile_scale + F;
             for (int f = 0; f < F && t * F + f < n_out; ++f) {
                 const int o = t * F + f, g = b * kBlock / group_size;
                 auto code = [&](int k) {  // code(o, 32b + k): element 2j in byte j's low nibble
@@ -246,8 +256,8 @@ void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, co
                 for (int j = 0; j < 4; ++j)
                     for (int k = 0; k < 4; ++k)
                         tile[4 * F * j + 4 * f + k] = uint8_t(code(8 * j + k) | code(8 * j + 4 + k) << 4);
-                tile_scale[f] = f16_to_float(scale[int64_t(o) * groups + g]);
-                tile_min[f] = f16_to_float(min[int64_t(o) * groups + g]);
+                tile_scale[f] = scale[int64_t(o) * groups + g];
+                tile_min[f] = min[int64_t(o) * groups + g];
             }
         }
 }
