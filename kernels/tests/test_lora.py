@@ -434,18 +434,27 @@ def test_a_planted_bug_fails_the_check(ops, planted, bug):
             case = make_case(rows, 200, 328, pattern, torch.bfloat16, torch.bfloat16, seed=seed)
             check(*planted_run(planted, case), case, f"{pattern}, no bug planted")
         planted.plant(list(PLANTED).index(bug) + 1)
-        for level in levels:
-            assert planted.set_isa(level) == 0
-            caught = []
-            for seed, (rows, pattern) in enumerate(cases):
-                case = make_case(rows, 200, 328, pattern, torch.bfloat16, torch.bfloat16, seed=seed)
-                try:
-                    check(*planted_run(planted, case), case, bug)
-                except AssertionError:
-                    caught.append(pattern)
-            assert caught, f"{bug}: not caught at ISA level {level}"
+
+        def check_case(seed, rows, pattern):
+            case = make_case(rows, 200, 328, pattern, torch.bfloat16, torch.bfloat16, seed=seed)
+            check(*planted_run(planted, case), case, bug)
+
+        caught_at_every_level(planted, levels, [(check_case, seed, *c) for seed, c in enumerate(cases)], bug)
     finally:
         planted.plant(0)
+
+
+def caught_at_every_level(planted, levels, calls, bug):
+    """With a bug planted: at each ISA level, at least one of calls [(check, *args)] must fail."""
+    for level in levels:
+        assert planted.set_isa(level) == 0
+        caught = []
+        for check_call, *args in calls:
+            try:
+                check_call(*args)
+            except AssertionError:
+                caught.append(args)
+        assert caught, f"{bug}: not caught at ISA level {level}"
 
 
 def planted_group_run(lib, case):
@@ -489,16 +498,12 @@ def test_a_planted_bug_in_the_group_fails_the_check(ops, planted, bug):
             case = group_case(rows, "mixed", torch.bfloat16, torch.bfloat16, seed, slots)
             check_group(*planted_group_run(planted, case), case, f"{slots}, no bug planted")
         planted.plant(len(PLANTED) + list(PLANTED_GROUP).index(bug) + 1)
-        for level in levels:
-            assert planted.set_isa(level) == 0
-            caught = []
-            for seed, (rows, slots) in enumerate(cases):
-                case = group_case(rows, "mixed", torch.bfloat16, torch.bfloat16, seed, slots)
-                try:
-                    check_group(*planted_group_run(planted, case), case, bug)
-                except AssertionError:
-                    caught.append(slots)
-            assert caught, f"{bug}: not caught at ISA level {level}"
+
+        def check_case(seed, rows, slots):
+            case = group_case(rows, "mixed", torch.bfloat16, torch.bfloat16, seed, slots)
+            check_group(*planted_group_run(planted, case), case, bug)
+
+        caught_at_every_level(planted, levels, [(check_case, seed, *c) for seed, c in enumerate(cases)], bug)
     finally:
         planted.plant(0)
         torch.set_num_threads(kept)
