@@ -24,7 +24,7 @@ def decoding_engine(
     a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken (the prompts and a
     few decodes); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
     decodes the next token of every sequence. int8_activations: chapter 06's --int8-activations
-    (int4 x bf16 of many rows as int8, in integers)."""
+    (int4 x bf16 as int8 at every row count, in integers)."""
     from types import SimpleNamespace
 
     from common.tools.chapters import load_chapter
