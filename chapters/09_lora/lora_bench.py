@@ -3,6 +3,7 @@ and batch 1 against llama.cpp with the same adapter.
 
     python lora_bench.py                      # JSON + plot: bench/results/ch09_lora.json, .png
     python lora_bench.py --repeats 5 --tokens 64
+    python lora_bench.py --int8-activations --out ../../bench/results/ch09_lora_int8_x
 
 Rows (SmolLM2, the Q4_1 GGUF run directly: llama.cpp's weights, bit for bit, as int4 G=32):
 - 16 sequences of the base model, against 16 sequences with 16 different rank-16 adapters on all
@@ -34,6 +35,7 @@ from common.prepare_models import find_gguf
 from common.tools.bench import command_line, machine, save_json
 from engine import Request, build_engine
 from lora import PROJECTIONS, projection_shapes
+from ops import KernelFlags
 from sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,11 +162,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per sequence (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="sequences (and adapters) of the batched rows")
+    ap.add_argument("--int8-activations", action="store_true", help="the engine's --int8-activations (chapter 06)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     gguf_model = find_gguf()
+    kernels = KernelFlags("auto", False, args.int8_activations)
     engine, _ = build_engine(
-        str(gguf_model), "cpu", "auto", max_loras=args.batch, max_lora_rank=RANK, prefix_caching=False, num_blocks=512
+        str(gguf_model),
+        "cpu",
+        "auto",
+        kernels=kernels,
+        max_loras=args.batch,
+        max_lora_rank=RANK,
+        prefix_caching=False,
+        num_blocks=512,
     )
     config, work = engine.model.config, Path(tempfile.mkdtemp(prefix="lora_bench-"))
     names = [f"random-{i}" for i in range(args.batch)]
@@ -209,6 +220,8 @@ def measure(engine, names: list[str], gguf_model: Path, gguf_lora: Path, args) -
         "tokens": args.tokens,
         "batch": args.batch,
         "rank": RANK,
+        "int8_activations": args.int8_activations,
+        "kernels": engine.model.ops.describe(),
         "tok_s": tok_s,
         "median_tok_s": {name: statistics.median(v) for name, v in tok_s.items()},
     }
