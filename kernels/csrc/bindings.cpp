@@ -187,27 +187,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<StepLora>(m, "StepLora", "a step's rows by adapter slot, and which projections its adapters change")
         .def(py::init<at::Tensor, at::Tensor, std::vector<bool>>(), py::arg("seg_starts"), py::arg("seg_slots"),
              py::arg("adapted"));
-    m.def(
-        "lora_group_",
-        [](at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, const at::Tensor& scale,
-           const StepLora& step) {
-            TORCH_CHECK(!group.empty() && group.size() <= 7, "lora_group_: 1 to 7 projections, got ", group.size());
-            TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type(),
-                        "lora_group_: x [rows, n_in] and y [rows, n_out] of one dtype expected, got ", x.sizes(), " ",
-                        x.scalar_type(), " and ", y.sizes(), " ", y.scalar_type());
-            TORCH_CHECK(
-                x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-                "lora_group_: x: float32, bfloat16 or float16 expected, got ", x.scalar_type());
-            TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous() &&
-                            scale.size(0) == group[0].a.size(0),
-                        "lora_group_: scale must be contiguous float32 [slots] (", group[0].a.size(0), " slots)");
-            kernels::ops::check_lora_segments(y, step.seg_starts, step.seg_slots, y.size(0), scale.size(0));
-            at::Tensor v;
-            kernels::ops::lora_group_(y, x, group, 0, scale, step, v);
-        },
-        "a fused matmul's LoRA deltas in place, as the one-call layer adds them (its first len(group) flags of "
-        "step.adapted)",
-        py::arg("y"), py::arg("x"), py::arg("group"), py::arg("scale"), py::arg("step"));
+    m.def("lora_group_", &ops::lora_group_,
+          "a fused matmul's LoRA deltas in place, as the one-call layer adds them (its first len(group) flags of "
+          "step.adapted)",
+          py::arg("y"), py::arg("x"), py::arg("group"), py::arg("scale"), py::arg("step"));
     m.def(
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");

@@ -1,5 +1,6 @@
 #include "decoder_layer.h"
 
+#include <array>
 #include <cmath>
 #include <utility>
 
@@ -67,16 +68,20 @@ StepLora::StepLora(at::Tensor seg_starts_, at::Tensor seg_slots_, std::vector<bo
     TORCH_CHECK(adapted.size() == 7, "StepLora: adapted has one flag per projection (7), got ", adapted.size());
 }
 
+namespace {
+
 // y [rows, the group's outputs side by side] += each row's delta for the group's projections (the
 // first of them being projection `first` of the seven), through the library's shrink and expand;
 // v: float32 scratch between them. On a CPU the group's projections run as one team of threads
 // (cpu::lora_group: a decode row's delta is too little work to pay for a team per call); on a GPU
 // as a shrink and an expand per projection.
-void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
-                 const at::Tensor& scale, const StepLora& step, at::Tensor& v) {
+void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
+               const at::Tensor& scale, const StepLora& step, at::Tensor& v) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1,
                 "DecoderLayer.decode: a LoRA delta needs contiguous rows of x and y");
-    std::vector<cpu::LoraPart> parts;
+    TORCH_CHECK(group.size() <= 7, "DecoderLayer.decode: a matmul holds at most 7 projections, got ", group.size());
+    std::array<cpu::LoraPart, 7> parts;  // no allocation on the decode path
+    int n_parts = 0;
     int64_t col = 0;
     for (size_t j = 0; j < group.size(); ++j) {
         const LoraProjection& p = group[j];
@@ -93,22 +98,38 @@ void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProje
                 run_lora_shrink(v, x, p.a, p.ranks, step.seg_starts, step.seg_slots);
                 run_lora_expand(y, col, v, p.b_t, p.ranks, scale, step.seg_starts, step.seg_slots);
             } else {
-                parts.push_back({p.a.data_ptr(), p.b_t.data_ptr(), p.ranks.data_ptr<int32_t>(), nullptr, col,
-                                 static_cast<int>(n_out)});
+                parts[n_parts++] = {p.a.data_ptr(), p.b_t.data_ptr(), p.ranks.data_ptr<int32_t>(), nullptr, col,
+                                    static_cast<int>(n_out)};
             }
         }
         col += n_out;
     }
-    if (parts.empty()) return;
+    if (n_parts == 0) return;
     const int64_t rows = x.size(0), r_max = group[0].a.size(1);
     if (!v.defined() || v.numel() < int64_t(group.size()) * rows * r_max)
         v = at::empty({int64_t(group.size()), rows, r_max}, x.options().dtype(at::kFloat));
-    for (size_t j = 0; j < parts.size(); ++j) parts[j].v = v.data_ptr<float>() + j * rows * r_max;
-    const DType w_dtype = group[0].a.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
-    cpu::lora_group(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), parts.data(), int(parts.size()),
+    for (int j = 0; j < n_parts; ++j) parts[j].v = v.data_ptr<float>() + j * rows * r_max;
+    cpu::lora_group(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), parts.data(), n_parts,
                     scale.data_ptr<float>(), step.seg_starts.data_ptr<int32_t>(), step.seg_slots.data_ptr<int32_t>(),
                     int(rows), int(step.seg_slots.size(0)), int(scale.size(0)), int(x.size(1)), int(r_max),
-                    dtype_of(x, "x"), w_dtype);
+                    dtype_of(x, "x"), lora_weight_dtype(group[0].a));
+}
+
+}  // namespace
+
+void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, const at::Tensor& scale,
+                 const StepLora& step) {
+    TORCH_CHECK(!group.empty() && group.size() <= 7, "lora_group_: 1 to 7 projections, got ", group.size());
+    TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type(),
+                "lora_group_: x [rows, n_in] and y [rows, n_out] of one dtype expected, got ", x.sizes(), " ",
+                x.scalar_type(), " and ", y.sizes(), " ", y.scalar_type());
+    dtype_of(x, "x");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous() &&
+                    scale.size(0) == group[0].a.size(0),
+                "lora_group_: scale must be contiguous float32 [slots] (", group[0].a.size(0), " slots)");
+    check_lora_segments(y, step.seg_starts, step.seg_slots, y.size(0), scale.size(0));
+    at::Tensor v;
+    add_lora_(y, x, group, 0, scale, step, v);
 }
 
 at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
@@ -127,7 +148,7 @@ at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Te
     // matmul, then (with adapters) its LoRA deltas for the rows that use one
     auto linear = [&](const Linear& w, const at::Tensor& in, const std::vector<LoraProjection>* group, size_t first) {
         at::Tensor out = w(in);
-        if (lora != nullptr) lora_group_(out, in, *group, first, lora->scale, *step, v);
+        if (lora != nullptr) add_lora_(out, in, *group, first, lora->scale, *step, v);
         return out;
     };
     at::Tensor qkv = linear(wqkv, h, lora ? &lora->qkv : nullptr, 0).view({rows, n_heads + 2 * n_kv_heads, head_dim});

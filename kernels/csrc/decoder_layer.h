@@ -62,12 +62,12 @@ struct StepLora {
     StepLora(at::Tensor seg_starts_, at::Tensor seg_slots_, std::vector<bool> adapted_);
 };
 
-// y [rows, the group's outputs side by side] += each row's delta for the projections of `group` that
-// the step adapts (step.adapted[first + j] for the j-th), as DecoderLayer.decode adds them after a
-// matmul; v: float32 scratch, (re)made as needed. The tables and the step's segments are checked by
-// their constructors; rows of x and y must be contiguous.
-void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
-                 const at::Tensor& scale, const StepLora& step, at::Tensor& v);
+// y [rows, the group's outputs side by side] += each row's delta for the projections of `group` the
+// step adapts (step.adapted[j] for the j-th; the segments and the scales checked here), as
+// DecoderLayer.decode adds them after a fused matmul: on a CPU one team of threads for the group
+// (cpu::lora_group).
+void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, const at::Tensor& scale,
+                 const StepLora& step);
 
 struct DecoderLayer {
     Linear wqkv, wo, w_gate_up, w_down;  // [out, in] each: q, k, v stacked; o; gate, up stacked; down

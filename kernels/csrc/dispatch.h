@@ -30,6 +30,9 @@ inline DType dtype_of(const at::Tensor& t, const char* name) {
     }
 }
 
+// A LoRA table's dtype: float32 or bfloat16, as check_lora_weights allows.
+inline DType lora_weight_dtype(const at::Tensor& w) { return w.scalar_type() == at::kFloat ? DType::f32 : DType::bf16; }
+
 inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* name) {
     TORCH_CHECK(a.device() == b.device(), name, " is on ", b.device(), ", expected ", a.device());
 }

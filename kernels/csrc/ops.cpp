@@ -400,11 +400,6 @@ void check_lora_segments(const at::Tensor& on, const at::Tensor& seg_starts, con
     }
 }
 
-// float32 or bfloat16, as check_lora_weights allows
-static DType lora_weight_dtype(const at::Tensor& w) {
-    return w.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
-}
-
 void run_lora_shrink(at::Tensor& v, const at::Tensor& x, const at::Tensor& a, const at::Tensor& ranks,
                      const at::Tensor& seg_starts, const at::Tensor& seg_slots) {
     run_kernel("lora_shrink", x, cpu::lora_shrink, KERNELS_LAUNCHER(lora_shrink), v.data_ptr<float>(), v.stride(0),

@@ -134,13 +134,13 @@ void int8_gemm(void* y, const void* x, const int8_t* q, const float* scale, int 
 void bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype);
 
 // --- int4 weights times int8-quantized bf16 x, in integers (int4_q8_gemm.cpp) -------------------
-// For bf16 x of kGemmMinRows rows or more: each block of 32 inputs of a row of x quantized to int8
+// For bf16 x of any number of rows: each block of 32 inputs of a row of x quantized to int8
 // with its own scale (dx = max|x| / 127, xq = round(x / dx)), multiplied with the codes in integers
 // (vpmaddubsw on AVX2, VNNI's vpdpbusd on AVX512-BF16), then scaled per block:
 //   y[r, o] = sum_b scale[o, b] * dx[r, b] * sum_k code[o, k] xq[r, k]  +  min[o, b] * sum_k x[r, k]
 // The codes are first laid out into tiles of `width` outputs (int4_tiles; the layout is in the
 // .cpp), whose width is the ISA's: q8_tile_width(), 0 where there is none (portable C++).
-// tiles: uint8 [ceil(n_out / width), n_in / 32, 24 * width]; n_in a multiple of group_size.
+// tiles: uint8 [ceil(n_out / width), n_in / 32, kQ8TileBytes * width]; n_in a multiple of group_size.
 constexpr int kQ8TileBytes = 20;  // a tile's bytes per output and block: 16 of codes, a float16 scale and min
 int q8_tile_width();
 bool q8_gemm_applies(int rows, DType dtype, int tile_width);  // and the tiles' width is this ISA's

@@ -1,5 +1,5 @@
 // int4 weights times x quantized to int8: the matrix product in integers, as llama.cpp's Q4_1 x Q8
-// dot products do it, for bf16 x of many rows.
+// dot products do it, for bf16 x of any number of rows.
 //
 // gemm.cpp turns every weight into a float and multiplies in float32: 8 multiply-adds an AVX2
 // instruction, 16 an AVX512 one. Integers go further per instruction: vpmaddubsw multiplies 32
