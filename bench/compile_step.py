@@ -91,6 +91,12 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="int4 x bf16 as int8 (the engines' default), or --no-int8-activations: the float product",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)
@@ -108,7 +114,7 @@ def main() -> int:
     for name in ("eager", "loop", "compiled"):
         total = args.rounds * args.steps + 8
         engines[name] = decoding_engine(
-            args.chapter, args.model, args.quant, args.dtype, "on", args.prompt_tokens, total, 2
+            args.chapter, args.model, args.quant, args.dtype, "on", args.prompt_tokens, total, 2, args.int8_activations
         )
         static_steps(engines[name], args.chapter, name, args.cpp_wrapper)
     engines["eager"].step()

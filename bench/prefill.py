@@ -4,7 +4,7 @@ and a decode step of 16 sequences against a step of one, for the newest chapter 
 
     python bench/prefill.py                                  # int4 / Q4_1, prompts of 128 and 2000 tokens
     python bench/prefill.py --quant none                     # bf16 weights / the BF16 GGUF
-    python bench/prefill.py --int8-activations               # int4 x bf16 as int8, in integers
+    python bench/prefill.py --no-int8-activations            # int4 x bf16 in floats (not as int8)
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=~/llama-cpp-avx2 python bench/prefill.py
                                                              # an AVX2-only CPU, reproduced on a wider one
 
@@ -52,8 +52,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--int8-activations",
-        action="store_true",
-        help="int4 weights meet bf16 x as int8 at every row count (the engine's --int8-activations; chapter 06's README)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="int4 weights meet bf16 x as int8 at every row count (the engine's default; --no-int8-activations: "
+        "the float product; chapter 06's README)",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

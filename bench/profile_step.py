@@ -9,6 +9,7 @@ sampler, the step's bookkeeping).
     python bench/profile_step.py --kernels off     # the PyTorch path (chapter 05's)
     python bench/profile_step.py --layers python   # each layer op by op from Python: the kernels one by one
     python bench/profile_step.py --sequences 16    # a step of 16 sequences decoding together
+    python bench/profile_step.py --no-int8-activations   # int4 x bf16 in floats (chapter 06's README)
 
 Three runs of --steps decode steps each, after a --prompt-tokens prompt and a warm-up:
   1. plain: the wall time per step, nothing instrumented;
@@ -101,7 +102,7 @@ def build(args, timed: TimedLibrary | None):
     steps = 3 * args.steps
     return decoding_engine(
         args.chapter, args.model, args.quant, args.dtype, args.kernels, args.prompt_tokens, steps, args.warmup,
-        args.sequences,
+        args.sequences, args.int8_activations,
     )  # fmt: skip
 
 
@@ -120,6 +121,12 @@ def main() -> int:
         default="one-call",
         help="decode steps' layers as the engine runs them, one C++ call each (the default), or op by op from "
         "Python (the per-kernel split)",
+    )
+    ap.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="int4 x bf16 as int8 (the engines' default), or --no-int8-activations: the float product",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -183,8 +190,10 @@ def main() -> int:
     for name, v in top.items():
         print(f"{'  ' + name:40} {v['self_s'] * 1e3:8.2f} {v['calls']:11.0f}")
     print(f"{'the rest: Python, at least':40} {rest * 1e3:8.2f}")
+    print(engine.model.ops.describe())
     result = {
         "machine": machine(),
+        "kernels": engine.model.ops.describe(),
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "step_ms": step_s * 1e3,
         "kernels_ms": {k: v * 1e3 for k, v in kernel_s.items()},

@@ -61,8 +61,10 @@ def main() -> int:
     ap.add_argument("--batch-invariant", action="store_true", help="chapter 06 on: the engine's --batch-invariant")
     ap.add_argument(
         "--int8-activations",
-        action="store_true",
-        help="chapter 06 on: int4 x bf16 as int8 at every row count (the engine's --int8-activations)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="chapter 06 on: int4 x bf16 as int8 at every row count (the engine's default; "
+        "--no-int8-activations: the float product)",
     )
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()

@@ -64,10 +64,10 @@ def make_requests(n: int, low: int, high: int, vocab: int, seed: int) -> list[tu
 
 
 def run_ours(chapter: int, args, requests) -> dict:
-    ch = load_chapter(chapter, "engine", "loading", "sampling", *(["ops"] if args.int8_activations else []))
+    ch = load_chapter(chapter, "engine", "loading", "sampling", *(["ops"] if chapter >= 6 else []))
     spec = ch.loading.quant_spec(SimpleNamespace(quant=args.quant, group_size=32, symmetric=False, lm_head="int8"))
-    # chapter 06 on: --int8-activations (ops.py's flags, of this same load)
-    flags = {"kernels": ch.ops.KernelFlags("auto", False, True)} if args.int8_activations else {}
+    # chapter 06 on: --[no-]int8-activations (ops.py's flags, of this same load)
+    flags = {"kernels": ch.ops.KernelFlags("auto", False, args.int8_activations)} if chapter >= 6 else {}
     engine, _ = ch.engine.build_engine(
         args.model,
         args.device,
@@ -248,7 +248,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="our engines' batch, and llama.cpp's slots")
     ap.add_argument(
-        "--int8-activations", action="store_true", help="chapters 06 on: the engine's --int8-activations (int4, CPU)"
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="chapters 06 on: the engine's --int8-activations (int4, CPU; the default), or --no-int8-activations",
     )
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

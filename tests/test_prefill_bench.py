@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_prefill_records_ttft_per_prompt_length_and_the_step_ratio(tmp_path, int8_x):
     out = tmp_path / "p.json"
     args = ["--chapter", "6", "--model", "tiny-llama3", "--prompt-tokens", "5,40", "--rounds", "2", "--out", str(out)]
-    args += ["--int8-activations"] if int8_x else []
+    args += [] if int8_x else ["--no-int8-activations"]  # int8 activations: the default
     r = run_python(["bench/prefill.py", *args], cwd=REPO)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())

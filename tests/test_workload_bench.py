@@ -8,6 +8,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from common.tools.chapters import newest_chapter
 from common.tools.warm_python import run_python
 
@@ -44,15 +46,17 @@ def test_bad_lengths_and_engines_are_usage_errors():
     assert r.returncode == 2 and "unknown engines ['ch04', 'ch99']" in r.stderr
 
 
-def test_int8_activations_reach_the_chapter_engine_and_the_record(tmp_path):
-    # --int8-activations builds the newest chapter's engine with the flag (int4 weights, bf16); the
-    # record says so, and the requests are served to their length as without it
+@pytest.mark.parametrize("int8_x", [True, False], ids=["int8-activations", "float"])
+def test_int8_activations_reach_the_chapter_engine_and_the_record(tmp_path, int8_x):
+    # int8 activations (the engines' default) or --no-int8-activations reach the newest chapter's
+    # engine (int4 weights, bf16); the record says which, and the requests are served to their length
     out = tmp_path / "w.json"
     args = ["--model", "tiny-llama3", "--engines", NEWEST, "--requests", "3", "--min-len", "3", "--max-len", "20"]
-    r = run_python(["bench/workload.py", *args, "--int8-activations", "--out", str(out)], cwd=REPO, timeout=600)
+    args += [] if int8_x else ["--no-int8-activations"]
+    r = run_python(["bench/workload.py", *args, "--out", str(out)], cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
-    assert result["int8_activations"] is True and result["runs"][NEWEST]["tok_s"] > 0
+    assert result["int8_activations"] is int8_x and result["runs"][NEWEST]["tok_s"] > 0
     assert result["runs"][NEWEST]["output_tokens"] == result["workload"]["output_tokens"]
     if "avx" in result["runs"][NEWEST]["ops"]:  # a CPU with an integer product: the engine names it
-        assert "int4 x int8 activations" in result["runs"][NEWEST]["ops"], result["runs"][NEWEST]["ops"]
+        assert ("int4 x int8 activations" in result["runs"][NEWEST]["ops"]) == int8_x, result["runs"][NEWEST]["ops"]

@@ -33,7 +33,7 @@ Parts (--parts, comma-separated; all by default):
               (ignore_eos), through Engine.stream: decode tok/s (the tokens after the first / their
               time), ms per step (median gap), TTFT. Chapter 06 with the kernels on and off (off is
               chapter 05's PyTorch), chapter 05 itself, with --quant weights and with bf16 weights;
-              with --peers llama.cpp, llama.cpp decoding one sequence (peers.py, one slot) on the
+              int4 on a CPU also with --no-int8-activations ("float x"); with --peers llama.cpp, llama.cpp decoding one sequence (peers.py, one slot) on the
               Q4_1 GGUF beside int4 and the BF16 GGUF beside bf16, the same prompt tokens.
   throughput  server.py on a free port, 16 (--concurrency) streaming chat clients at once, one
               request each (greedy, --max-tokens, ignore_eos): aggregate tok/s, TTFT and ITL p50/p99,
@@ -375,13 +375,14 @@ def chapter_modules(number: int | None = None) -> SimpleNamespace:
     if number is None:
         import engine
         import loading
+        import ops
         import sampling
 
-        return SimpleNamespace(engine=engine, loading=loading, sampling=sampling)
+        return SimpleNamespace(engine=engine, loading=loading, sampling=sampling, ops=ops)
     return load_chapter(number, "engine", "loading", "sampling")
 
 
-def build_decoder(mods, args, quant: str | None, num_blocks: int, kernels: str | None = None):
+def build_decoder(mods, args, quant: str | None, num_blocks: int, kernels=None):
     """An engine for one sequence at a time (no prefix cache: every round prefills its prompt)."""
     spec = mods.loading.quant_spec(SimpleNamespace(quant=quant, group_size=32, symmetric=False, lm_head="int8"))
     extra = {} if kernels is None else {"kernels": kernels}  # chapter 05 has no kernels
@@ -486,6 +487,10 @@ def part_decode(args) -> dict:
                 print(f"[decode] loading {CH} {w} kernels {kernels}", file=sys.stderr, flush=True)
                 e = build_decoder(ours, args, quant, num_blocks, kernels)
                 runners[f"{CH} {w} kernels {kernels}"] = (w, lambda k, e=e: our_decode(e, ours, prompt, k))
+            if w == "int4" and args.device == "cpu":  # the default's int8 activations, against the float product
+                print(f"[decode] loading {CH} {w} --no-int8-activations", file=sys.stderr, flush=True)
+                e = build_decoder(ours, args, quant, num_blocks, ours.ops.KernelFlags("on", False, False))
+                runners[f"{CH} {w} float x"] = (w, lambda k, e=e: our_decode(e, ours, prompt, k))
             if with_ch05:
                 print(f"[decode] loading ch05 {w}", file=sys.stderr, flush=True)
                 ch05 = chapter_modules(5)
@@ -536,6 +541,8 @@ def part_decode(args) -> dict:
     for w in weights:
         on = series[f"{CH} {w} kernels on"]["decode_tok_s"]
         ratios[f"{w}: kernels on / off"] = on / series[f"{CH} {w} kernels off"]["decode_tok_s"]
+        if f"{CH} {w} float x" in series:  # int8 activations (the default) / --no-int8-activations
+            ratios[f"{w}: int8 activations / float x"] = on / series[f"{CH} {w} float x"]["decode_tok_s"]
         if f"ch05 {w}" in series:
             ratios[f"{w}: {CH} kernels on / ch05"] = on / series[f"ch05 {w}"]["decode_tok_s"]
         if f"llama.cpp {PEER_GGUF.get(w)}" in series:

@@ -33,6 +33,7 @@ they call.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -452,7 +453,7 @@ class KernelFlags:
 
     choice: str = "auto"  # --kernels
     batch_invariant: bool = False  # --batch-invariant
-    int8_x: bool = False  # --int8-activations
+    int8_x: bool = True  # --int8-activations (--no-int8-activations: the float product)
 
     def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
         """The operations for `device` (and a model's head size); where "auto" falls back to
@@ -480,10 +481,12 @@ def add_arguments(ap) -> None:
     )
     k.add_argument(
         "--int8-activations",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="on a CPU, int4 weights meet bf16 activations as int8 per block of 32, multiplied in integers as "
-        "llama.cpp does, at every row count: 1.5-3x faster prompts and batched steps, a little less exact "
-        "(perplexity +1.2 %%), and a row's result the same whatever shares its step (see chapter 06's README)",
+        "llama.cpp does, at every row count (default): 1.5-3x faster prompts and batched steps, a little less "
+        "exact (perplexity +1.2 %%), and a row's result the same whatever shares its step; "
+        "--no-int8-activations multiplies in floats (see chapter 06's README)",
     )
 
 

@@ -162,7 +162,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per sequence (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="sequences (and adapters) of the batched rows")
-    ap.add_argument("--int8-activations", action="store_true", help="the engine's --int8-activations (chapter 06)")
+    ap.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's --int8-activations (chapter 06; the default), or --no-int8-activations",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     gguf_model = find_gguf()

@@ -18,20 +18,21 @@ def decoding_engine(
     steps: int,
     warmup: int,
     sequences: int = 1,
-    int8_activations: bool = False,
+    int8_activations: bool = True,
 ):
     """A chapter's engine (05 on) on the CPU, decoding `sequences` greedy sequences together, each
     a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken (the prompts and a
     few decodes); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
     decodes the next token of every sequence. int8_activations: chapter 06's --int8-activations
-    (int4 x bf16 as int8 at every row count, in integers)."""
+    (int4 x bf16 as int8 at every row count, in integers; the engines' default), False for
+    --no-int8-activations."""
     from types import SimpleNamespace
 
     from common.tools.chapters import load_chapter
 
-    ch = load_chapter(chapter, "engine", "loading", "sampling", *(["ops"] if int8_activations else []))
-    if int8_activations:  # chapter 06 on: --int8-activations (ops.py's flags, of this same load)
-        kernels = ch.ops.KernelFlags(kernels, False, True)
+    ch = load_chapter(chapter, "engine", "loading", "sampling", *(["ops"] if chapter >= 6 else []))
+    if chapter >= 6:  # --[no-]int8-activations (ops.py's flags, of this same load)
+        kernels = ch.ops.KernelFlags(kernels, False, int8_activations)
     spec = ch.loading.quant_spec(
         SimpleNamespace(quant=None if quant == "none" else quant, group_size=32, symmetric=False, lm_head="int8")
     )

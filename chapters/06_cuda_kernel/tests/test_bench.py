@@ -132,7 +132,8 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
     expected = [
         f"{who} {w}{on}"
         for w in ("int4", "bf16")
-        for who, on in (("ch06", " kernels on"), ("ch06", " kernels off"), ("ch05", ""))
+        for who, on in (("ch06", " kernels on"), ("ch06", " kernels off"), ("ch06", " float x"), ("ch05", ""))
+        if on != " float x" or w == "int4"  # int4 also --no-int8-activations, beside the default's int8 x
     ]
     if "ch05 int4" not in de["series"]:  # a copied chapter has no neighbour
         assert "[decode] chapter 05 is not beside this chapter" in r.stderr
@@ -143,6 +144,8 @@ def test_bench_runs_every_part_and_saves_figures(tmp_path):
         assert len(s["decode_tok_s_runs"]) == 1 and 0 <= s["same_tokens_as_kernels_off"] <= 4
     assert de["series"]["ch06 int4 kernels off"]["same_tokens_as_kernels_off"] == 4
     assert de["ratios"]["int4: kernels on / off"] > 0 and de["ratios"]["bf16: kernels on / off"] > 0
+    assert de["ratios"]["int4: int8 activations / float x"] > 0  # --no-int8-activations beside the default
+    assert "bf16: int8 activations / float x" not in de["ratios"]  # bf16 weights: no integer product
     assert "smollm2-135m" in de["llama_cpp"]["skipped"] or "llama_cpp" in de["llama_cpp"]["skipped"]
 
     tp = result["throughput"]

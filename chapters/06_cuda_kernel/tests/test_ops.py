@@ -75,7 +75,7 @@ def test_the_reference_path_and_the_torch_ops_are_qmatmul_s():
 
 
 def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
-    # --int8-activations (off by default): int4 weights get the library's tiles where the CPU has an
+    # --int8-activations (the default): int4 weights get the library's tiles where the CPU has an
     # integer product, and bf16 x is multiplied as int8 at every row count, each row by itself; off,
     # or float32 x: no tiles.
     import argparse
@@ -84,8 +84,8 @@ def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
 
     ap = argparse.ArgumentParser()
     ops_module.add_arguments(ap)
-    assert not ops_module.from_args(ap.parse_args([])).int8_x
-    assert ops_module.from_args(ap.parse_args(["--int8-activations"])).int8_x
+    assert ops_module.from_args(ap.parse_args([])).int8_x and ops_module.KernelFlags("on").int8_x
+    assert not ops_module.from_args(ap.parse_args(["--no-int8-activations"])).int8_x
     w = make("int4", 40, 256)
     ops_on, ops_off, ops_f32 = resolve("on", CPU, int8_x=True), resolve("on", CPU), resolve("on", CPU, int8_x=True)
     on = ops_on.quant_linear(w, CPU, torch.bfloat16, "auto")

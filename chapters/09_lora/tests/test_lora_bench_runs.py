@@ -4,6 +4,7 @@ asserted)."""
 import json
 from pathlib import Path
 
+import kernels
 import peers
 from common.tools.warm_python import run_python
 
@@ -28,16 +29,18 @@ def test_lora_bench_runs_and_saves_figures(tmp_path):
         assert {"llama.cpp base", "llama.cpp adapter"} <= set(result["tok_s"])
         assert set(result["tokens_agree"]) == {"base", "adapter"}
     assert "adapter x1 / base x1" in proc.stdout
-
-
-def test_int8_activations_reach_the_engine(tmp_path):
-    import kernels
-
-    out = tmp_path / "lora"
-    args = ["--tokens", "2", "--repeats", "1", "--batch", "1", "--int8-activations", "--out", str(out)]
-    proc = run_python([str(CHAPTER / "lora_bench.py"), *args], cwd=CHAPTER, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.with_suffix(".json").read_text())
+    # int8 activations by default: where the CPU has an integer product the kernels line names it
     assert result["int8_activations"] is True
     has_product = kernels.load().cpu_int8_product() != "none"  # none in portable C++
     assert ("int8 activations" in result["kernels"]) == has_product, result["kernels"]
+
+
+def test_no_int8_activations_reaches_the_engine(tmp_path):
+    # int8 activations are the default (test_lora_bench_runs_and_saves_figures); the flag turns them off
+    out = tmp_path / "lora"
+    args = ["--tokens", "2", "--repeats", "1", "--batch", "1", "--no-int8-activations", "--out", str(out)]
+    proc = run_python([str(CHAPTER / "lora_bench.py"), *args], cwd=CHAPTER, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["int8_activations"] is False
+    assert "int8 activations" not in result["kernels"], result["kernels"]
