@@ -3,7 +3,7 @@ and batch 1 against llama.cpp with the same adapter.
 
     python lora_bench.py                      # JSON + plot: bench/results/ch09_lora.json, .png
     python lora_bench.py --repeats 5 --tokens 64
-    python lora_bench.py --int8-activations --out ../../bench/results/ch09_lora_int8_x
+    python lora_bench.py --no-int8-activations --out ../../bench/results/ch09_lora_float_x
 
 Rows (SmolLM2, the Q4_1 GGUF run directly: llama.cpp's weights, bit for bit, as int4 G=32):
 - 16 sequences of the base model, against 16 sequences with 16 different rank-16 adapters on all
