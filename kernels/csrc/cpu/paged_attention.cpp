@@ -77,6 +77,21 @@ KERNELS_INLINE const float* rows_as_float(const void* pool, int64_t offset, int6
     }
 }
 
+// A block of one KV head's rows is n pieces of head_dim values, a pool row apart, in blocks
+// scattered over the pool: too short and too far apart for the hardware prefetchers. Asked for
+// one block ahead (two measured no better), the attention of a decode step of 16 sequences ran
+// 1.3x faster on the Xeon of chapter 06's README, where the pool is cold: the layer's weights
+// have streamed through the caches since.
+template <DType D>
+KERNELS_INLINE void prefetch_rows(const void* pool, int64_t offset, int64_t row_stride, int n, int hd) {
+    constexpr int64_t bytes = D == DType::f32 ? 4 : 2;
+    const char* base = static_cast<const char*>(pool);
+    for (int j = 0; j < n; ++j) {
+        const char* row = base + (offset + j * row_stride) * bytes;
+        for (int64_t at = 0; at < hd * bytes; at += 64) __builtin_prefetch(row + at);
+    }
+}
+
 template <class S>
 KERNELS_INLINE float dot(const float* a, const float* b, int n) {
     using V = typename S::V;
@@ -136,6 +151,11 @@ KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch
     for (int first = start; first < end; first += bs) {
         const int n = std::min(bs, end - first);
         const int64_t base = (int64_t(table[first / bs]) * bs * a.n_kv_heads + kvh) * hd;
+        if (first + bs < end) {  // the next block's rows, while this one computes
+            const int64_t next = (int64_t(table[first / bs + 1]) * bs * a.n_kv_heads + kvh) * hd;
+            prefetch_rows<D>(a.k_pool, next, row_stride, std::min(bs, end - first - bs), hd);
+            prefetch_rows<D>(a.v_pool, next, row_stride, std::min(bs, end - first - bs), hd);
+        }
         int64_t ks, vs;
         const float* k = rows_as_float<S, D>(a.k_pool, base, row_stride, n, hd, scratch.k, &ks);
         const float* v = rows_as_float<S, D>(a.v_pool, base, row_stride, n, hd, scratch.v, &vs);
