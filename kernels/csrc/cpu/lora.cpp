@@ -93,13 +93,6 @@ KERNELS_INLINE int next_slot(const Segments& seg, int i, int r1) {
     return -1;
 }
 
-template <DType D>
-KERNELS_INLINE void prefetch_span(const void* base, int64_t offset, int64_t n) {
-    constexpr int64_t bytes = D == DType::f32 ? 4 : 2;
-    const char* at = static_cast<const char*>(base) + offset * bytes;
-    for (int64_t b = 0; b < n * bytes; b += 64) __builtin_prefetch(at + b);
-}
-
 struct ShrinkArgs {
     float* v;
     int64_t v_stride;
@@ -202,8 +195,8 @@ KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1, int k_lo, 
         const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
         const int s_next = next_slot(p.seg, run.i, t1), rk_next = p.seg.rank(p.ranks, s_next);
         if (rk_next > k_lo)  // the next run's rows of A, ranks k_lo .. on
-            prefetch_span<DW>(p.a, (int64_t(s_next) * p.r_max + k_lo) * p.n_in,
-                              int64_t(std::min(rk_next, k_hi) - k_lo) * p.n_in);
+            prefetch_elements<DW>(p.a, (int64_t(s_next) * p.r_max + k_lo) * p.n_in,
+                                  int64_t(std::min(rk_next, k_hi) - k_lo) * p.n_in);
         int row = run.row;
         if (rk == 0) {
             for (; row < end; ++row) std::fill_n(p.v + int64_t(row) * p.v_stride + k_lo, k_hi - k_lo, 0.f);
@@ -276,7 +269,7 @@ KERNELS_INLINE void expand_range(const ExpandArgs& p, int t0, int t1, int o0, in
         const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
         const int s_next = next_slot(p.seg, run.i, t1), rk_next = p.seg.rank(p.ranks, s_next);
         for (int k = 0; k < rk_next; ++k)  // the next run's rows of B^T, outputs o0 .. o1 - 1
-            prefetch_span<DW>(p.b, (int64_t(s_next) * p.r_max + k) * p.n_out + o0, o1 - o0);
+            prefetch_elements<DW>(p.b, (int64_t(s_next) * p.r_max + k) * p.n_out + o0, o1 - o0);
         if (rk == 0) continue;  // the base model's rows (and an empty slot's) are left as they are
         int row = run.row;
         for (; row + MR <= end; row += MR) expand_rows<S, DY, DW, MR>(p, row, s, rk, o0, o1);

@@ -84,12 +84,7 @@ KERNELS_INLINE const float* rows_as_float(const void* pool, int64_t offset, int6
 // have streamed through the caches since.
 template <DType D>
 KERNELS_INLINE void prefetch_rows(const void* pool, int64_t offset, int64_t row_stride, int n, int hd) {
-    constexpr int64_t bytes = D == DType::f32 ? 4 : 2;
-    const char* base = static_cast<const char*>(pool);
-    for (int j = 0; j < n; ++j) {
-        const char* row = base + (offset + j * row_stride) * bytes;
-        for (int64_t at = 0; at < hd * bytes; at += 64) __builtin_prefetch(row + at);
-    }
+    for (int j = 0; j < n; ++j) prefetch_elements<D>(pool, offset + j * row_stride, hd);
 }
 
 template <class S>
