@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.tools.bench import RESULTS_DIR, machine
+from common.tools.bench import RESULTS_DIR, add_int8_activations, machine
 from common.tools.chapters import load_chapter, newest_chapter
 from common.tools.decoding import decoding_engine
 
@@ -50,13 +50,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument(
-        "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="int4 weights meet bf16 x as int8 at every row count (the engine's default; --no-int8-activations: "
-        "the float product; chapter 06's README)",
-    )
+    add_int8_activations(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from common.tools.bench import machine
+from common.tools.bench import add_int8_activations, machine
 from common.tools.chapters import chapter_number, newest_chapter
 from common.tools.decoding import decoding_engine, time_steps
 
@@ -122,12 +122,7 @@ def main() -> int:
         help="decode steps' layers as the engine runs them, one C++ call each (the default), or op by op from "
         "Python (the per-kernel split)",
     )
-    ap.add_argument(
-        "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="int4 x bf16 as int8 (the engines' default), or --no-int8-activations: the float product",
-    )
+    add_int8_activations(ap)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument(

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.tools.bench import PROMPTS, machine
+from common.tools.bench import PROMPTS, add_int8_activations, machine
 from common.tools.chapters import chapter_number, load_chapter, newest_chapter
 
 
@@ -59,13 +59,7 @@ def main() -> int:
     # The engine's default pool is a quarter of free memory: gigabytes to zero for a few requests.
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="each engine's KV pool")
     ap.add_argument("--batch-invariant", action="store_true", help="chapter 06 on: the engine's --batch-invariant")
-    ap.add_argument(
-        "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="chapter 06 on: int4 x bf16 as int8 at every row count (the engine's default; "
-        "--no-int8-activations: the float product)",
-    )
+    add_int8_activations(ap, "chapter 06 on: ")
     ap.add_argument("--out", type=Path, help="save the counts as JSON")
     args = ap.parse_args()
     if args.chapter < 5:

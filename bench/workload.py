@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.tools.bench import fmt, machine
+from common.tools.bench import add_int8_activations, fmt, machine
 from common.tools.chapters import chapter_exists, load_chapter, newest_chapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,12 +247,7 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="our engines' batch, and llama.cpp's slots")
-    ap.add_argument(
-        "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="chapters 06 on: the engine's --int8-activations (int4, CPU; the default), or --no-int8-activations",
-    )
+    add_int8_activations(ap, "chapters 06 on: ")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     ap.add_argument("--hf-batch", type=int, default=16, help="requests per static batch of HF generate")

@@ -41,7 +41,17 @@ import torch
 
 from common.cli import run_main
 from common.errors import UserError
-from common.tools.bench import RESULTS_DIR, command_line, fmt, int_list, machine, median, save_json, summarize
+from common.tools.bench import (
+    RESULTS_DIR,
+    add_int8_activations,
+    command_line,
+    fmt,
+    int_list,
+    machine,
+    median,
+    save_json,
+    summarize,
+)
 from engine import Engine, Request, build_engine
 from loading import quant_spec
 from ops import KernelFlags
@@ -380,12 +390,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--peers", default="", help="llama.cpp: also llama.cpp, plain and with prompt lookup (part one)")
-    ap.add_argument(
-        "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the engines' --int8-activations (a CPU; the default), or --no-int8-activations",
-    )
+    add_int8_activations(ap)
     ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"), help="the JSON (a .png beside it)")
     args = ap.parse_args()
     args.ks, args.batches = int_list(args.ks), int_list(args.batches)

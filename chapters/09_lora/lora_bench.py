@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.prepare_models import find_gguf
-from common.tools.bench import command_line, machine, save_json
+from common.tools.bench import add_int8_activations, command_line, machine, save_json
 from engine import Request, build_engine
 from lora import PROJECTIONS, projection_shapes
 from ops import KernelFlags
@@ -162,12 +162,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per sequence (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="sequences (and adapters) of the batched rows")
-    ap.add_argument(
-        "--int8-activations",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the engine's --int8-activations (chapter 06; the default), or --no-int8-activations",
-    )
+    add_int8_activations(ap)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     gguf_model = find_gguf()

@@ -10,6 +10,7 @@ an engine to time its steps is decoding.py's.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -193,6 +194,18 @@ def pct(xs, q: float) -> float:
 def fmt(x, spec: str = ".1f", none: str = "-") -> str:
     """A table cell: `none` for a figure that is missing (None or NaN)."""
     return none if x is None or x != x else format(x, spec)
+
+
+def add_int8_activations(ap: argparse.ArgumentParser, scope: str = "") -> None:
+    """--int8-activations / --no-int8-activations for a bench, on by default as in the engines
+    (chapter 06's ops.py); `scope` opens the help (e.g. "chapters 06 on: ")."""
+    ap.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"{scope}int4 weights meet bf16 x as int8 at every row count, as the engines do by default (a CPU); "
+        "--no-int8-activations: the float product (chapter 06's README)",
+    )
 
 
 def int_list(text: str) -> list[int]:
