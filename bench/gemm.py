@@ -14,7 +14,7 @@ matrices as dense bf16 and float32 weights. With bf16 x on AVX512-BF16 the produ
 two multiply-adds per float32 lane: its ceiling is twice the float32 peak printed. "int4 int8-x":
 int4_linear with the weight's tiles, which quantizes bf16 x to int8 and multiplies in integers
 (int4_q8_gemm.cpp: vpmaddubsw, or VNNI; what chapter 06's --int8-activations runs), its ceiling
-above the float32 peak too; bf16 x only. Each figure is the median
+above the float32 peak too; "int8 int8-x" the same for int8 weights (int8_q8_gemm.cpp); bf16 x only. Each figure is the median
 of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
 """
 
@@ -81,6 +81,7 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
         "int4": lambda x, w: ext.int4_linear(x, *w["int4"], 32),
         "int4 int8-x": lambda x, w: ext.int4_linear(x, *w["int4"], 32, w["int4 tiles"]),
         "int8": lambda x, w: ext.int8_linear(x, *w["int8"]),
+        "int8 int8-x": lambda x, w: ext.int8_linear(x, *w["int8"], w["int8 tiles"]),
         "bf16": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
         "torch bf16": lambda x, w: F.linear(x.bfloat16(), w["torch bf16"]),
         "torch f32": lambda x, w: F.linear(x.float(), w["torch f32"]),
@@ -88,7 +89,7 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
     flops = sum(2 * rows * n_out * n_in for n_out, n_in in SHAPES.values())
     out = {}
     for kind, call in calls.items():
-        if kind == "int4 int8-x" and dtype != torch.bfloat16:
+        if kind.endswith("int8-x") and dtype != torch.bfloat16:
             out[kind] = None  # float32 x keeps the float product
             continue
         seconds = timed(lambda: [call(xs[name], mats[name]) for name in SHAPES], repeats)  # noqa: B023
@@ -124,6 +125,7 @@ def main() -> int:
         ext.set_cpu_isa(isa)
         for name in SHAPES:  # laid out for this level's integer product (8 or 16 outputs wide)
             mats[name]["int4 tiles"] = ext.int4_tiles(*mats[name]["int4"], 32)
+            mats[name]["int8 tiles"] = ext.int8_tiles(mats[name]["int8"][0])
         peak = fma_peak(ext, isa, args.threads)
         print(f"[gemm] {isa}: float32 FMA peak {peak:.0f} GFLOP/s, {args.threads} threads", file=sys.stderr, flush=True)
         for dtype in (torch.bfloat16, torch.float32):
@@ -133,7 +135,7 @@ def main() -> int:
                                 "gflops": figures, "gemm": ext.cpu_gemm()})  # fmt: skip
     ext.set_cpu_isa(best)
 
-    kinds = ["int4", "int4 int8-x", "int8", "bf16", "torch bf16", "torch f32"]
+    kinds = ["int4", "int4 int8-x", "int8", "int8 int8-x", "bf16", "torch bf16", "torch f32"]
     print(f"\nGFLOP/s on SmolLM2-135M's layer matrices, {args.threads} threads (percent of the float32 FMA peak)")
     print(f"{'isa':<12}{'peak':>6} {'x':<9}{'rows':>5}" + "".join(f"{k:>17}" for k in kinds))
 
@@ -162,7 +164,8 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
     isas = list(dict.fromkeys(r["isa"] for r in results))
     fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
     for ax, isa in zip(axes[0], isas):
-        styles = {"int4": "-o", "int4 int8-x": "-D", "int8": "-s", "bf16": "-^", "torch bf16": ":x", "torch f32": ":+"}
+        styles = {"int4": "-o", "int4 int8-x": "-D", "int8": "-s", "int8 int8-x": "-d", "bf16": "-^",
+                  "torch bf16": ":x", "torch f32": ":+"}  # fmt: skip
         for kind, style in styles.items():
             here = {r["rows"]: r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16"}
             ys = [here[n] for n in rows_list]

@@ -51,7 +51,7 @@ def register() -> None:
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake(lib + "int8_linear")
-    def _(x, q, scale):
+    def _(x, q, scale, tiles=None):
         return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake(lib + "bf16_linear")

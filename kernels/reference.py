@@ -176,6 +176,16 @@ def int8_linear(x, q, scale) -> torch.Tensor:
     return (x.float() @ (q.float() * scale[:, None]).T).to(x.dtype)
 
 
+def int8_linear_q8(x, q, scale) -> torch.Tensor:
+    """int8_linear with x quantized per block (quantize_blocks_int8), the sums exact (csrc/cpu/int8_q8_gemm.cpp):
+    y[r, o] = scale[o] * sum_b dx[r, b] * sum_k q[o, k] xq[r, k]   (k over block b's 32 inputs)"""
+    xq, dx = quantize_blocks_int8(x)
+    rows, n_out = x.shape[0], q.shape[0]
+    dots = torch.einsum("rbk,obk->rob", xq.double().view(rows, -1, 32), q.double().view(n_out, -1, 32))  # exact
+    y = (dots.float() * dx[:, None, :]).sum(-1) * scale.float()
+    return y.to(x.dtype)
+
+
 def bf16_linear(x, w) -> torch.Tensor:
     return (x.float() @ w.float().T).to(x.dtype)
 

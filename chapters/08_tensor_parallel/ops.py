@@ -167,11 +167,12 @@ class KernelOps:
         """batch_invariant: every row of every step computed as it would be alone (--batch-invariant):
         the linear kernels in one form for any number of rows (a switch of the library, process-wide
         like torch.use_deterministic_algorithms), at any number of rows (no dense GEMM for big steps),
-        and prompt chunks' attention through the decode kernel, one query at a time. int8_x: int4
-        weights meet bf16 x as int8 at every row count, on a CPU (--int8-activations, KernelInt4Linear)."""
+        and prompt chunks' attention through the decode kernel, one query at a time. int8_x: int4 and
+        int8 weights meet bf16 x as int8 at every row count, on a CPU (--int8-activations, the tiles of
+        KernelInt4Linear and KernelInt8Linear)."""
         self._ext, self.device, self.batch_invariant = ext, torch.device(device), batch_invariant
         self.int8_x = int8_x and self.device.type == "cpu" and not batch_invariant  # invariant: matvec only
-        self.tile_bytes = 0  # of the int4 weights' tiles built so far (describe() says it)
+        self.tile_bytes = 0  # of the weights' tiles built so far (describe() says it)
         self._chunk_note_given = False
         if self.device.type == "cpu":
             ext.set_batch_invariant(batch_invariant)
@@ -275,11 +276,12 @@ class KernelOps:
         (and an unknown path's error) as qmatmul.prepare."""
         if path not in ("fast", "auto"):
             return prepare(w, device, dtype, path)
+        tiles = self.int8_x and dtype == torch.bfloat16
         if isinstance(w, Int8Weight):
-            kernel = KernelInt8Linear(w, self._ext, device)
+            kernel = KernelInt8Linear(w, self._ext, device, tiles=tiles)
         else:
-            kernel = KernelInt4Linear(w, self._ext, device, tiles=self.int8_x and dtype == torch.bfloat16)
-            self.tile_bytes += kernel.tile_bytes
+            kernel = KernelInt4Linear(w, self._ext, device, tiles=tiles)
+        self.tile_bytes += kernel.tile_bytes
         if path == "fast" or self.device.type == "cpu":
             return kernel
         return PerStepLinear(kernel, w.dequantize(dtype).to(device), KERNEL_MAX_ROWS[type(w)])
@@ -330,9 +332,9 @@ class KernelOps:
         where = self.device.type
         if where == "cpu":
             where = f"cpu, {self._ext.cpu_isa()}; gemm: {self._ext.cpu_gemm()}"
-            if self.tile_bytes:  # int4 weights with bf16 activations, --int8-activations
+            if self.tile_bytes:  # int4 or int8 weights with bf16 activations, --int8-activations
                 product = self._ext.cpu_int8_product()
-                where += f"; int4 x int8 activations: {product}, {self.tile_bytes / 1e6:.0f} MB of tiles"
+                where += f"; int8 activations: {product}, {self.tile_bytes / 1e6:.0f} MB of tiles"
         return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
 
 
@@ -375,18 +377,27 @@ class KernelInt4Linear:
 
 
 class KernelInt8Linear:
-    """kernels/' int8 matmul; of the library `lib` it keeps int8_linear."""
+    """kernels/' int8 matmul; of the library `lib` it keeps int8_linear. With `tiles`, as
+    KernelInt4Linear's: q laid out again (lib.int8_tiles, one more byte a weight) for bf16 x
+    quantized to int8 per block of 32 and multiplied in integers (csrc/cpu/int8_q8_gemm.cpp),
+    llama.cpp's Q8_0 x Q8_0: for an int4 model, its LM head."""
 
-    def __init__(self, w: Int8Weight, lib, device: torch.device):
+    def __init__(self, w: Int8Weight, lib, device: torch.device, tiles: bool = False):
         self.matmul = lib.int8_linear
         self.q, self.scale = aligned(w.q.to(device).contiguous()), w.scale.float().to(device)
+        self.tiles = None  # uint8 [out / width, in / 32, 32 * width]
+        if tiles and device.type == "cpu":
+            tiles = lib.int8_tiles(self.q)
+            self.tiles = tiles if tiles.numel() else None  # empty: no integer path here, or in % 32 != 0
+        self.tile_bytes = self.tiles.numel() if self.tiles is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale)
+        y = self.matmul(x.reshape(-1, x.shape[-1]).contiguous(), self.q, self.scale, self.tiles)
         return y.view(*x.shape[:-1], -1)
 
     def library_form(self) -> tuple[str, list[torch.Tensor], int]:
-        return "int8", [self.q, self.scale], 0
+        tiles = [self.tiles] if self.tiles is not None else []
+        return "int8", [self.q, self.scale, *tiles], 0
 
 
 class KernelBf16Linear:
@@ -483,7 +494,7 @@ def add_arguments(ap) -> None:
         "--int8-activations",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on a CPU, int4 weights meet bf16 activations as int8 per block of 32, multiplied in integers as "
+        help="on a CPU, int4 and int8 weights meet bf16 activations as int8 per block of 32, multiplied in integers as "
         "llama.cpp does, at every row count (default): 1.5-3x faster prompts and batched steps, a little less "
         "exact (perplexity +1.2 %%), and a row's result the same whatever shares its step; "
         "--no-int8-activations multiplies in floats (see chapter 06's README)",

@@ -64,7 +64,8 @@ TORCH_LIBRARY(llm_kernels, m) {
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor min, int group_size, Tensor? tiles=None) -> Tensor");
     m.def("int4_tiles(Tensor packed, Tensor scale, Tensor min, int group_size) -> Tensor");
-    m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? tiles=None) -> Tensor");
+    m.def("int8_tiles(Tensor q) -> Tensor");
     m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
 }
 
@@ -80,6 +81,7 @@ static void impl_all(torch::Library& m) {
     m.impl("int4_linear", &ops::int4_linear);
     m.impl("int4_tiles", &ops::int4_tiles);
     m.impl("int8_linear", &ops::int8_linear);
+    m.impl("int8_tiles", &ops::int8_tiles);
     m.impl("bf16_linear", &ops::bf16_linear);
 }
 
@@ -140,7 +142,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int4_tiles", &ops::int4_tiles,
           "an int4 weight laid out for the CPU's integer product (int4_linear's tiles); empty where it has none",
           py::arg("packed"), py::arg("scale"), py::arg("min"), py::arg("group_size"));
-    m.def("int8_linear", &ops::int8_linear, "x @ W.T for per-row int8 W", py::arg("x"), py::arg("q"), py::arg("scale"));
+    m.def("int8_linear", &ops::int8_linear, "x @ W.T for per-row int8 W (bf16 x in integers with tiles)", py::arg("x"),
+          py::arg("q"), py::arg("scale"), py::arg("tiles") = py::none());
+    m.def("int8_tiles", &ops::int8_tiles,
+          "an int8 weight laid out for the CPU's integer product (int8_linear's tiles); empty where it has none",
+          py::arg("q"));
     m.def("bf16_linear", &ops::bf16_linear, "x @ W.T for bfloat16 W", py::arg("x"), py::arg("w"));
     py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, or torch's GEMM on a dense weight")
         .def(py::init<const std::string&, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>>(),
@@ -200,7 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_fma_peak_gflops", &kernels::cpu::fma_peak_gflops, py::arg("steps") = 20'000'000,
           "the float32 FMA peak of this CPU at the current ISA and thread count, measured (GFLOP/s)");
     m.attr("gemm_min_rows") = kernels::kGemmMinRows;  // the linears' matrix product from this many rows (CPU, CUDA)
-    m.def("cpu_int8_product", [] {  // int4 weights times int8-quantized x (cpu/int4_q8_gemm.cpp)
+    m.def("cpu_int8_product", [] {  // int4/int8 weights times int8-quantized x (cpu/int4_q8_gemm.cpp, int8_q8_gemm.cpp)
         const int width = kernels::cpu::q8_tile_width();
         return std::string(width == 16 ? "avx512-vnni" : width == 8 ? "avx2-vpmaddubsw" : "none");
     });

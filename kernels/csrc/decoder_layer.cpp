@@ -13,9 +13,12 @@ Linear::Linear(const std::string& kind_name, std::vector<at::Tensor> weight_, in
                std::optional<at::Tensor> dense_)
     : kind(kind_of(kind_name)), weight(std::move(weight_)), group_size(group_size_), dense(std::move(dense_)) {
     const size_t tensors = kind == Kind::int4 ? 3 : kind == Kind::int8 ? 2 : kind == Kind::bf16 ? 1 : 0;
-    const bool int4_tiles = kind == Kind::int4 && weight.size() == 4;  // packed, scale, min and its tiles
-    TORCH_CHECK(weight.size() == tensors || int4_tiles, "Linear: ", kind_name, " takes ", tensors,
-                kind == Kind::int4 ? " weight tensors (or 4: with its tiles), got " : " weight tensors, got ",
+    // int4: packed, scale, min, and its tiles; int8: q, scale, and its tiles
+    const bool with_tiles = (kind == Kind::int4 || kind == Kind::int8) && weight.size() == tensors + 1;
+    TORCH_CHECK(weight.size() == tensors || with_tiles, "Linear: ", kind_name, " takes ", tensors,
+                kind == Kind::int4   ? " weight tensors (or 4: with its tiles), got "
+                : kind == Kind::int8 ? " weight tensors (or 3: with its tiles), got "
+                                     : " weight tensors, got ",
                 weight.size());
     TORCH_CHECK(kind != Kind::dense || dense, "Linear: a dense layer needs its dense weight");
 }
@@ -31,7 +34,9 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
     if (kind == Kind::int4)
         return int4_linear(x, weight[0], weight[1], weight[2], group_size,
                            weight.size() == 4 ? std::optional<at::Tensor>(weight[3]) : std::nullopt);
-    if (kind == Kind::int8) return int8_linear(x, weight[0], weight[1]);
+    if (kind == Kind::int8)
+        return int8_linear(x, weight[0], weight[1],
+                           weight.size() == 3 ? std::optional<at::Tensor>(weight[2]) : std::nullopt);
     return bf16_linear(x, weight[0]);
 }
 

@@ -250,14 +250,15 @@ int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::
     return n_in;
 }
 
-// The tiles' width, after checking them against the weight: [ceil(n_out / width), n_in / 32, 20 * width].
-int tiles_width(const at::Tensor& tiles, int64_t n_in, int64_t n_out) {
+// The tiles' width, after checking them against the weight: [ceil(n_out / width), n_in / 32, bytes * width],
+// bytes per output and block: 20 for int4_tiles, 32 for int8_tiles (`maker`).
+int tiles_width(const at::Tensor& tiles, int64_t n_in, int64_t n_out, int64_t bytes, const char* maker) {
     TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.is_contiguous() && tiles.is_cpu(),
-                "tiles: contiguous uint8 [n_tiles, n_in / 32, 20 * width] on the CPU expected (int4_tiles)");
-    const int64_t width = tiles.size(2) / cpu::kQ8TileBytes;
-    TORCH_CHECK(tiles.size(2) == cpu::kQ8TileBytes * width && width > 0 && tiles.size(1) == n_in / 32 &&
+                "tiles: contiguous uint8 [n_tiles, n_in / 32, ", bytes, " * width] on the CPU expected (", maker, ")");
+    const int64_t width = tiles.size(2) / bytes;
+    TORCH_CHECK(tiles.size(2) == bytes * width && width > 0 && n_in % 32 == 0 && tiles.size(1) == n_in / 32 &&
                     tiles.size(0) == (n_out + width - 1) / width,
-                "tiles ", tiles.sizes(), " are not int4_tiles of a [", n_out, ", ", n_in, "] weight");
+                "tiles ", tiles.sizes(), " are not ", maker, " of a [", n_out, ", ", n_in, "] weight");
     return static_cast<int>(width);
 }
 
@@ -272,7 +273,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
     if (tiles && tiles->numel() > 0 && x.is_cpu()) {
-        const int width = tiles_width(*tiles, n_in, n_out);
+        const int width = tiles_width(*tiles, n_in, n_out, cpu::kQ8TileBytes, "int4_tiles");
         if (cpu::q8_gemm_applies(static_cast<int>(x.size(0)), dtype, width)) {
             cpu::int4_q8_gemm(y.data_ptr(), x.data_ptr(), tiles->data_ptr<uint8_t>(), x.size(0), n_in, n_out, width,
                               dtype);
@@ -296,9 +297,18 @@ at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& scale, const a
     return tiles;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+namespace {
+
+void check_int8(const at::Tensor& q) {
     TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
                 "q: contiguous int8 [n_out, n_in] expected");
+}
+
+}  // namespace
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& tiles) {
+    check_int8(q);
     const int64_t n_out = q.size(0), n_in = q.size(1);
     check_x(x, n_in);
     TORCH_CHECK(
@@ -309,10 +319,30 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const DType dtype = dtype_of(x, "x");
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
+    if (tiles && tiles->numel() > 0 && x.is_cpu()) {
+        const int width = tiles_width(*tiles, n_in, n_out, cpu::kQ8Int8TileBytes, "int8_tiles");
+        if (cpu::q8_gemm_applies(static_cast<int>(x.size(0)), dtype, width)) {
+            cpu::int8_q8_gemm(y.data_ptr(), x.data_ptr(), tiles->data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                              x.size(0), n_in, n_out, width, dtype);
+            return y;
+        }
+    }
     run_kernel("int8_linear", x, cpu::int8_linear,
                linear_launcher(x.size(0), KERNELS_LAUNCHER(int8_linear), KERNELS_LAUNCHER(int8_gemm)), y.data_ptr(),
                x.data_ptr(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), x.size(0), n_in, n_out, dtype);
     return y;
+}
+
+at::Tensor int8_tiles(const at::Tensor& q) {
+    check_int8(q);
+    const int64_t n_out = q.size(0), n_in = q.size(1);
+    const int width = cpu::q8_tile_width();
+    if (!q.is_cpu() || width == 0 || n_in % 32 != 0) return at::empty({0}, q.options().dtype(at::kByte));
+    at::Tensor tiles = at::empty({(n_out + width - 1) / width, n_in / 32, cpu::kQ8Int8TileBytes * width},
+                                 q.options().dtype(at::kByte));
+    cpu::int8_tiles(tiles.data_ptr<uint8_t>(), q.data_ptr<int8_t>(), static_cast<int>(n_in), static_cast<int>(n_out),
+                    width);
+    return tiles;
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {

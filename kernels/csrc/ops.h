@@ -35,14 +35,19 @@ void rope_cache_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
 // x @ W.T for group-wise int4, per-row int8 and plain bfloat16 W
-// int4: with `tiles` (int4_tiles of the same weight), bf16 x of many rows on a CPU is multiplied in
-// integers (cpu/int4_q8_gemm.cpp); every other call goes as without them.
+// int4 and int8: with `tiles` (int4_tiles / int8_tiles of the same weight), bf16 x on a CPU is
+// multiplied in integers (cpu/int4_q8_gemm.cpp, cpu/int8_q8_gemm.cpp); every other call goes as
+// without them.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                        int64_t group_size, const std::optional<at::Tensor>& tiles = std::nullopt);
 // The int4 weight's codes, scales and mins laid out for the CPU's integer product: uint8 [n_tiles,
-// n_in / 32, 24 * width], width the ISA's (8 or 16); an empty tensor where this CPU has no such path.
+// n_in / 32, 20 * width], width the ISA's (8 or 16); an empty tensor where this CPU has no such path.
 at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min, int64_t group_size);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& tiles = std::nullopt);
+// The int8 weight's q the same way: uint8 [n_tiles, n_in / 32, 32 * width]; empty where this CPU has
+// no integer product, or n_in is not a multiple of 32.
+at::Tensor int8_tiles(const at::Tensor& q);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 
 // LoRA for many adapters in one batch (cpu/cpu_kernels.h has the contract): the shrink -> v float32

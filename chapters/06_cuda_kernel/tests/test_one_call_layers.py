@@ -139,7 +139,7 @@ def test_a_bad_linear_is_a_clear_error():
     ext = resolve("on", CPU)._ext
     with pytest.raises(RuntimeError, match="kind must be int4, int8, bf16 or dense, got int5"):
         ext.Linear("int5", [])
-    with pytest.raises(RuntimeError, match="int8 takes 2 weight tensors, got 1"):
+    with pytest.raises(RuntimeError, match=r"int8 takes 2 weight tensors \(or 3: with its tiles\), got 1"):
         ext.Linear("int8", [torch.zeros(2, 2, dtype=torch.int8)])
     with pytest.raises(RuntimeError, match="a dense layer needs its dense weight"):
         ext.Linear("dense", [])

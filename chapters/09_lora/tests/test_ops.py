@@ -27,8 +27,8 @@ def close_to_the_reference(prepared, w, rows):
         expected = linear(x, ref).float()
         bound = 2e-2 + 2e-2 * expected.abs()
         if getattr(prepared, "tiles", None) is not None and not kernels.load().batch_invariant():
-            # bf16 x meets int4 weights as int8 (csrc/cpu/int4_q8_gemm.cpp): an input moves by at most
-            # half its block's step, max|x| over the block of 32 / 254
+            # bf16 x meets the weights as int8 (csrc/cpu/int4_q8_gemm.cpp, int8_q8_gemm.cpp): an input
+            # moves by at most half its block's step, max|x| over the block of 32 / 254
             step = x.float().abs().view(n, -1, 32).amax(-1).repeat_interleave(32, dim=-1) / 254
             bound = bound + step @ dense.T
         diff = (linear(x, prepared).float() - expected).abs()
@@ -74,10 +74,11 @@ def test_the_reference_path_and_the_torch_ops_are_qmatmul_s():
         resolve("on", CPU).quant_linear(w, CPU, torch.bfloat16, "turbo")
 
 
-def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
-    # --int8-activations (the default): int4 weights get the library's tiles where the CPU has an
-    # integer product, and bf16 x is multiplied as int8 at every row count, each row by itself; off,
-    # or float32 x: no tiles.
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_int8_activations_are_for_quantized_weights_and_bf16_x_on_a_cpu(kind, cpu_isa):
+    # --int8-activations (the default): int4 and int8 weights get the library's tiles where the CPU
+    # has an integer product, and bf16 x is multiplied as int8 at every row count, each row by itself;
+    # off, or float32 x: no tiles.
     import argparse
 
     import ops as ops_module
@@ -86,7 +87,7 @@ def test_int8_activations_are_for_int4_weights_and_bf16_x_on_a_cpu(cpu_isa):
     ops_module.add_arguments(ap)
     assert ops_module.from_args(ap.parse_args([])).int8_x and ops_module.KernelFlags("on").int8_x
     assert not ops_module.from_args(ap.parse_args(["--no-int8-activations"])).int8_x
-    w = make("int4", 40, 256)
+    w = make(kind, 40, 256)
     ops_on, ops_off, ops_f32 = resolve("on", CPU, int8_x=True), resolve("on", CPU), resolve("on", CPU, int8_x=True)
     on = ops_on.quant_linear(w, CPU, torch.bfloat16, "auto")
     off = ops_off.quant_linear(w, CPU, torch.bfloat16, "auto")

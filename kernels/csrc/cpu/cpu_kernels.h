@@ -148,6 +148,25 @@ void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, co
                 int group_size, int width);
 void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width,
                   DType dtype);
+// x [rows, n_in] (n_in a multiple of 32) as both integer products take it: xq int8 [rows, n_in],
+// dx and xsum float32 [rows, n_in / 32] (x's sum over each block), in the calling thread's scratch,
+// valid until its next call. x86 only (elsewhere there are no tiles to meet it).
+struct Q8Rows {
+    int8_t* xq = nullptr;
+    float* dx = nullptr;
+    float* xsum = nullptr;
+};
+Q8Rows quantize_q8(const void* x, int rows, int n_in, DType dtype);
+
+// --- int8 weights times int8-quantized bf16 x, in integers (int8_q8_gemm.cpp) -------------------
+// The same for int8 weights (per output row, W[o, i] = scale[o] * q[o, i]), llama.cpp's Q8_0 x Q8_0:
+//   y[r, o] = scale[o] * sum_b dx[r, b] * sum_k q[o, k] xq[r, k]
+// q laid out into tiles of `width` (q8_tile_width()) outputs by int8_tiles (layout in the .cpp):
+// tiles: uint8 [ceil(n_out / width), n_in / 32, kQ8Int8TileBytes * width]; n_in a multiple of 32.
+constexpr int kQ8Int8TileBytes = 32;  // a tile's bytes per output and block: the block's 32 weights
+void int8_tiles(uint8_t* tiles, const int8_t* q, int n_in, int n_out, int width);
+void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* scale, int rows, int n_in, int n_out,
+                  int width, DType dtype);
 
 // The float32 FMA peak of this machine at the current ISA, on every OpenMP thread, measured by
 // `steps` steps of independent FMA chains (peak.cpp): the ceiling gemm.cpp's GFLOP/s compare to.

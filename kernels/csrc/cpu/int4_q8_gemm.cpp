@@ -221,6 +221,24 @@ void quantize_rows(const void* x, int rows, int n_in, int8_t* xq, float* dx, flo
 
 }  // namespace
 
+Q8Rows quantize_q8(const void* x, int rows, int n_in, DType dtype) {
+    Q8Rows q;
+#ifdef KERNELS_X86
+    const int blocks = n_in / kBlock;
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> scales;
+    if (int64_t(xq.size()) < int64_t(rows) * n_in) xq.resize(size_t(rows) * n_in);
+    if (int64_t(scales.size()) < 2 * int64_t(rows) * blocks) scales.resize(2 * size_t(rows) * blocks);
+    q = {xq.data(), scales.data(), scales.data() + int64_t(rows) * blocks};
+    if (dtype == DType::bf16) quantize_rows<DType::bf16>(x, rows, n_in, q.xq, q.dx, q.xsum);
+    else if (dtype == DType::f16) quantize_rows<DType::f16>(x, rows, n_in, q.xq, q.dx, q.xsum);
+    else quantize_rows<DType::f32>(x, rows, n_in, q.xq, q.dx, q.xsum);
+#else
+    (void)x, (void)rows, (void)n_in, (void)dtype;
+#endif
+    return q;
+}
+
 int q8_tile_width() {
 #ifdef KERNELS_X86
     // VNNI came with AVX512-BF16 on every CPU so far (Cooper Lake, Sapphire Rapids, Zen 4); asked anyway.
@@ -265,16 +283,8 @@ void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, co
 void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width, DType dtype) {
 #ifdef KERNELS_X86
     const int blocks = n_in / kBlock, F = width;
-    thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> scales;
-    if (int64_t(xq.size()) < int64_t(rows) * n_in) xq.resize(size_t(rows) * n_in);
-    if (int64_t(scales.size()) < 2 * int64_t(rows) * blocks) scales.resize(2 * size_t(rows) * blocks);
-    float* dx = scales.data();
-    float* xsum = dx + int64_t(rows) * blocks;
-    if (dtype == DType::bf16) quantize_rows<DType::bf16>(x, rows, n_in, xq.data(), dx, xsum);
-    else if (dtype == DType::f16) quantize_rows<DType::f16>(x, rows, n_in, xq.data(), dx, xsum);
-    else quantize_rows<DType::f32>(x, rows, n_in, xq.data(), dx, xsum);
-    const Q8Args a{y, xq.data(), dx, xsum, tiles, rows, n_in, n_out, blocks, dtype};
+    const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
+    const Q8Args a{y, q.xq, q.dx, q.xsum, tiles, rows, n_in, n_out, blocks, dtype};
     const int n_tiles = (n_out + F - 1) / F;
     const bool parallel = int64_t(rows) * n_in * n_out > (int64_t(1) << 17) && n_tiles > 1;
     if (F == 16) {
