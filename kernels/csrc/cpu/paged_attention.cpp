@@ -43,15 +43,15 @@ struct AttnArgs {
 };
 
 // Per-thread scratch of a task: per query head of the group, its query (scaled, as float), the
-// scores of one block of keys, and the running max and sum of its softmax; and one block of
-// keys and of values widened to float.
+// scores of one block of keys, and the running max and sum of its softmax; and one block of keys
+// widened to float (every head of the group takes its dot products with them).
 struct TaskScratch {
     float* q;       // [group, head_dim]
     float* scores;  // [group, block_size]
     float* m;       // [group]
     float* l;       // [group]
+    float* alpha;   // [group]: exp(old max - new max) of the block being added
     float* k;       // [block_size, head_dim]
-    float* v;       // [block_size, head_dim]
 };
 
 // n rows of head_dim values, `row_stride` apart from `offset` on, as float rows: widened into
@@ -107,12 +107,74 @@ KERNELS_INLINE float dot(const float* a, const float* b, int n) {
     return s;
 }
 
+// Heads of a GQA group whose value sums one pass over a block's V rows carries in registers: 4
+// vectors of head_dim per head (AVX512: 4 heads, 16 accumulators of its 32 registers; AVX2: 2
+// heads, 8 of 16).
+template <class S>
+constexpr int kPassHeads = 1;
+#ifdef KERNELS_X86
+template <>
+constexpr int kPassHeads<Avx2> = 2;
+template <>
+constexpr int kPassHeads<Avx512> = 4;
+#endif
+
+// acc[h] = alphas[h] * acc[h] + sum_j p[h][j] v_j for G heads (h < G), v_j the n rows of the block
+// from `base` (a pool row apart), p[h] `p_stride` apart, acc[h] `acc_stride` apart. Each head's
+// elements see the same multiply and multiply-adds in the same order as one head at a time would:
+// the same bits, with each V row loaded once for the G heads instead of G times.
+template <class S, DType D, int G>
+KERNELS_INLINE void pv_pass(const void* v_pool, int64_t base, int64_t row_stride, int n, int hd, const float* p,
+                            int p_stride, const float* alphas, float* acc, int64_t acc_stride) {
+    using V = typename S::V;
+    constexpr int W = S::W;
+    int i = 0;
+    for (; i + 4 * W <= hd; i += 4 * W) {
+        V o[G][4];
+        for (int h = 0; h < G; ++h)
+            for (int c = 0; c < 4; ++c) o[h][c] = S::mul(S::load(acc + h * acc_stride + i + c * W), S::set1(alphas[h]));
+        for (int j = 0; j < n; ++j) {
+            V vj[4];
+            for (int c = 0; c < 4; ++c) vj[c] = S::template load_as<D>(v_pool, base + j * row_stride + i + c * W);
+            for (int h = 0; h < G; ++h) {
+                const V pj = S::set1(p[h * p_stride + j]);
+                for (int c = 0; c < 4; ++c) o[h][c] = S::fma(pj, vj[c], o[h][c]);
+            }
+        }
+        for (int h = 0; h < G; ++h)
+            for (int c = 0; c < 4; ++c) S::store(acc + h * acc_stride + i + c * W, o[h][c]);
+    }
+    for (; i + W <= hd; i += W)
+        for (int h = 0; h < G; ++h) {
+            V o = S::mul(S::load(acc + h * acc_stride + i), S::set1(alphas[h]));
+            for (int j = 0; j < n; ++j)
+                o = S::fma(S::set1(p[h * p_stride + j]), S::template load_as<D>(v_pool, base + j * row_stride + i), o);
+            S::store(acc + h * acc_stride + i, o);
+        }
+    for (; i < hd; ++i)
+        for (int h = 0; h < G; ++h) {
+            float o = acc[h * acc_stride + i] * alphas[h];
+            for (int j = 0; j < n; ++j) o += p[h * p_stride + j] * load_as_float<D>(v_pool, base + j * row_stride + i);
+            acc[h * acc_stride + i] = o;
+        }
+}
+
+// pv_pass for `heads` (1..kPassHeads) heads, its count a template argument.
+template <class S, DType D, int G = kPassHeads<S>>
+KERNELS_INLINE void pv_heads(const void* v_pool, int64_t base, int64_t row_stride, int n, int hd, const float* p,
+                             int p_stride, const float* alphas, float* acc, int64_t acc_stride, int heads) {
+    if constexpr (G > 1) {
+        if (heads < G)
+            return pv_heads<S, D, G - 1>(v_pool, base, row_stride, n, hd, p, p_stride, alphas, acc, acc_stride, heads);
+    }
+    pv_pass<S, D, G>(v_pool, base, row_stride, n, hd, p, p_stride, alphas, acc, acc_stride);
+}
+
 template <class S, DType D>
 KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch, int b, int kvh, int p) {
     using V = typename S::V;
     constexpr int W = S::W;
     const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads, bs = a.block_size;
-    const int vec_end = hd - hd % W;
     const int context = a.context_lens[b];
     const int start = p * a.partition_size, end = std::min(start + a.partition_size, context);
     auto slot = [&](int g) { return (int64_t(b) * a.n_heads + int64_t(kvh) * group + g) * a.n_partitions + p; };
@@ -133,6 +195,7 @@ KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch
     }
     float* m = scratch.m;
     float* l = scratch.l;
+    float* alphas = scratch.alpha;
     for (int g = 0; g < group; ++g) {
         m[g] = -std::numeric_limits<float>::infinity();
         l[g] = 0.f;
@@ -151,9 +214,8 @@ KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch
             prefetch_rows<D>(a.k_pool, next, row_stride, std::min(bs, end - first - bs), hd);
             prefetch_rows<D>(a.v_pool, next, row_stride, std::min(bs, end - first - bs), hd);
         }
-        int64_t ks, vs;
+        int64_t ks;
         const float* k = rows_as_float<S, D>(a.k_pool, base, row_stride, n, hd, scratch.k, &ks);
-        const float* v = rows_as_float<S, D>(a.v_pool, base, row_stride, n, hd, scratch.v, &vs);
 
         for (int g = 0; g < group; ++g) {
             const float* qg = scratch.q + int64_t(g) * hd;
@@ -181,40 +243,13 @@ KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch
             }
             l[g] = l[g] * alpha + sum;
             m[g] = m_new;
-
-            // acc = alpha * acc + sum_j p_j v_j, over 4 register widths of head_dim at a time:
-            // 4 independent FMA chains through the block's keys, each acc element loaded and
-            // stored once per block.
-            float* acc = a.part_out + slot(g) * hd;
-            const V va = S::set1(alpha);
-            int i = 0;
-            for (; i + 4 * W <= vec_end; i += 4 * W) {
-                V o0 = S::mul(S::load(acc + i), va), o1 = S::mul(S::load(acc + i + W), va);
-                V o2 = S::mul(S::load(acc + i + 2 * W), va), o3 = S::mul(S::load(acc + i + 3 * W), va);
-                for (int jj = 0; jj < n; ++jj) {
-                    const V pj = S::set1(s[jj]);
-                    const float* vj = v + jj * vs + i;
-                    o0 = S::fma(pj, S::load(vj), o0);
-                    o1 = S::fma(pj, S::load(vj + W), o1);
-                    o2 = S::fma(pj, S::load(vj + 2 * W), o2);
-                    o3 = S::fma(pj, S::load(vj + 3 * W), o3);
-                }
-                S::store(acc + i, o0);
-                S::store(acc + i + W, o1);
-                S::store(acc + i + 2 * W, o2);
-                S::store(acc + i + 3 * W, o3);
-            }
-            for (; i < vec_end; i += W) {
-                V o = S::mul(S::load(acc + i), va);
-                for (int jj = 0; jj < n; ++jj) o = S::fma(S::set1(s[jj]), S::load(v + jj * vs + i), o);
-                S::store(acc + i, o);
-            }
-            for (; i < hd; ++i) {
-                float o = acc[i] * alpha;
-                for (int jj = 0; jj < n; ++jj) o += s[jj] * v[jj * vs + i];
-                acc[i] = o;
-            }
+            alphas[g] = alpha;
         }
+        // acc = alpha * acc + sum_j p_j v_j for every head of the group, reading each V row of the
+        // block once (from the pool, widened in registers) for up to kPassHeads heads at a time.
+        for (int g0 = 0; g0 < group; g0 += kPassHeads<S>)
+            pv_heads<S, D>(a.v_pool, base, row_stride, n, hd, scratch.scores + int64_t(g0) * bs, bs, alphas + g0,
+                           a.part_out + slot(g0) * hd, a.n_partitions * hd, std::min(kPassHeads<S>, group - g0));
     }
     for (int g = 0; g < group; ++g) {
         a.part_max[slot(g)] = m[g];
@@ -283,7 +318,7 @@ void task_scalar(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kv
 void merge_scalar(const AttnArgs& a, DType d, float* w, int b, int h) { merge_any<Scalar>(a, d, w, b, h); }
 #ifdef KERNELS_X86
 KERNELS_AVX2
-    __attribute__((flatten)) void task_avx2(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh, int p) {
+__attribute__((flatten)) void task_avx2(const AttnArgs& a, DType d, const TaskScratch& s, int b, int kvh, int p) {
     attention_task_any<Avx2>(a, d, s, b, kvh, p);
 }
 KERNELS_AVX2 __attribute__((flatten)) void merge_avx2(const AttnArgs& a, DType d, float* w, int b, int h) {
@@ -330,12 +365,12 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
 #pragma omp parallel if (parallel)
     {
         thread_local std::vector<float> buffer;
-        buffer.resize(size_t(group) * (head_dim + block_size + 2) + size_t(2) * block_size * head_dim);
+        buffer.resize(size_t(group) * (head_dim + block_size + 3) + size_t(block_size) * head_dim);
         float* q_scratch = buffer.data();
         float* scores = q_scratch + size_t(group) * head_dim;
         float* m = scores + size_t(group) * block_size;
-        float* k = m + 2 * group;
-        const TaskScratch scratch{q_scratch, scores, m, m + group, k, k + size_t(block_size) * head_dim};
+        float* k = m + 3 * group;
+        const TaskScratch scratch{q_scratch, scores, m, m + group, m + 2 * group, k};
 #pragma omp for schedule(dynamic)
         for (int64_t t = 0; t < tasks; ++t) {
             const int p = int(t % n_partitions);
