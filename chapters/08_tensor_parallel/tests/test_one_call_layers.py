@@ -17,12 +17,15 @@ from common.models import resolve_model
 from common.tools.testing import CPU_ISAS, cpu_isa, shared  # noqa: F401  (cpu_isa: a fixture)
 
 CPU = torch.device("cpu")
-# kind -> (model, dtype, quant): int4 G=32 and int8 (each with the dense copy for big steps), bf16
+# kind -> (model, dtype, quant[, int8 activations]): int4 G=32 and int8 (each with the dense copy
+# for big steps), the same with x as int8 (the weights' tiles, in the layer's Linear too), bf16
 # weights (the bf16 kernel, torch's GEMM above 8 rows), float32 weights (torch's GEMM only).
 CASES = {
     "int4 smollm2": ("smollm2-135m", torch.bfloat16, QuantSpec(4, 32)),
     "int4": ("tiny-llama3", torch.bfloat16, QuantSpec(4, 32)),
     "int8": ("tiny-llama3", torch.bfloat16, QuantSpec(8)),
+    "int4 int8-x": ("tiny-llama3", torch.bfloat16, QuantSpec(4, 32), True),
+    "int8 int8-x": ("tiny-llama3", torch.bfloat16, QuantSpec(8), True),
     "bf16": ("tiny-llama3", torch.bfloat16, None),
     "fp32": ("tiny-llama3", torch.float32, None),
 }
@@ -34,12 +37,13 @@ LEVELS = [(kind, isa, n) for kind in TINY for isa in CPU_ISAS for n in (1, 3)]
 LEVELS += [(kind, None, 12) for kind in TINY] + [("int4 smollm2", None, n) for n in (1, 3, 12)]
 
 
-def load(name, dtype, quant, ops=None):
-    """The model with the kernels on, loaded once per case for the whole run (tests that change it
-    put it back); with other `ops`, a fresh one."""
+def load(name, dtype, quant, int8_x=False, ops=None):
+    """The model with the kernels on (x as int8 where `int8_x`), loaded once per case for the whole
+    run (tests that change it put it back); with other `ops`, a fresh one."""
     if ops is not None:
         return load_model(resolve_model(name), CPU, dtype, quant, ops=ops)
-    return shared(load_model, resolve_model(name), CPU, dtype, quant, ops=shared(resolve, "on", CPU))
+    ops = shared(resolve, "on", CPU, int8_x=True) if int8_x else shared(resolve, "on", CPU)
+    return shared(load_model, resolve_model(name), CPU, dtype, quant, ops=ops)
 
 
 @contextlib.contextmanager
