@@ -23,7 +23,7 @@ namespace kernels::ops {
 struct Linear {
     enum class Kind { int4, int8, bf16, dense };
     Kind kind;
-    std::vector<at::Tensor> weight;  // int4: packed, scale, min (and tiles); int8: q, scale (and tiles); bf16: w; dense: none
+    std::vector<at::Tensor> weight;  // int4: packed, scale, min; int8: q, scale (each + tiles); bf16: w; dense: none
     int64_t group_size;              // int4's
     std::optional<at::Tensor> dense;  // dense's weight
 

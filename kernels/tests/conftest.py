@@ -89,18 +89,24 @@ CPU_SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cpu"
 
 def build_planted(folder: Path, source: str, changes, shim: str, also: tuple[str, ...], prologue: str = ""):
     """The CPU half's `source` (e.g. "gemm.cpp") with planted bugs, built torch-free as a plain shared
-    library with a test's C shim, from copies of csrc/cpu/ in `folder`. changes: (old, new) text pairs,
-    each `old` found exactly once, so a bug never silently misses its place; also: the other sources it
-    needs; prologue: text put before the source, or a function of it. No compiler: the test skips."""
+    library with a test's C shim, from copies of csrc/cpu/ in `folder`. changes: (old, new) text pairs
+    for `source`, or (file, old, new) for another file of csrc/cpu/ (a header it includes), each `old`
+    found exactly once, so a bug never silently misses its place; also: the other sources it needs;
+    prologue: text put before each changed file, or a function of its text. No compiler: the test skips."""
     (folder / "cpu").mkdir()
     for f in CPU_SOURCES.iterdir():
         (folder / "cpu" / f.name).write_bytes(f.read_bytes())
     (folder / "kernels.h").write_bytes((CPU_SOURCES.parent / "kernels.h").read_bytes())
-    text = (folder / "cpu" / source).read_text()
-    for old, new in changes:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    (folder / "cpu" / source).write_text(prologue(text) if callable(prologue) else prologue + text)
+    by_file: dict[str, list[tuple[str, str]]] = {source: []}
+    for change in changes:
+        file, old, new = change if len(change) == 3 else (source, *change)
+        by_file.setdefault(file, []).append((old, new))
+    for file, edits in by_file.items():
+        text = (folder / "cpu" / file).read_text()
+        for old, new in edits:
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        (folder / "cpu" / file).write_text(prologue(text) if callable(prologue) else prologue + text)
     (folder / "cpu" / "shim.cpp").write_text(shim)
     sources = [str(folder / "cpu" / n) for n in ("shim.cpp", source, *also)]
     cxx = os.environ.get("CXX", "c++")
@@ -112,3 +118,30 @@ def build_planted(folder: Path, source: str, changes, shim: str, also: tuple[str
     except subprocess.CalledProcessError as e:
         pytest.fail(f"the planted copy does not compile: {e.stderr}")
     return ctypes.CDLL(str(folder / "planted.so"))
+
+
+def assert_caught_where_it_lives(ops, planted, index: int, bug: str, rows, widths, call) -> None:
+    """A bug planted in an integer product's tiles (number `index` of a build_planted copy, named
+    `bug`): call(r) runs r rows of x through the copy at its current ISA and returns (the tiles'
+    width, whether the result passes the check). With the bug on, every ISA level this CPU has
+    (AVX2 up) must fail the check exactly at the tile widths in `widths` that it runs; with it off,
+    every call must pass."""
+    level = ["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa())
+    if level == 0:
+        pytest.skip("this CPU has no AVX2: no integer product")
+    caught, ran = set(), set()
+    for on in (True, False):  # the bug on; then off: the same calls pass
+        planted.set_bug(index if on else -1)
+        for isa in range(1, level + 1):
+            assert planted.set_isa(isa) == 0
+            for r in rows:
+                width, passes = call(r)
+                ran.add(width)
+                if not passes:
+                    assert on, f"{bug}: the copy fails with the bug off, at tile width {width}"
+                    caught.add(width)
+    planted.set_bug(-1)
+    expected = ran & set(widths)
+    if not expected:
+        pytest.skip(f"{bug}: lives in tiles {widths} wide; this CPU runs {sorted(ran)}")
+    assert caught == expected, f"{bug}: caught at tile widths {sorted(caught)}, expected {sorted(expected)}"

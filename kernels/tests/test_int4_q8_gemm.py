@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from conftest import build_planted
+from conftest import assert_caught_where_it_lives, build_planted
 from kernels import reference
 from test_gemm import ROWS
 from test_quant_linear import int4_weight
@@ -172,12 +172,13 @@ PLANTED = {
     "VNNI drops the fourth of every four inputs of x": (
         ("_mm512_dpbusd_epi32(sum, codes, _mm512_set1_epi32(x))",
          "_mm512_dpbusd_epi32(sum, codes, _mm512_set1_epi32(BUG ? x & 0xFFFFFF : x))"), (16, 64), [16], (16,)),
+    # in q8_tiles.h, the walk over the tiles both integer products share
     "a tail tile of rows stores one row too few": (
-        ("store_outputs<F>(a, sums, r0, a.rows - r0, t * F);", "store_outputs<F>(a, sums, r0, a.rows - r0 - BUG, t * F);"),
-        (16, 64), [17, 19], (8, 16)),
+        ("q8_tiles.h", "store_outputs<F>(a, sums, r0, a.rows - r0, t * F);",
+         "store_outputs<F>(a, sums, r0, a.rows - r0 - BUG, t * F);"), (16, 64), [17, 19], (8, 16)),
     "the outputs of a partial tile lose their last": (
-        ("const int no = std::min(F, a.n_out - o0);", "const int no = std::min(F, a.n_out - o0) - (BUG && a.n_out - o0 < F);"),
-        (70, 64), [16], (8, 16)),
+        ("q8_tiles.h", "const int no = std::min(F, a.n_out - o0);",
+         "const int no = std::min(F, a.n_out - o0) - (BUG && a.n_out - o0 < F);"), (70, 64), [16], (8, 16)),
 }  # fmt: skip
 
 
@@ -185,9 +186,8 @@ PLANTED = {
 def planted(tmp_path_factory):
     """The CPU half built once with every bug above in its copy of int4_q8_gemm.cpp, each behind a
     switch (set_bug), so that each bug is checked alone at every tile width."""
-    changes = [
-        (old, new.replace("BUG", f"(planted_bug == {i})")) for i, ((old, new), *_) in enumerate(PLANTED.values())
-    ]
+    changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})"))
+               for i, (change, *_) in enumerate(PLANTED.values())]  # fmt: skip
     also = ("gemm.cpp", "quant_linear.cpp", "isa.cpp")
     return build_planted(tmp_path_factory.mktemp("planted_q8"), "int4_q8_gemm.cpp", changes, SHIM, also,
                          prologue="extern int planted_bug;\n")  # fmt: skip
@@ -208,26 +208,15 @@ def planted_call(lib, x, w, n_out):
 @pytest.mark.parametrize("bug", PLANTED)
 def test_a_planted_bug_fails_the_check(ops, planted, bug):
     _, (n_out, n_in), rows, widths = PLANTED[bug]
-    level = ["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa())
-    if level == 0:
-        pytest.skip("this CPU has no AVX2: no integer product")
     w = int4_weight(n_out, n_in, 32, seed=7)
-    caught, ran = set(), set()
-    for on in (True, False):  # the bug on; then off: the same calls pass
-        planted.set_bug(list(PLANTED).index(bug) if on else -1)
-        for isa in range(1, level + 1):
-            assert planted.set_isa(isa) == 0
-            for r in rows:
-                x = torch.randn(r, n_in).bfloat16()
-                y, width = planted_call(planted, x, w, n_out)
-                ran.add(width)
-                try:
-                    check_q8(y, x, *w, 32, bug)
-                except AssertionError:
-                    assert on, f"{bug}: the copy fails with the bug off, at tile width {width}"
-                    caught.add(width)
-    planted.set_bug(-1)
-    expected = ran & set(widths)
-    if not expected:
-        pytest.skip(f"{bug}: lives in tiles {widths} wide; this CPU runs {sorted(ran)}")
-    assert caught == expected, f"{bug}: caught at tile widths {sorted(caught)}, expected {sorted(expected)}"
+
+    def call(r):
+        x = torch.randn(r, n_in).bfloat16()
+        y, width = planted_call(planted, x, w, n_out)
+        try:
+            check_q8(y, x, *w, 32, bug)
+        except AssertionError:
+            return width, False
+        return width, True
+
+    assert_caught_where_it_lives(ops, planted, list(PLANTED).index(bug), bug, rows, widths, call)

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "q8_tiles.h"
 #include "vec.h"
 
 KERNELS_VECTOR_CODE_BEGIN
@@ -43,34 +44,8 @@ namespace kernels::cpu {
 
 namespace {
 
-constexpr int kBlock = 32;  // inputs of a block: x's quantization step and a tile's
-
-#define KERNELS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-
-struct Q8Args {
-    void* y;               // [rows, n_out] in dtype
-    const int8_t* xq;      // [rows, n_in]
-    const float* dx;       // [rows, blocks] x's scales
-    const float* xsum;     // [rows, blocks] sums of x over each block
-    const uint8_t* tiles;  // [ceil(n_out / F), blocks, kQ8TileBytes F]
-    int rows, n_in, n_out, blocks;
-    DType dtype;
-};
-
-// y[r0 + r, o0 .. o0 + F - 1] from a tile's float sums.
-template <int F, DType D>
-void store_rows(const Q8Args& a, const float* sums, int r0, int mr, int o0) {
-    const int no = std::min(F, a.n_out - o0);
-    for (int r = 0; r < mr; ++r)
-        for (int f = 0; f < no; ++f) store_from_float<D>(a.y, int64_t(r0 + r) * a.n_out + o0 + f, sums[r * F + f]);
-}
-
-template <int F>
-void store_outputs(const Q8Args& a, const float* sums, int r0, int mr, int o0) {
-    if (a.dtype == DType::bf16) return store_rows<F, DType::bf16>(a, sums, r0, mr, o0);
-    if (a.dtype == DType::f16) return store_rows<F, DType::f16>(a, sums, r0, mr, o0);
-    store_rows<F, DType::f32>(a, sums, r0, mr, o0);
-}
+using q8::kBlock;
+using Q8Args = q8::Args;
 
 #ifdef KERNELS_X86
 
@@ -160,27 +135,8 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Q8Ar
     q8_tile<VnniDot, Avx512, MR>(a, t, r0, s);
 }
 
-using TileFn = void (*)(const Q8Args&, const uint8_t*, int, float*);
-
-// Every row of x against tile row t, MR rows at a time, then the last 1..MR-1 (tile_of[rows]).
-template <int F, int MR>
-void tile_row(const Q8Args& a, int t, const TileFn* tile_of) {
-    const uint8_t* tile = a.tiles + int64_t(t) * a.blocks * kQ8TileBytes * F;
-    float sums[MR * F];
-    int r0 = 0;
-    for (; r0 + MR <= a.rows; r0 += MR) {
-        tile_of[MR](a, tile, r0, sums);
-        store_outputs<F>(a, sums, r0, MR, t * F);
-    }
-    if (r0 < a.rows) {
-        tile_of[a.rows - r0](a, tile, r0, sums);
-        store_outputs<F>(a, sums, r0, a.rows - r0, t * F);
-    }
-}
-
-constexpr int kRowsAvx2 = 4, kRowsVnni = 4;
-const TileFn avx2_tiles[kRowsAvx2 + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
-const TileFn vnni_tiles[kRowsVnni + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
+const q8::TileFn avx2_tiles[q8::kRows + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+const q8::TileFn vnni_tiles[q8::kRows + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
 
 // One row of x -> its blocks' xq, dx, xsum: round() of x * (127 / max|x|) to nearest, ties to
 // even (vcvtps2dq under the default rounding mode), as reference.py's torch.round.
@@ -282,18 +238,9 @@ void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, co
 
 void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width, DType dtype) {
 #ifdef KERNELS_X86
-    const int blocks = n_in / kBlock, F = width;
     const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
-    const Q8Args a{y, q.xq, q.dx, q.xsum, tiles, rows, n_in, n_out, blocks, dtype};
-    const int n_tiles = (n_out + F - 1) / F;
-    const bool parallel = int64_t(rows) * n_in * n_out > (int64_t(1) << 17) && n_tiles > 1;
-    if (F == 16) {
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int t = 0; t < n_tiles; ++t) tile_row<16, kRowsVnni>(a, t, vnni_tiles);
-    } else {
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int t = 0; t < n_tiles; ++t) tile_row<8, kRowsAvx2>(a, t, avx2_tiles);
-    }
+    const q8::Args a{y, q.xq, q.dx, q.xsum, nullptr, tiles, nullptr, rows, n_in, n_out, n_in / kBlock, dtype};
+    q8::run<kQ8TileBytes>(a, width, avx2_tiles, vnni_tiles);
 #else
     (void)y, (void)x, (void)tiles, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
 #endif

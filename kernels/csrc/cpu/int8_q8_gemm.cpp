@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "q8_tiles.h"
 #include "vec.h"
 
 KERNELS_VECTOR_CODE_BEGIN
@@ -32,36 +33,9 @@ namespace kernels::cpu {
 
 namespace {
 
-constexpr int kBlock = 32;
+using q8::kBlock;
+using Args = q8::Args;
 constexpr int kTileBytes = kQ8Int8TileBytes;
-
-#define KERNELS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-
-struct Args {
-    void* y;                // [rows, n_out] in dtype
-    const int8_t* xq;       // [rows, n_in]
-    const float* dx;        // [rows, blocks]
-    const int32_t* xq_sum;  // [rows, blocks] sums of xq over each block (VNNI's correction)
-    const uint8_t* tiles;   // [ceil(n_out / F), blocks, 32 F]
-    const float* scale;     // [n_out]
-    int rows, n_in, n_out, blocks;
-    DType dtype;
-};
-
-template <int F, DType D>
-void store_rows(const Args& a, const float* sums, int r0, int mr, int o0) {
-    const int no = std::min(F, a.n_out - o0);
-    for (int r = 0; r < mr; ++r)
-        for (int f = 0; f < no; ++f)
-            store_from_float<D>(a.y, int64_t(r0 + r) * a.n_out + o0 + f, sums[r * F + f] * a.scale[o0 + f]);
-}
-
-template <int F>
-void store_outputs(const Args& a, const float* sums, int r0, int mr, int o0) {
-    if (a.dtype == DType::bf16) return store_rows<F, DType::bf16>(a, sums, r0, mr, o0);
-    if (a.dtype == DType::f16) return store_rows<F, DType::f16>(a, sums, r0, mr, o0);
-    store_rows<F, DType::f32>(a, sums, r0, mr, o0);
-}
 
 #ifdef KERNELS_X86
 
@@ -144,27 +118,8 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Args
     q8_tile<VnniDot, Avx512, MR>(a, t, r0, s);
 }
 
-using TileFn = void (*)(const Args&, const uint8_t*, int, float*);
-
-// Every row of x against tile row t, MR rows at a time, then the last 1..MR-1 (tile_of[rows]).
-template <int F, int MR>
-void tile_row(const Args& a, int t, const TileFn* tile_of) {
-    const uint8_t* tile = a.tiles + int64_t(t) * a.blocks * kTileBytes * F;
-    float sums[MR * F];
-    int r0 = 0;
-    for (; r0 + MR <= a.rows; r0 += MR) {
-        tile_of[MR](a, tile, r0, sums);
-        store_outputs<F>(a, sums, r0, MR, t * F);
-    }
-    if (r0 < a.rows) {
-        tile_of[a.rows - r0](a, tile, r0, sums);
-        store_outputs<F>(a, sums, r0, a.rows - r0, t * F);
-    }
-}
-
-constexpr int kRows = 4;
-const TileFn avx2_tiles[kRows + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
-const TileFn vnni_tiles[kRows + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
+const q8::TileFn avx2_tiles[q8::kRows + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+const q8::TileFn vnni_tiles[q8::kRows + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
 
 #endif  // KERNELS_X86
 
@@ -190,7 +145,7 @@ void int8_tiles(uint8_t* tiles, const int8_t* q, int n_in, int n_out, int width)
 void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* scale, int rows, int n_in, int n_out,
                   int width, DType dtype) {
 #ifdef KERNELS_X86
-    const int blocks = n_in / kBlock, F = width;
+    const int blocks = n_in / kBlock;
     const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
     thread_local std::vector<int32_t> xq_sum;
     if (int64_t(xq_sum.size()) < int64_t(rows) * blocks) xq_sum.resize(size_t(rows) * blocks);
@@ -199,16 +154,8 @@ void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* sca
         for (int k = 0; k < kBlock; ++k) sum += q.xq[rb * kBlock + k];
         xq_sum[rb] = sum;
     }
-    const Args a{y, q.xq, q.dx, xq_sum.data(), tiles, scale, rows, n_in, n_out, blocks, dtype};
-    const int n_tiles = (n_out + F - 1) / F;
-    const bool parallel = int64_t(rows) * n_in * n_out > (int64_t(1) << 17) && n_tiles > 1;
-    if (F == 16) {
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int t = 0; t < n_tiles; ++t) tile_row<16, kRows>(a, t, vnni_tiles);
-    } else {
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int t = 0; t < n_tiles; ++t) tile_row<8, kRows>(a, t, avx2_tiles);
-    }
+    const Args a{y, q.xq, q.dx, q.xsum, xq_sum.data(), tiles, scale, rows, n_in, n_out, blocks, dtype};
+    q8::run<kTileBytes>(a, width, avx2_tiles, vnni_tiles);
 #else
     (void)y, (void)x, (void)tiles, (void)scale, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
 #endif
