@@ -203,7 +203,8 @@ def add_int8_activations(ap: argparse.ArgumentParser, scope: str = "") -> None:
         "--int8-activations",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help=f"{scope}int4 weights meet bf16 x as int8 at every row count, as the engines do by default (a CPU); "
+        help=f"{scope}int4 and int8 weights meet bf16 x as int8 at every row count, as the engines do by default "
+        "(a CPU); "
         "--no-int8-activations: the float product (chapter 06's README)",
     )
 

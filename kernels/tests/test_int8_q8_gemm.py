@@ -173,8 +173,8 @@ void gemm(void* y, const void* x, const uint8_t* t, const float* s, int rows, in
 # counts) and the tile widths whose code it lives in.
 PLANTED = {
     "VNNI forgets to take x's sum back off": (
-        ("_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xq_sum))",
-         "_mm512_sub_epi32(sum, _mm512_set1_epi32(BUG ? 0 : 128 * xq_sum))"), (16, 64), [16], (16,)),
+        ("_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xq_sum[rb]))",
+         "_mm512_sub_epi32(sum, _mm512_set1_epi32(BUG ? 0 : 128 * xq_sum[rb]))"), (16, 64), [16], (16,)),
     "AVX2 multiplies x without the weight's sign": (
         ("_mm256_sign_epi8(_mm256_set1_epi32(x), w.sign)",
          "(BUG ? _mm256_set1_epi32(x) : _mm256_sign_epi8(_mm256_set1_epi32(x), w.sign))"), (16, 64), [16], (8,)),

@@ -17,9 +17,6 @@
 //     4 inputs each, which add up without overflow.
 // The tile of one block, F outputs, 32F bytes: part j (0..7) of 4F bytes, byte 4f + t: weight
 // (f, 4j + t) of the block, q ^ 0x80 at width 16 (VNNI), q at width 8 (AVX2).
-#include <omp.h>
-
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -58,7 +55,7 @@ struct Avx2Dot {
         return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
     KERNELS_AVX2 static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-    KERNELS_AVX2 static __m256 block_sums(I sum, int32_t) { return _mm256_cvtepi32_ps(sum); }
+    KERNELS_AVX2 static __m256 block_sums(I sum, const int32_t*, int64_t) { return _mm256_cvtepi32_ps(sum); }
 };
 
 struct VnniDot {
@@ -71,8 +68,8 @@ struct VnniDot {
         return _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(x));
     }
     KERNELS_AVX512_VNNI static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-    KERNELS_AVX512_VNNI static __m512 block_sums(I sum, int32_t xq_sum) {
-        return _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xq_sum)));
+    KERNELS_AVX512_VNNI static __m512 block_sums(I sum, const int32_t* xq_sum, int64_t rb) {
+        return _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(128 * xq_sum[rb])));
     }
 };
 
@@ -101,7 +98,7 @@ KERNELS_INLINE void q8_tile(const Args& a, const uint8_t* tile, int r0, float* s
             const int64_t rb = int64_t(r0 + r) * a.blocks + b;
             typename D::I block = isum[r][0];
             if constexpr (C == 2) block = D::add(block, isum[r][1]);
-            acc[r] = S::fma(D::block_sums(block, a.xq_sum[rb]), S::set1(a.dx[rb]), acc[r]);
+            acc[r] = S::fma(D::block_sums(block, a.xq_sum, rb), S::set1(a.dx[rb]), acc[r]);
         }
     }
     for (int r = 0; r < MR; ++r) S::store(sums + r * F, acc[r]);
@@ -147,14 +144,17 @@ void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* sca
 #ifdef KERNELS_X86
     const int blocks = n_in / kBlock;
     const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
-    thread_local std::vector<int32_t> xq_sum;
-    if (int64_t(xq_sum.size()) < int64_t(rows) * blocks) xq_sum.resize(size_t(rows) * blocks);
-    for (int64_t rb = 0; rb < int64_t(rows) * blocks; ++rb) {
-        int32_t sum = 0;
-        for (int k = 0; k < kBlock; ++k) sum += q.xq[rb * kBlock + k];
-        xq_sum[rb] = sum;
+    thread_local std::vector<int32_t> xq_sum;  // VNNI's correction only: AVX2's tiles hold q itself
+    if (width == 16) {
+        if (int64_t(xq_sum.size()) < int64_t(rows) * blocks) xq_sum.resize(size_t(rows) * blocks);
+        for (int64_t rb = 0; rb < int64_t(rows) * blocks; ++rb) {
+            int32_t sum = 0;
+            for (int k = 0; k < kBlock; ++k) sum += q.xq[rb * kBlock + k];
+            xq_sum[rb] = sum;
+        }
     }
-    const Args a{y, q.xq, q.dx, q.xsum, xq_sum.data(), tiles, scale, rows, n_in, n_out, blocks, dtype};
+    const Args a{y,    q.xq,  q.dx,   q.xsum, width == 16 ? xq_sum.data() : nullptr, tiles, scale, rows,
+                 n_in, n_out, blocks, dtype};
     q8::run<kTileBytes>(a, width, avx2_tiles, vnni_tiles);
 #else
     (void)y, (void)x, (void)tiles, (void)scale, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
