@@ -95,22 +95,27 @@ def test_a_wait_raises_the_check_s_error_or_times_out_and_lets_other_threads_run
         ch.all_reduce(torch.ones(4))  # rank 1 never comes
     assert 0.15 < checks[-1] - checks[0] < 2  # about every 0.1 s
 
+    # The other thread notes the time as often as it gets to run. A wait that held the GIL would let
+    # it run not once in the middle of the 0.3 s; a count of its runs would be a timing test (on a
+    # loaded machine it ran 4 times in the wait, unloaded ~300), so: at least once, well inside.
     ticks = []
     stop = threading.Event()
 
     def other_thread():
         while not stop.is_set():
-            ticks.append(1)
+            ticks.append(time.monotonic())
             time.sleep(0.001)
 
     t = threading.Thread(target=other_thread)
     t.start()
     ch = channel(ops, tmp_path / "shm", 0, 2, timeout_s=0.3)
     try:
-        before = len(ticks)
+        start = time.monotonic()
         with pytest.raises(RuntimeError, match="did not arrive in 0.3 s"):
             ch.gather_last_dim(torch.ones(2, 2))
-        assert len(ticks) - before > 20  # the other thread ran through the wait
+        end = time.monotonic()
+        inside = [tick for tick in ticks if start + 0.05 < tick < end - 0.05]
+        assert inside, f"the other thread never ran during the {end - start:.2f} s wait"
     finally:
         stop.set()
         t.join()
