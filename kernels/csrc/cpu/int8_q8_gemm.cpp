@@ -83,6 +83,7 @@ KERNELS_INLINE void q8_tile(const Args& a, const uint8_t* tile, int r0, float* s
     typename S::V acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = S::zero();
     for (int b = 0; b < a.blocks; ++b, tile += kTileBytes * F) {
+        q8::prefetch_next_tile_row(a, tile, kTileBytes * F, r0);
         typename D::I isum[MR][C];
         for (int r = 0; r < MR; ++r)
             for (int c = 0; c < C; ++c) isum[r][c] = D::zero();

@@ -49,6 +49,17 @@ void store_outputs(const Args& a, const float* sums, int r0, int mr, int o0) {
     store_rows<F, DType::f32>(a, sums, r0, mr, o0);
 }
 
+// A tile row's weights come from memory once, for the first MR rows of x; the rows after take them
+// from the caches. Those first rows would wait on every load (the layers' tiles are tens of MB,
+// the hardware prefetcher does not run far enough ahead), so they also ask for the same block of
+// the next tile row (the next in memory, and the thread's next under a static schedule) while they
+// compute: a step of 16 rows then costs its loads or its arithmetic, not the two added up.
+KERNELS_INLINE void prefetch_next_tile_row(const Args& a, const uint8_t* block, int block_bytes, int r0) {
+    if (r0 != 0) return;
+    const uint8_t* next = block + int64_t(a.blocks) * block_bytes;
+    for (int i = 0; i < block_bytes; i += 64) __builtin_prefetch(next + i);
+}
+
 // A tile's sums for MR rows of x from r0: one per row count 1..kRows (an entry of each file's ISA).
 using TileFn = void (*)(const Args&, const uint8_t*, int, float*);
 
