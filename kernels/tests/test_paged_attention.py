@@ -73,8 +73,11 @@ def test_kernel_equals_reference(ops, device, n_heads, n_kv_heads, head_dim, len
 def test_every_cpu_path_and_block_size(ops, isa, block_size):
     lens = [1, block_size, 3 * block_size + 5, 97]
     # GQA groups of 3 and 5: the value sums take a group's heads 2 (AVX2) or 4 (AVX512) at a time,
-    # so both end on a pass of fewer heads
-    for (n_heads, n_kv_heads), dtype in itertools.product([(12, 4), (10, 2)], (torch.float32, torch.bfloat16)):
+    # so both end on a pass of fewer heads; and of 18, more heads than a vector has lanes (the
+    # softmax's rescale takes a group's heads 8 or 16 at a time). Blocks of 1 and 8 keys fill part
+    # of a vector of scores, blocks of 32 two (AVX512) or four (AVX2).
+    groups = [(12, 4), (10, 2), (18, 1)]
+    for (n_heads, n_kv_heads), dtype in itertools.product(groups, (torch.float32, torch.bfloat16)):
         case = make_case(len(lens), n_heads, n_kv_heads, 64, block_size, lens, dtype, "cpu", seed=block_size)
         expected = reference.paged_decode_attention(*case, 0.125)
         for partition in (block_size * 2, 128):

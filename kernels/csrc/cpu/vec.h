@@ -88,6 +88,7 @@ struct Scalar {
     static V fma(V a, V b, V c) { return a * b + c; }   // a * b + c
     static V fnma(V a, V b, V c) { return c - a * b; }  // c - a * b
     static float reduce_add(V a) { return a; }
+    static V reduce_each(const V* a) { return a[0]; }
     static V sub(V a, V b) { return a - b; }
     static V div(V a, V b) { return a / b; }
     static V min(V a, V b) { return a < b ? a : b; }
@@ -206,6 +207,20 @@ struct Avx2 {
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
+    // W horizontal sums at once, lane j = reduce_add(a[j]): one tree of shuffles and adds for all,
+    // 21 instructions instead of ~56. Pairs interleaved by 32-bit elements and added, then by
+    // 64-bit ones (each 128-bit lane then holds 4 vectors' partial sums), then the two lanes added.
+    KERNELS_AVX2 static V reduce_each(const V* a) {
+        V b[4], c[2];
+        for (int i = 0; i < 4; ++i)
+            b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+        for (int i = 0; i < 2; ++i) {
+            const __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(b[2 * i]), _mm256_castps_pd(b[2 * i + 1]));
+            const __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(b[2 * i]), _mm256_castps_pd(b[2 * i + 1]));
+            c[i] = _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));
+        }
+        return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+    }
 };
 
 struct Avx512 {
@@ -298,6 +313,24 @@ struct Avx512 {
         s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
+    }
+    // lane j = reduce_add(a[j]), as Avx2's, then two more levels across the four 128-bit lanes:
+    // 45 instructions instead of ~140.
+    KERNELS_AVX512 static V reduce_each(const V* a) {
+        V b[8], c[4], d[2];
+        for (int i = 0; i < 8; ++i)
+            b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+        for (int i = 0; i < 4; ++i) {
+            const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+            const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+            c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+        }
+        // 128-bit lanes 0, 2 and 1, 3 of two vectors side by side, added: neighbouring lanes summed
+        constexpr int even = 0b10001000, odd = 0b11011101;
+        for (int i = 0; i < 2; ++i)
+            d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], even),
+                                 _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], odd));
+        return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], even), _mm512_shuffle_f32x4(d[0], d[1], odd));
     }
 };
 
