@@ -11,7 +11,8 @@ namespace kernels::cpu {
 
 // --- instruction set, chosen once at run time ------------------------------------------------
 // Ordered: each level has every instruction of the ones below. avx512_bf16 is avx512 plus
-// vdpbf16ps, which only bf16_linear uses; every other kernel runs its avx512 path there.
+// vdpbf16ps, which the linear kernels and the GEMM use with bf16 x; every other kernel runs its
+// avx512 path there (the integer products ask for VNNI apart).
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
 Isa best_isa();         // what this CPU supports, capped by ATEN_CPU_CAPABILITY if set (default|avx2|avx512)
 Isa isa();              // the one in use
