@@ -116,8 +116,10 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Args
     q8_tile<VnniDot, Avx512, MR>(a, t, r0, s);
 }
 
-const q8::TileFn avx2_tiles[q8::kRows + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
-const q8::TileFn vnni_tiles[q8::kRows + 1] = {nullptr, tile_vnni<1>, tile_vnni<2>, tile_vnni<3>, tile_vnni<4>};
+const q8::TileFn avx2_tiles[q8::kRows<8> + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
+const q8::TileFn vnni_tiles[q8::kRows<16> + 1] = {nullptr,      tile_vnni<1>, tile_vnni<2>, tile_vnni<3>,
+                                                  tile_vnni<4>, tile_vnni<5>, tile_vnni<6>, tile_vnni<7>,
+                                                  tile_vnni<8>};
 
 #endif  // KERNELS_X86
 
