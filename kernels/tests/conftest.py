@@ -126,7 +126,7 @@ def assert_caught_where_it_lives(ops, planted, index: int, bug: str, rows, width
     width, whether the result passes the check). With the bug on, every ISA level this CPU has
     (AVX2 up) must fail the check exactly at the tile widths in `widths` that it runs; with it off,
     every call must pass."""
-    level = ["scalar", "avx2", "avx512", "avx512_bf16"].index(ops.best_cpu_isa())
+    level = ISAS.index(ops.best_cpu_isa())
     if level == 0:
         pytest.skip("this CPU has no AVX2: no integer product")
     caught, ran = set(), set()
