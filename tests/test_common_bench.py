@@ -85,6 +85,32 @@ def run_stream(content: bytes, status: int = 200, **kwargs) -> dict:
     return asyncio.run(go())
 
 
+def test_a_free_port_is_free_and_outside_the_ephemeral_range():
+    # Below the range the kernel draws outgoing connections' ports from: a server at TP=2 opens its
+    # ranks' gloo connections before it listens, and one took a port from bind(0) first.
+    import socket
+
+    ephemeral = serving.ephemeral_ports()
+    ports = {serving.free_port() for _ in range(8)}
+    assert len(ports) > 1  # drawn at random: two test processes do not race for one port
+    for port in ports:
+        assert 1024 <= port < ephemeral.start, (port, ephemeral)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free, as promised
+
+
+def test_no_free_port_is_a_clear_error(monkeypatch):
+    import socket
+
+    class Taken(socket.socket):
+        def bind(self, address):
+            raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(serving.socket, "socket", Taken)
+    with pytest.raises(RuntimeError, match="no free localhost port"):
+        serving.free_port()
+
+
 def test_stream_times_only_the_chunks_that_carry_tokens():
     progress = [0]
     r = run_stream(

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,30 @@ from common.tools.bench import PROMPTS, command_line, median, pct
 # --- servers ------------------------------------------------------------------------------------
 
 
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out to sockets that do not choose one (Linux's
+    /proc/sys/net/ipv4/ip_local_port_range; IANA's 49152-65535 elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(49152, 65536)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A localhost port that nothing listens on, for a server about to start: taken below the
+    ephemeral range. A port from bind(0) comes from that range, the one every outgoing connection
+    draws from: a server at --tensor-parallel-size 2 opens its ranks' gloo connections before it
+    listens, and one of them can take the port first (`address already in use`)."""
+    below = range(max(1024, ephemeral_ports().start - 16384), ephemeral_ports().start)
+    for port in random.Random(os.urandom(8)).sample(below, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free localhost port in {below.start}-{below.stop - 1} (64 tried)")
 
 
 def connect_from(address: str, port: int) -> socket.socket:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -11,17 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.tools.serving import free_port
 from common.tools.warm_python import start_python
 
 REACHES = ["server.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
 CHAPTER = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
