@@ -40,8 +40,9 @@ def ephemeral_ports() -> range:
 def free_port() -> int:
     """A localhost port that nothing listens on, for a server about to start: taken below the
     ephemeral range. A port from bind(0) comes from that range, the one every outgoing connection
-    draws from: a server at --tensor-parallel-size 2 opens its ranks' gloo connections before it
-    listens, and one of them can take the port first (`address already in use`)."""
+    draws from (a server at --tensor-parallel-size 2 opens its ranks' gloo connections before it
+    listens; other tests' clients run beside it): one of them can take the port first (`address
+    already in use`, seen in make test)."""
     below = range(max(1024, ephemeral_ports().start - 16384), ephemeral_ports().start)
     for port in random.Random(os.urandom(8)).sample(below, 64):
         with socket.socket() as s:
