@@ -86,8 +86,8 @@ def run_stream(content: bytes, status: int = 200, **kwargs) -> dict:
 
 
 def test_a_free_port_is_free_and_outside_the_ephemeral_range():
-    # Below the range the kernel draws outgoing connections' ports from: a server at TP=2 opens its
-    # ranks' gloo connections before it listens, and one took a port from bind(0) first.
+    # Below the range the kernel draws outgoing connections' ports from: in make test a server at
+    # TP=2, whose ranks connect before it listens, found its port from bind(0) already taken.
     import socket
 
     ephemeral = serving.ephemeral_ports()

@@ -43,7 +43,8 @@ def free_port() -> int:
     draws from (a server at --tensor-parallel-size 2 opens its ranks' gloo connections before it
     listens; other tests' clients run beside it): one of them can take the port first (`address
     already in use`, seen in make test)."""
-    below = range(max(1024, ephemeral_ports().start - 16384), ephemeral_ports().start)
+    first_ephemeral = ephemeral_ports().start
+    below = range(max(1024, first_ephemeral - 16384), first_ephemeral)
     for port in random.Random(os.urandom(8)).sample(below, 64):
         with socket.socket() as s:
             try:
