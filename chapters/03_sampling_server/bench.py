@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 
 from common.cli import run_main
 from common.tools.bench import RESULTS_DIR, machine
+from common.tools.serving import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,9 +29,7 @@ PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, str(HERE / "server.py"), "--model", args.model, "--port", str(port)]
     for flag in ("device", "dtype"):
         if getattr(args, flag):

@@ -68,11 +68,10 @@ def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, cal
 
 def allreduce_part(calls: int) -> dict:
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from common.tools.serving import free_port
+
+    port = free_port()
     shapes = [(r, h, d) for h in (256, 576) for r in (1, 16) for d in (torch.float32, torch.bfloat16)]
     from shm_channel import ShmChannel
 
