@@ -78,10 +78,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
         actual.shape,
         expected.shape,
     )
-    tol = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}[actual.dtype]
+    rtol, atol = TOLERANCE[actual.dtype]
     torch.testing.assert_close(
-        actual.float().cpu(), expected.float().cpu(), rtol=tol[0], atol=tol[1], msg=lambda m: f"{what}: {m}"
+        actual.float().cpu(), expected.float().cpu(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
     )
+
+
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}  # rtol, atol
 
 
 CPU_SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cpu"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_close
 from test_paged_attention import make_case
-from test_quant_linear import int4_weight
+from test_quant_linear import assert_int8_close, int4_weight
 
 from kernels import emulator, reference
 
@@ -203,7 +203,7 @@ def test_int8_linear(emu, n_out, n_in, rows, dtype):
     q = torch.randint(-127, 128, (n_out, n_in), generator=g, dtype=torch.int8)
     scale = torch.rand(n_out, generator=g) * 0.01
     x = torch.randn(rows, n_in, generator=g).to(dtype)
-    assert_close(emu.int8_linear(x, q, scale), reference.int8_linear(x, q, scale))
+    assert_int8_close(emu.int8_linear(x, q, scale), x, q, scale)
 
 
 @pytest.mark.parametrize("n_out,n_in,rows", LINEAR + [(21, 100, 2), (5, 13, 3)], ids=lambda v: str(v))
@@ -226,7 +226,7 @@ def test_quantized_linear_unaligned(emu):
     q_odd = torch.empty(20 * 256 + 1, dtype=torch.int8)[1:].view(20, 256)
     q_odd.copy_(q)
     s = scale[:, 0].float().contiguous()
-    assert_close(emu.int8_linear(x, q_odd, s), reference.int8_linear(x, q, s))
+    assert_int8_close(emu.int8_linear(x, q_odd, s), x, q, s)
     wb = (torch.randn(20, 256) * 0.05).bfloat16()
     wb_odd = torch.empty(20 * 256 + 1, dtype=torch.bfloat16)[1:].view(20, 256)  # 2 bytes past 16-byte alignment
     wb_odd.copy_(wb)

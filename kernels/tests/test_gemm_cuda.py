@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import assert_close
 from test_gemm import weights
-from test_quant_linear import assert_int4_close, int4_weight
+from test_quant_linear import assert_int4_close, assert_int8_close, int4_weight
 
 from kernels import reference
 
@@ -38,9 +38,10 @@ def test_every_row_count_on_cuda(ops, cuda, kind, dtype):
             what = f"{kind} {rows} x {n_in} -> {n_out}"
             if kind == "int4":
                 assert_int4_close(y, x, *w, 32, what)
+            elif kind == "int8":
+                assert_int8_close(y, x, *w, what)
             else:
-                fn = reference.int8_linear if kind == "int8" else reference.bf16_linear
-                assert_close(y, fn(x, *w), what)
+                assert_close(y, reference.bf16_linear(x, *w), what)
 
 
 def test_the_matrix_product_is_the_same_kernel_for_every_row_tile_on_cuda(ops, cuda):
