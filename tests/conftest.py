@@ -3,7 +3,11 @@ it editable) and chapters through common.tools.chapters."""
 
 import pytest
 
-from common.tools.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
+from common.tools.testing import (  # noqa: F401  (shared cores; seeded draws; devices used)
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_terminal_summary,
+)
 
 # Imported as a child interpreter starts (its folder first on PYTHONPATH): every import of a
 # hidden package fails as it would where the package was never installed.

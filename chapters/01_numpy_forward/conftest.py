@@ -8,4 +8,4 @@ nothing: it is an installed package (pyproject.toml).
 """
 
 from common.tools.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
-from common.tools.testing import pytest_configure  # noqa: F401  (parallel workers share the cores)
+from common.tools.testing import pytest_configure, pytest_runtest_setup  # noqa: F401  (shared cores; seeded draws)

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from common.tools.carried import pytest_collection_modifyitems  # noqa: F401  (carried tests skip where unchanged)
-from common.tools.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
+from common.tools.testing import (  # noqa: F401  (shared cores; seeded draws; devices used)
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_terminal_summary,
+)
 
 
 def _available(device: str) -> str | None:

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 import kernels
-from common.tools.testing import pytest_configure, pytest_terminal_summary  # noqa: F401  (shared cores; devices used)
+from common.tools.testing import (  # noqa: F401  (shared cores; seeded draws; devices used)
+    pytest_configure,
+    pytest_runtest_setup,
+    pytest_terminal_summary,
+)
 
 
 @pytest.fixture(scope="session")
