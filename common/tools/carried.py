@@ -48,16 +48,28 @@ def reached(chapter: Path, test: str, declared: tuple[str, ...] = ()) -> frozens
         seen.add(path)  # a declared file that is missing stays in: it differs, so the test runs
         if path.suffix != ".py" or not path.is_file():
             continue
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-        for node in ast.walk(tree):  # imports inside functions count too: they run when the test does
-            if isinstance(node, ast.Import):
-                todo += [modules[a.name.split(".")[0]] for a in node.names if a.name.split(".")[0] in modules]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in modules:
-                todo.append(modules[node.module.split(".")[0]])
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "REACHES" for t in node.targets):
-                todo += [chapter / name for name in ast.literal_eval(node.value)]
+        imported, reaches = names_in(path)
+        todo += [modules[name] for name in imported if name in modules]
+        todo += [chapter / name for name in reaches]
     return frozenset(str(p.relative_to(chapter)) for p in seen)
+
+
+@cache
+def names_in(path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the top-level names a file imports, the files its REACHES lists), parsed once a run: a
+    chapter's test files reach the same modules, each chapter's back to the first."""
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    imported = []
+    for node in ast.walk(tree):  # imports inside functions count too: they run when the test does
+        if isinstance(node, ast.Import):
+            imported += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.append(node.module.split(".")[0])
+    reaches = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "REACHES" for t in node.targets):
+            reaches += ast.literal_eval(node.value)
+    return tuple(imported), tuple(reaches)
 
 
 @cache
