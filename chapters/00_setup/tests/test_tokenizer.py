@@ -95,6 +95,21 @@ def test_bad_tokenizer_json(tmp_path, content):
         Tokenizer(d)
 
 
+def test_a_file_is_parsed_once_until_it_changes(tmp_path):
+    d = _copy_tokenizer(tmp_path)
+    first, second = Tokenizer(d), Tokenizer(d)
+    assert first._tok is second._tok  # one parse for both
+    vocab = json.loads((d / "tokenizer.json").read_text())
+    vocab["added_tokens"].append({**vocab["added_tokens"][-1], "id": 49152, "content": "<|new|>"})
+    (d / "tokenizer.json").write_text(json.dumps(vocab))
+    changed = Tokenizer(d)
+    assert changed._tok is not first._tok and changed.token_to_id("<|new|>") == 49152
+    assert first.token_to_id("<|new|>") is None
+    (d / "tokenizer.json").write_bytes(b"{}")
+    with pytest.raises(TokenizerError, match="not a valid tokenizer.json"):
+        Tokenizer(d)
+
+
 @pytest.mark.parametrize(
     "content,message",
     [
