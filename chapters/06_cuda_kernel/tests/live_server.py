@@ -54,7 +54,7 @@ def serve(log_dir: Path, model: str, *flags: str):
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
-            time.sleep(0.3)
+            time.sleep(0.05)  # a poll costs the server a millisecond; a late one, a core idle
         else:
             pytest.fail("server did not come up in 180 s")
         yield url, proc, log
