@@ -8,7 +8,8 @@ kGemmMinRows rows, csrc/ops.cpp; here it runs at every row count, 1 included.)""
 import pytest
 import torch
 from conftest import assert_close
-from test_quant_linear import assert_int4_close, assert_int8_close, int4_weight
+from test_gemm import check
+from test_quant_linear import int4_weight
 
 from kernels import emulator, reference
 
@@ -37,15 +38,6 @@ def gemm(emu, kind, x, w):
         packed, scale, min_ = w
         return emu.int4_gemm(x, packed, scale, min_, packed.shape[1] * 2 // scale.shape[1])
     return emu.int8_gemm(x, *w) if kind == "int8" else emu.bf16_gemm(x, *w)
-
-
-def check(y, kind, x, w, what):
-    if kind == "int4":
-        packed, scale, min_ = w
-        return assert_int4_close(y, x, packed, scale, min_, packed.shape[1] * 2 // scale.shape[1], what)
-    if kind == "int8":
-        return assert_int8_close(y, x, *w, what)
-    assert_close(y, reference.bf16_linear(x, *w), what)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])

@@ -35,11 +35,13 @@ def call(ops, kind, x, w):
 
 
 def check(y, kind, x, w, what):
+    """y of a `kind` product of x and the weights w (as weights() makes them) against the reference."""
     if kind == "int4":
-        return assert_int4_close(y, x, *w, 32, what)
-    if kind == "bf16":
-        return assert_close(y, reference.bf16_linear(x, *w), what)
-    assert_int8_close(y, x, *w, what)
+        packed, scale, min_ = w
+        return assert_int4_close(y, x, packed, scale, min_, packed.shape[1] * 2 // scale.shape[1], what)
+    if kind == "int8":
+        return assert_int8_close(y, x, *w, what)
+    assert_close(y, reference.bf16_linear(x, *w), what)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])

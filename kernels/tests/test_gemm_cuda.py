@@ -7,11 +7,9 @@ test_emulated_gemm.py)."""
 
 import pytest
 import torch
-from conftest import assert_close
-from test_gemm import weights
-from test_quant_linear import assert_int4_close, assert_int8_close, int4_weight
+from test_gemm import check, weights
+from test_quant_linear import int4_weight
 
-from kernels import reference
 
 ROWS = [*range(1, 20), 23, 31, 32, 33, 47, 63, 64, 65, 100, 127, 128, 129, 255, 300]
 # (n_out, n_in): outputs past a block of 64; inputs past a step of 32 (int8, bf16: 100 is also no
@@ -36,12 +34,7 @@ def test_every_row_count_on_cuda(ops, cuda, kind, dtype):
             x = x_all[:rows]
             y = call(x.to(cuda), w_gpu).cpu()
             what = f"{kind} {rows} x {n_in} -> {n_out}"
-            if kind == "int4":
-                assert_int4_close(y, x, *w, 32, what)
-            elif kind == "int8":
-                assert_int8_close(y, x, *w, what)
-            else:
-                assert_close(y, reference.bf16_linear(x, *w), what)
+            check(y, kind, x, w, what)
 
 
 def test_the_matrix_product_is_the_same_kernel_for_every_row_tile_on_cuda(ops, cuda):
