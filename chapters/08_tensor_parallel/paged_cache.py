@@ -12,19 +12,31 @@ sequence is block_manager.py's business: this file never looks at a sequence.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from common.config import LlamaConfig
+from memory import GiB, free_memory
 
 
 class PagedKVCache:
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, device, dtype: torch.dtype):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        device = torch.device(device)
+        nbytes = 2 * config.num_hidden_layers * math.prod(self.shape) * dtype.itemsize
+        free = free_memory(device)
+        if free is not None and nbytes > free:
+            raise MemoryError(
+                f"a KV cache of {num_blocks} blocks of {block_size} tokens needs {nbytes / GiB:.2f} GiB, more "
+                f"than the {free / GiB:.2f} GiB free on {device} (--kv-cache-memory-gb sizes the pool)"
+            )
         # zeros, not empty: a gathered block table may read slots no token has written yet
         # (masked out of attention, but a NaN from garbage memory would survive 0 * NaN).
-        self.k = [torch.zeros(self.shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(self.shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.k = [zeros(self.shape, device, dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [zeros(self.shape, device, dtype) for _ in range(config.num_hidden_layers)]
 
     @staticmethod
     def blocks_in(nbytes: int, config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -46,3 +58,17 @@ class PagedKVCache:
         for tensors in (self.k, self.v):
             for t in tensors:
                 t[dst] = t[src]
+
+
+def zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros that, on a CPU, takes memory only as its pages are first written.
+
+    The pool is sized for the worst case, and torch.zeros would write every byte of it at start-up
+    (a 5 GiB pool: 0.6 s, and all 5 GiB resident before the first request). An anonymous mapping
+    reads as zeros by definition (POSIX mmap), and the kernel backs a page only when it is first
+    written: the pool costs the blocks that sequences fill. On a GPU zeroing is a fast memset."""
+    if device.type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    n = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, n * dtype.itemsize))  # freed (unmapped) with the tensor
+    return torch.frombuffer(pages, dtype=dtype, count=n).view(shape)

@@ -1,0 +1,52 @@
+"""The KV block pool's memory: on a CPU it is taken as blocks are first written, not when the pool is
+made, and a pool larger than the free memory is refused with a clear error."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import paged_cache
+from common.config import load_config
+from common.models import resolve_model
+from paged_cache import PagedKVCache
+
+STATM = Path("/proc/self/statm")
+MiB = 2**20
+
+
+def resident_bytes() -> int:
+    return int(STATM.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not STATM.exists(), reason="needs Linux's /proc/self/statm to read the resident memory")
+def test_a_cpu_pool_takes_memory_as_its_blocks_are_written():
+    config = load_config(resolve_model("smollm2-135m"))
+    block_size = 16
+    n_blocks = 2**30 // (config.kv_bytes_per_token(4) * block_size)  # 1 GiB of float32 K and V
+    before = resident_bytes()
+    cache = PagedKVCache(config, n_blocks, block_size, "cpu", torch.float32)
+    made = resident_bytes()
+    assert cache.nbytes > 1000 * MiB
+    assert made - before < 64 * MiB, f"making the pool took {(made - before) / MiB:.0f} MiB"
+    # unwritten slots read as zeros (a gathered block table reads them, masked)
+    assert not cache.k[0][::97].any() and not cache.v[-1][::89].any()
+    # a block written costs about its own pages in every layer, and reads back what was written
+    slots = torch.arange(5 * block_size, 6 * block_size)
+    heads, dim = config.num_key_value_heads, config.head_dim
+    for layer in range(config.num_hidden_layers):
+        k, v = torch.randn(block_size, heads, dim), torch.randn(block_size, heads, dim)
+        cache.write(layer, slots, k, v)
+        assert torch.equal(cache.k[layer][5], k) and torch.equal(cache.v[layer][5], v)
+    assert resident_bytes() - made < 64 * MiB
+    assert not cache.k[0][4].any() and not cache.k[0][6].any()  # its neighbours untouched
+
+
+def test_a_pool_larger_than_the_free_memory_is_a_clear_error(monkeypatch):
+    config = load_config(resolve_model("tiny-llama3"))
+    monkeypatch.setattr(paged_cache, "free_memory", lambda device: 4 * MiB)
+    n_blocks = 8 * MiB // (config.kv_bytes_per_token(4) * 16) + 1
+    with pytest.raises(MemoryError, match=r"needs 0\.01 GiB, more than the 0\.00 GiB free on cpu"):
+        PagedKVCache(config, n_blocks, 16, "cpu", torch.float32)
+    PagedKVCache(config, 2 * MiB // (config.kv_bytes_per_token(4) * 16), 16, "cpu", torch.float32)  # fits
