@@ -26,6 +26,17 @@ def default_kv_bytes(device: torch.device) -> int | None:
     return None if free is None else int(free * DEFAULT_KV_SHARE)
 
 
+def check_fits(nbytes: int, device: torch.device) -> None:
+    """A MemoryError that says so when a pool of `nbytes` is more than `device` has free. A CPU pool
+    takes its pages as blocks fill (paged_cache.zeros): one too large would fail mid-run, not here."""
+    free = free_memory(torch.device(device))
+    if free is not None and nbytes > free:
+        raise MemoryError(
+            f"a KV cache of {nbytes / GiB:.2f} GiB is more than the {free / GiB:.2f} GiB free on {device}: "
+            "lower --kv-cache-memory-gb"
+        )
+
+
 def free_memory(device: torch.device) -> int | None:
     """Bytes a process could still allocate on `device`. On Linux CPUs, MemAvailable: free pages
     plus the page cache the kernel gives back on demand (free pages alone can be a small part of

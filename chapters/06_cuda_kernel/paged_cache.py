@@ -18,7 +18,6 @@ import mmap
 import torch
 
 from common.config import LlamaConfig
-from memory import GiB, free_memory
 
 
 class PagedKVCache:
@@ -26,13 +25,6 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         device = torch.device(device)
-        nbytes = 2 * config.num_hidden_layers * math.prod(self.shape) * dtype.itemsize
-        free = free_memory(device)
-        if free is not None and nbytes > free:
-            raise MemoryError(
-                f"a KV cache of {num_blocks} blocks of {block_size} tokens needs {nbytes / GiB:.2f} GiB, more "
-                f"than the {free / GiB:.2f} GiB free on {device} (--kv-cache-memory-gb sizes the pool)"
-            )
         # zeros, not empty: a gathered block table may read slots no token has written yet
         # (masked out of attention, but a NaN from garbage memory would survive 0 * NaN).
         self.k = [zeros(self.shape, device, dtype) for _ in range(config.num_hidden_layers)]

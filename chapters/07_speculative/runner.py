@@ -17,7 +17,7 @@ import torch
 from batch import Work, build_step
 from common.errors import UserError
 from cuda_graphs import DecodeGraphs
-from memory import default_kv_bytes
+from memory import check_fits, default_kv_bytes
 from model import Model, forward
 from paged_cache import PagedKVCache
 
@@ -28,7 +28,10 @@ def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | No
     budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_bytes(model.device)
     if budget is None:  # free memory unknown (MPS)
         return most
-    return min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+    blocks = min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+    if kv_cache_bytes is not None:  # the default is a share of what is free
+        check_fits(blocks * block_size * model.config.kv_bytes_per_token(model.dtype.itemsize), model.device)
+    return blocks
 
 
 class ModelRunner:

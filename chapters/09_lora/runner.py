@@ -20,7 +20,7 @@ from batch import Work, build_step
 from common.errors import UserError
 from cuda_graphs import DecodeGraphs
 from lora import Adapter, LoraWeights, read_adapter
-from memory import default_kv_bytes
+from memory import check_fits, default_kv_bytes
 from model import Model, forward
 from paged_cache import PagedKVCache
 from sharding import shard_adapter
@@ -35,7 +35,10 @@ def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | No
         return most
     if kv_cache_bytes is None:
         budget = max(0, budget - reserved)
-    return min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+    blocks = min(most, PagedKVCache.blocks_in(budget, model.config, block_size, model.dtype))
+    if kv_cache_bytes is not None:  # the default is a share of what is free
+        check_fits(blocks * block_size * model.config.kv_bytes_per_token(model.dtype.itemsize), model.device)
+    return blocks
 
 
 class ModelRunner:

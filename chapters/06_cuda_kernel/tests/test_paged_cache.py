@@ -1,16 +1,18 @@
 """The KV block pool's memory: on a CPU it is taken as blocks are first written, not when the pool is
-made, and a pool larger than the free memory is refused with a clear error."""
+made, and a budget for a pool larger than the free memory is refused with a clear error."""
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import paged_cache
+import memory
 from common.config import load_config
 from common.models import resolve_model
 from paged_cache import PagedKVCache
+from runner import pool_size
 
 STATM = Path("/proc/self/statm")
 MiB = 2**20
@@ -43,10 +45,13 @@ def test_a_cpu_pool_takes_memory_as_its_blocks_are_written():
     assert not cache.k[0][4].any() and not cache.k[0][6].any()  # its neighbours untouched
 
 
-def test_a_pool_larger_than_the_free_memory_is_a_clear_error(monkeypatch):
+def test_a_pool_budget_over_the_free_memory_is_a_clear_error(monkeypatch):
     config = load_config(resolve_model("tiny-llama3"))
-    monkeypatch.setattr(paged_cache, "free_memory", lambda device: 4 * MiB)
-    n_blocks = 8 * MiB // (config.kv_bytes_per_token(4) * 16) + 1
-    with pytest.raises(MemoryError, match=r"needs 0\.01 GiB, more than the 0\.00 GiB free on cpu"):
-        PagedKVCache(config, n_blocks, 16, "cpu", torch.float32)
-    PagedKVCache(config, 2 * MiB // (config.kv_bytes_per_token(4) * 16), 16, "cpu", torch.float32)  # fits
+    model = SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32)
+    block = config.kv_bytes_per_token(4) * 16
+    monkeypatch.setattr(memory, "free_memory", lambda device: 40 * block)
+    with pytest.raises(MemoryError, match=r"GiB is more than the 0\.\d\d GiB free on cpu: lower --kv-cache-memory-gb"):
+        pool_size(model, 16, most=1000, kv_cache_bytes=41 * block)
+    assert pool_size(model, 16, most=1000, kv_cache_bytes=40 * block) == 40
+    assert pool_size(model, 16, most=30, kv_cache_bytes=100 * block) == 30  # what is used is what counts
+    assert pool_size(model, 16, most=1000, kv_cache_bytes=None) == 10  # the default: a quarter of it
