@@ -60,8 +60,8 @@ def zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> t
     anonymous mapping reads as zeros by definition (POSIX mmap), and the kernel backs a page only
     when it is first written: the pool costs the blocks that sequences fill. On a GPU zeroing is
     a fast memset."""
-    if device.type != "cpu":
-        return torch.zeros(shape, device=device, dtype=dtype)
     n = math.prod(shape)
-    pages = mmap.mmap(-1, max(1, n * dtype.itemsize))  # freed (unmapped) with the tensor
+    if device.type != "cpu" or n == 0:
+        return torch.zeros(shape, device=device, dtype=dtype)
+    pages = mmap.mmap(-1, n * dtype.itemsize)  # unmapped when the tensor is freed
     return torch.frombuffer(pages, dtype=dtype, count=n).view(shape)

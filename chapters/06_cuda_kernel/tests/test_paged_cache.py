@@ -43,6 +43,11 @@ def test_a_cpu_pool_takes_memory_as_its_blocks_are_written():
         assert torch.equal(cache.k[layer][5], k) and torch.equal(cache.v[layer][5], v)
     assert resident_bytes() - made < 64 * MiB
     assert not cache.k[0][4].any() and not cache.k[0][6].any()  # its neighbours untouched
+    # every dtype a pool takes, and a pool of no block (mmap refuses a mapping of 0 bytes)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert PagedKVCache(config, 0, block_size, "cpu", dtype).k[0].shape == (0, block_size, heads, dim)
+        small = PagedKVCache(config, 3, block_size, "cpu", dtype)
+        assert small.k[2].dtype == dtype and not small.v[1].any()
 
 
 def test_a_pool_budget_over_the_free_memory_is_a_clear_error(monkeypatch):
