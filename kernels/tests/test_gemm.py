@@ -14,8 +14,13 @@ from kernels import reference
 from test_quant_linear import assert_int4_close, assert_int8_close, int4_weight
 
 ROWS = [*range(1, 20), 23, 31, 32, 33, 47, 64, 65, 127, 128, 129, 255, 300]
-# (n_out, n_in): outputs past a panel of 16; inputs past a vector of 8 / 16 / 32 (int8, bf16)
-SHAPES = {"int4": [(70, 320), (16, 64)], "int8": [(70, 100), (33, 320)], "bf16": [(70, 100), (21, 33)]}
+# (n_out, n_in): outputs past a panel of 6 / 12 and past a vector of 8 / 16; inputs past a vector of
+# 8 / 16 / 32 (int8, bf16), and (int4, 640) rows of inputs taken in two pieces
+SHAPES = {
+    "int4": [(70, 320), (16, 64), (40, 640)],
+    "int8": [(70, 100), (33, 320)],
+    "bf16": [(70, 100), (21, 33)],
+}
 
 
 def weights(kind: str, n_out: int, n_in: int, seed: int = 0):
@@ -95,20 +100,21 @@ void bf16(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_o
 """
 # Each bug shows only in some shapes, row counts or paths (the names say which).
 PLANTED = {
-    "a tail tile of rows leaves its last row's sums stale": [
-        ("run_rest<T, T::MR - 1>(a.rows - r0,", "run_rest<T, T::MR - 1>(a.rows - r0 - (a.rows - r0 > 1),")
+    "the last block of rows, alone in its tile, is never computed": [
+        ("if (b < blocks) T::template run<1>", "if (b + 1 < blocks) T::template run<1>")
     ],
-    "the last output of a partial panel is never stored": [
-        (
-            "const int no = std::min(kPanel, a.n_out - o0);\n"
-            "    for (int n = 0; n < kPanel; ++n) {\n        if (n < no) T::",
-            "const int no = std::min(kPanel, a.n_out - o0) - (a.n_out - o0 < kPanel);\n"
-            "    for (int n = 0; n < kPanel; ++n) {\n        if (n < no) T::",
-        )
+    "the last output of a partial panel is never filled": [
+        ("const int no = std::min(NO, a.n_out - o0);", "const int no = std::min(NO, a.n_out - o0) - (a.n_out - o0 < NO);")
+    ],
+    "the outputs past the last whole vector are never stored": [
+        ("    for (; o < a.n_out; ++o)\n        for (int r = r0;", "    for (; o + 1 < a.n_out; ++o)\n        for (int r = r0;")
     ],
     "the inputs past n_in are not zeroed": [
-        ("std::fill(row + a.n_in, row + a.K, 0.f);", "std::fill(row + a.n_in, row + a.K, 1.f);"),
+        ("for (; k < a.K; ++k) block[int64_t(k) * L + j] = 0.f;", "for (; k < a.K; ++k) block[int64_t(k) * L + j] = 1.f;"),
         ("    for (; i < a.K; ++i) p[i] = 0.f;", "    for (; i < a.K; ++i) p[i] = 1.f;"),
+    ],
+    "a long row's second piece starts its sums from zero": [
+        ("k0 == 0 ? S::zero() : S::load(yt + n * ld + v * L)", "S::zero()")
     ],
     "int4 scales a group with its neighbour's scale": [
         ("a.group_scale[int64_t(o) * groups + g]));\n            const typename S::V m",
@@ -116,11 +122,14 @@ PLANTED = {
     ],
 }
 # Which call shows each bug: (weights, (n_out, n_in), row counts, x's dtype). float32 x: the float
-# panels, on every ISA from AVX2 (AVX512-BF16 multiplies bf16 x in bf16 panels).
+# panels, on every ISA from AVX2 (AVX512-BF16 multiplies bf16 x in bf16 pairs). 16 and 40 rows are
+# 1 and 3 blocks of 16 (a lone block in the last tile), 5 blocks of 8.
 SHOWN_BY = {
-    "a tail tile of rows leaves its last row's sums stale": ("int8", (33, 320), [17, 18], torch.float32),
-    "the last output of a partial panel is never stored": ("bf16", (21, 33), [40], torch.float32),
+    "the last block of rows, alone in its tile, is never computed": ("int8", (33, 320), [16, 40], torch.float32),
+    "the last output of a partial panel is never filled": ("bf16", (21, 33), [40], torch.float32),
+    "the outputs past the last whole vector are never stored": ("bf16", (21, 33), [20], torch.float32),
     "the inputs past n_in are not zeroed": ("int8", (70, 100), [20], torch.float32),
+    "a long row's second piece starts its sums from zero": ("int4", (40, 640), [20], torch.float32),
     "int4 scales a group with its neighbour's scale": ("int4", (70, 320), [20], torch.float32),
 }
 

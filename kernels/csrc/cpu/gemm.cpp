@@ -5,29 +5,34 @@
 // registers, as the bytes stream in, and use it for the few rows of x in the call. With many rows
 // that turning (widening, masking, converting, scaling) is repeated for every few rows, and the
 // product, not the memory, sets the time. Here each weight is turned into a number once per call:
-//   1. a panel: kPanel consecutive weight rows (outputs), dequantized or widened into a small
-//      thread-local buffer, [kPanel][K] floats (or bf16 pairs, below), which stays in L1/L2;
-//   2. tiles: MR rows of x times NO rows of the panel, MR * NO accumulators in registers, each a
-//      vector along the inputs; per step, MR vectors of x and NO of the panel feed MR * NO FMAs,
-//      so loads stay under the FMAs the core can issue (AVX2: 3 x 4 tiles, 12 FMAs per 7 loads;
-//      AVX512: 4 x 4, 16 per 8); a tile's sums are reduced once, at its end;
-//   3. threads take panels (OpenMP over output rows), so no two write one output.
-// An inner-product tile (vectors along the inputs) and not the outer product of a BLAS (vectors
-// along the outputs): the panel is then each weight row as it is stored, dequantized in order,
-// where an outer product would need the codes of kPanel rows transposed, or repacked at load time
-// beside the layout the matrix-vector kernels read.
+//   1. x transposed once per call, in blocks of L rows (L = a vector's lanes): xt[b][k] is the
+//      vector of input k of rows bL .. bL + L - 1, one row a lane;
+//   2. a panel: NO consecutive weight rows (outputs), dequantized or widened into a small
+//      thread-local buffer, [NO][K] floats (or bf16, below), which stays in L1;
+//   3. tiles: NO outputs by MV blocks of rows, NO * MV accumulators in registers, each a vector
+//      along the rows; per input k, MV vectors of xt and NO weights broadcast from the panel feed
+//      NO * MV FMAs (AVX2: 6 x 2, 12 FMAs per 8 loads; AVX512: 12 x 2, 24 per 14), and a sum is
+//      whole when the k loop ends: no horizontal sums;
+//   4. the sums land in yt, the product transposed, and are written into y row by row at the end;
+//   5. threads take panels (OpenMP over outputs), then blocks of rows of y.
+// Why x and not W is transposed: the panel stays each weight row as it is stored, dequantized in
+// order, and x's transposition is paid once per call, where W's would be paid for every panel.
+// Why not tiles of dot products along the inputs (a vector along k, one horizontal sum per output
+// and row at the end, as llamafile's tinyBLAS does): SmolLM2's layers have K = 576 inputs, 36
+// vectors of 16, and the sums and scattered stores at a tile's end cost as much as a third of its
+// products; this layout reached 1.5x their speed on AVX512 (bench/gemm.py, chapter 06's README).
 //
 // int4 keeps quant_linear.cpp's deinterleaved order: a byte holds inputs 2j and 2j + 1, so a
 // vector of W bytes dequantizes to W even inputs and W odd ones, and x is deinterleaved to match,
 // once per call (the dot product does not care in which order it meets its terms).
 //
-// AVX512-BF16 with bf16 x: the panel holds bf16 weights, and vdpbf16ps multiplies 32 pairs of
-// them with 32 of x per instruction (half the instructions of float FMAs, products exact); a
-// dequantized int4 weight is then rounded to bf16 as a dense bf16 copy of W would be.
+// AVX512-BF16 with bf16 x: the panel holds bf16 weights, xt holds x's inputs in pairs, and
+// vdpbf16ps adds two products a lane per instruction (products exact); a dequantized int4 weight
+// is then rounded to bf16 as a dense bf16 copy of W would be.
 //
-// Every row count takes the same instructions per row here, in a tile of 1..MR rows, but a row's
-// sums are in another order than the matrix-vector kernels', so batch-invariant mode stays with
-// those (quant_linear.cpp decides; cpu_kernels.h says when this runs).
+// A row is one lane of every vector it meets, so its sums are the same instructions in every tile
+// and at every row count; but they are in another order than the matrix-vector kernels', so
+// batch-invariant mode stays with those (quant_linear.cpp decides; cpu_kernels.h says when this runs).
 #include <omp.h>
 
 #include <algorithm>
@@ -43,13 +48,15 @@ namespace kernels::cpu {
 
 namespace {
 
-constexpr int kPanel = 16;  // weight rows per panel (a multiple of every NO below)
+// Inputs of a panel a tile takes at once, at most: 12 rows of 512 floats, 24 KB, stay in L1 beside
+// x's vectors. Longer rows (SmolLM2's down projection, 1536 inputs) are cut into equal pieces (a
+// multiple of 32), their sums carried in yt from one piece to the next (768: 5-10 % slower there).
+constexpr int kMaxChunk = 512;
 
 enum class Format { int4, int8, bf16 };
 
 struct GemmArgs {
     void* y;                      // [rows, n_out] in dtype
-    const void* x;                // prepared x: float [rows, K], or (bf16 dot) uint16 [rows, K]
     const void* w;                // as the format stores it (cpu_kernels.h)
     const float* scale;           // int8: [n_out]
     const uint16_t* group_scale;  // int4: float16 [n_out, n_in / G]
@@ -66,19 +73,9 @@ T* scratch(std::vector<T>& buffer, int64_t n) {
     return buffer.data();
 }
 
-// y[r, o] for the sums of a tile: int8 scales them by its row's scale.
-void store_sums(const GemmArgs& a, const float* sums, int r0, int mr, int o0, int no) {
-    for (int r = 0; r < mr; ++r)
-        for (int n = 0; n < no; ++n) {
-            const int o = o0 + n;
-            const float s = sums[r * kPanel + n];
-            store_from_float(a.y, int64_t(r0 + r) * a.n_out + o, a.scale ? s * a.scale[o] : s, a.dtype);
-        }
-}
-
 #ifdef KERNELS_X86
 
-// --- float panels ----------------------------------------------------------------------------
+// --- panels: a few weight rows, turned into numbers once per call ------------------------------
 
 // Weight row o as floats into p[0, K): int4 dequantized (min + scale * code) in the deinterleaved
 // order, int8 as its codes (the scale comes at the end), bf16 widened; zeros past n_in.
@@ -111,93 +108,6 @@ KERNELS_INLINE void fill_row(const GemmArgs& a, int o, float* p) {
     }
     for (; i < a.K; ++i) p[i] = 0.f;
 }
-
-// MR rows of x times NO rows of the panel, over all K inputs; sums[r * kPanel + n].
-template <class S, int MR, int NO>
-KERNELS_INLINE void float_tile(const float* x, const float* panel, int K, float* sums) {
-    using V = typename S::V;
-    V acc[MR][NO];
-    for (int r = 0; r < MR; ++r)
-        for (int n = 0; n < NO; ++n) acc[r][n] = S::zero();
-    for (int k = 0; k < K; k += S::W) {
-        V xv[MR];
-        for (int r = 0; r < MR; ++r) {
-            xv[r] = S::load(x + int64_t(r) * K + k);
-            __asm__("" : "+v"(xv[r]));  // kept in a register (quant_linear.cpp's KERNELS_IN_REGISTER)
-        }
-        for (int n = 0; n < NO; ++n) {
-            const V w = S::load(panel + int64_t(n) * K + k);
-            for (int r = 0; r < MR; ++r) acc[r][n] = S::fma(xv[r], w, acc[r][n]);
-        }
-    }
-    for (int r = 0; r < MR; ++r)
-        for (int n = 0; n < NO; ++n) sums[r * kPanel + n] = S::reduce_add(acc[r][n]);
-}
-
-// Each ISA's tile as a function of its own (see quant_linear.cpp's Int4Tile: inlined together,
-// GCC allocates their registers worse).
-template <class S>
-struct FloatTile;
-
-template <>
-struct FloatTile<Avx2> {
-    static constexpr int MR = 3, NO = 4;
-    template <int R>
-    KERNELS_AVX2 __attribute__((flatten, noinline)) static void run(const float* x, const float* p, int K, float* s) {
-        for (int n = 0; n < kPanel; n += NO) float_tile<Avx2, R, NO>(x, p + int64_t(n) * K, K, s + n);
-    }
-    KERNELS_AVX2 __attribute__((flatten, noinline)) static void fill(const GemmArgs& a, int o, float* p) {
-        fill_row<Avx2>(a, o, p);
-    }
-};
-
-template <>
-struct FloatTile<Avx512> {
-    static constexpr int MR = 4, NO = 4;
-    template <int R>
-    KERNELS_AVX512 __attribute__((flatten, noinline)) static void run(const float* x, const float* p, int K, float* s) {
-        for (int n = 0; n < kPanel; n += NO) float_tile<Avx512, R, NO>(x, p + int64_t(n) * K, K, s + n);
-    }
-    KERNELS_AVX512 __attribute__((flatten, noinline)) static void fill(const GemmArgs& a, int o, float* p) {
-        fill_row<Avx512>(a, o, p);
-    }
-};
-
-// A tile of the last rows of x: fewer than MR.
-template <class T, int R>
-void run_rest(int rows, const float* x, const float* p, int K, float* s) {
-    if constexpr (R > 0) {
-        if (rows == R) return T::template run<R>(x, p, K, s);
-        run_rest<T, R - 1>(rows, x, p, K, s);
-    }
-}
-
-// One panel: its weight rows o0 .. o0 + kPanel - 1 filled (rows past n_out as zeros), then every
-// row of x against it.
-template <class S>
-void float_panel(const GemmArgs& a, int o0) {
-    using T = FloatTile<S>;
-    thread_local std::vector<float> buffer;
-    float* panel = scratch(buffer, int64_t(kPanel) * a.K);
-    const int no = std::min(kPanel, a.n_out - o0);
-    for (int n = 0; n < kPanel; ++n) {
-        if (n < no) T::fill(a, o0 + n, panel + int64_t(n) * a.K);
-        else std::fill_n(panel + int64_t(n) * a.K, a.K, 0.f);
-    }
-    const float* x = static_cast<const float*>(a.x);
-    float sums[T::MR * kPanel];
-    int r0 = 0;
-    for (; r0 + T::MR <= a.rows; r0 += T::MR) {
-        T::template run<T::MR>(x + int64_t(r0) * a.K, panel, a.K, sums);
-        store_sums(a, sums, r0, T::MR, o0, no);
-    }
-    if (r0 < a.rows) {
-        run_rest<T, T::MR - 1>(a.rows - r0, x + int64_t(r0) * a.K, panel, a.K, sums);
-        store_sums(a, sums, r0, a.rows - r0, o0, no);
-    }
-}
-
-// --- bf16 panels, AVX512-BF16 ------------------------------------------------------------------
 
 // Weight row o as bf16 into p[0, K), in the order x is prepared in (int4: deinterleaved by 32,
 // each 32-input step's 16 even weights then its 16 odd ones, which is how vcvtne2ps2bf16 packs
@@ -233,144 +143,268 @@ KERNELS_AVX512_BF16 __attribute__((flatten, noinline)) void fill_row_bf16(const 
     for (; i < a.K; ++i) p[i] = 0;
 }
 
-template <int MR, int NO>
-KERNELS_AVX512_BF16 inline void bf16_tile(const uint16_t* x, const uint16_t* panel, int K, float* sums) {
-    __m512 acc[MR][NO];
-    for (int r = 0; r < MR; ++r)
-        for (int n = 0; n < NO; ++n) acc[r][n] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 32) {
-        __m512bh xv[MR];
-        for (int r = 0; r < MR; ++r) {
-            xv[r] = __m512bh(_mm512_loadu_si512(x + int64_t(r) * K + k));
-            __asm__("" : "+v"(xv[r]));
-        }
+// --- tiles: NO outputs of the panel by MV blocks of L rows of x -----------------------------------
+
+// Float: acc[n][v] holds output n for the L rows of block v, one row a lane. Per input k, MV vectors
+// of x (xt is x transposed in blocks: L rows' k-th inputs side by side) and NO broadcast weights
+// feed NO * MV FMAs. The sums land in yt, the product transposed ([outputs][rows], ld apart).
+template <class S, int NO, int MV>
+KERNELS_INLINE void float_tile(const float* xt, int64_t block, const float* panel, int K, int k0, int k1, float* yt,
+                               int64_t ld) {
+    using V = typename S::V;
+    constexpr int L = S::W;
+    V acc[NO][MV];
+    for (int n = 0; n < NO; ++n)
+        for (int v = 0; v < MV; ++v) acc[n][v] = k0 == 0 ? S::zero() : S::load(yt + n * ld + v * L);
+    for (int k = k0; k < k1; ++k) {
+        V xv[MV];
+        for (int v = 0; v < MV; ++v) xv[v] = S::load(xt + v * block + int64_t(k) * L);
         for (int n = 0; n < NO; ++n) {
-            const __m512bh w = __m512bh(_mm512_loadu_si512(panel + int64_t(n) * K + k));
-            for (int r = 0; r < MR; ++r) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], w, xv[r]);
+            const V w = S::set1(panel[int64_t(n) * K + k]);
+            for (int v = 0; v < MV; ++v) acc[n][v] = S::fma(w, xv[v], acc[n][v]);
         }
     }
-    for (int r = 0; r < MR; ++r)
-        for (int n = 0; n < NO; ++n) sums[r * kPanel + n] = Avx512::reduce_add(acc[r][n]);
+    for (int n = 0; n < NO; ++n)
+        for (int v = 0; v < MV; ++v) S::store(yt + n * ld + v * L, acc[n][v]);
 }
 
-struct Bf16Tile {
-    static constexpr int MR = 4, NO = 4;
-    template <int R>
-    KERNELS_AVX512_BF16 __attribute__((flatten, noinline)) static void run(const uint16_t* x, const uint16_t* p, int K,
-                                                                           float* s) {
-        for (int n = 0; n < kPanel; n += NO) bf16_tile<R, NO>(x, p + int64_t(n) * K, K, s + n);
+// y[r, o] = yt[o, r] (int8: times output o's scale) for rows r0 .. r1 - 1: for every L outputs, a
+// gather takes one row's sums from L rows of yt (a column, ld apart) and one store puts them in y.
+template <class S, DType DY>
+KERNELS_INLINE void store_rows(const GemmArgs& a, const float* yt, int64_t ld, int r0, int r1) {
+    using V = typename S::V;
+    constexpr int L = S::W;
+    int o = 0;
+    for (; o + L <= a.n_out; o += L) {
+        const V scale = a.scale ? S::load(a.scale + o) : S::set1(1.f);
+        for (int r = r0; r < r1; ++r)
+            S::template store_as<DY>(a.y, int64_t(r) * a.n_out + o, S::mul(S::gather(yt + o * ld + r, ld), scale));
+    }
+    for (; o < a.n_out; ++o)
+        for (int r = r0; r < r1; ++r)
+            store_from_float<DY>(a.y, int64_t(r) * a.n_out + o, yt[o * ld + r] * (a.scale ? a.scale[o] : 1.f));
+}
+
+template <class S>
+KERNELS_INLINE void store_y_rows(const GemmArgs& a, const float* yt, int64_t ld, int r0, int r1) {
+    if (a.dtype == DType::bf16) return store_rows<S, DType::bf16>(a, yt, ld, r0, r1);
+    if (a.dtype == DType::f16) return store_rows<S, DType::f16>(a, yt, ld, r0, r1);
+    store_rows<S, DType::f32>(a, yt, ld, r0, r1);
+}
+
+// Each ISA's tile as a function of its own (see quant_linear.cpp's Int4Tile: inlined together,
+// GCC allocates their registers worse). AVX2 has 16 vector registers: 6 x 2 accumulators, 2 of x,
+// 1 broadcast; AVX512 32: 12 x 2, 2, 1.
+template <class S>
+struct FloatTile;
+
+template <>
+struct FloatTile<Avx2> {
+    static constexpr int NO = 6, MV = 2;
+    template <int M>
+    KERNELS_AVX2 __attribute__((flatten, noinline)) static void run(const float* xt, int64_t block, const float* p,
+                                                                int K, int k0, int k1, float* yt, int64_t ld) {
+        float_tile<Avx2, NO, M>(xt, block, p, K, k0, k1, yt, ld);
+    }
+    KERNELS_AVX2 __attribute__((flatten, noinline)) static void fill(const GemmArgs& a, int o, float* p) {
+        fill_row<Avx2>(a, o, p);
+    }
+    KERNELS_AVX2 __attribute__((flatten, noinline)) static void store(const GemmArgs& a, const float* yt, int64_t ld, int r0,
+                                                                      int r1) {
+        store_y_rows<Avx2>(a, yt, ld, r0, r1);
     }
 };
 
-template <int R>
-void run_rest_bf16(int rows, const uint16_t* x, const uint16_t* p, int K, float* s) {
-    if constexpr (R > 0) {
-        if (rows == R) return Bf16Tile::run<R>(x, p, K, s);
-        run_rest_bf16<R - 1>(rows, x, p, K, s);
+template <>
+struct FloatTile<Avx512> {
+    static constexpr int NO = 12, MV = 2;
+    template <int M>
+    KERNELS_AVX512 __attribute__((flatten, noinline)) static void run(const float* xt, int64_t block, const float* p,
+                                                                  int K, int k0, int k1, float* yt, int64_t ld) {
+        float_tile<Avx512, NO, M>(xt, block, p, K, k0, k1, yt, ld);
     }
+    KERNELS_AVX512 __attribute__((flatten, noinline)) static void fill(const GemmArgs& a, int o, float* p) {
+        fill_row<Avx512>(a, o, p);
+    }
+    KERNELS_AVX512 __attribute__((flatten, noinline)) static void store(const GemmArgs& a, const float* yt, int64_t ld, int r0,
+                                                                      int r1) {
+        store_y_rows<Avx512>(a, yt, ld, r0, r1);
+    }
+};
+
+// bf16 pairs, AVX512-BF16: xt holds x's inputs in pairs (2k, 2k + 1) as one 32-bit lane, and
+// vdpbf16ps adds both products of a pair to a float lane: acc[n][v] += w[n][2k] x[2k] + w[n][2k+1]
+// x[2k+1], the weight pair broadcast.
+template <int NO, int MV>
+KERNELS_AVX512_BF16 inline void pair_tile(const uint32_t* xt, int64_t block, const uint16_t* panel, int K, int k0,
+                                          int k1, float* yt, int64_t ld) {
+    __m512 acc[NO][MV];
+    for (int n = 0; n < NO; ++n)
+        for (int v = 0; v < MV; ++v) acc[n][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yt + n * ld + v * 16);
+    for (int k = k0 / 2; k < k1 / 2; ++k) {
+        __m512bh xv[MV];
+        for (int v = 0; v < MV; ++v) xv[v] = __m512bh(_mm512_loadu_si512(xt + v * block + int64_t(k) * 16));
+        for (int n = 0; n < NO; ++n) {
+            uint32_t pair;
+            std::memcpy(&pair, panel + int64_t(n) * K + 2 * k, 4);
+            const __m512bh w = __m512bh(_mm512_set1_epi32(int(pair)));
+            for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_dpbf16_ps(acc[n][v], w, xv[v]);
+        }
+    }
+    for (int n = 0; n < NO; ++n)
+        for (int v = 0; v < MV; ++v) _mm512_storeu_ps(yt + n * ld + v * 16, acc[n][v]);
 }
 
-void bf16_panel(const GemmArgs& a, int o0) {
-    using T = Bf16Tile;
-    thread_local std::vector<uint16_t> buffer;
-    uint16_t* panel = scratch(buffer, int64_t(kPanel) * a.K);
-    const int no = std::min(kPanel, a.n_out - o0);
-    for (int n = 0; n < kPanel; ++n) {
-        if (n < no) fill_row_bf16(a, o0 + n, panel + int64_t(n) * a.K);
-        else std::fill_n(panel + int64_t(n) * a.K, a.K, uint16_t(0));
+struct PairTile {
+    static constexpr int NO = 12, MV = 2;
+    template <int M>
+    KERNELS_AVX512_BF16 __attribute__((flatten, noinline)) static void run(const uint32_t* xt, int64_t block,
+                                                                           const uint16_t* p, int K, int k0, int k1,
+                                                                           float* yt, int64_t ld) {
+        pair_tile<NO, M>(xt, block, p, K, k0, k1, yt, ld);
     }
-    const uint16_t* x = static_cast<const uint16_t*>(a.x);
-    float sums[T::MR * kPanel];
-    int r0 = 0;
-    for (; r0 + T::MR <= a.rows; r0 += T::MR) {
-        T::run<T::MR>(x + int64_t(r0) * a.K, panel, a.K, sums);
-        store_sums(a, sums, r0, T::MR, o0, no);
+    static void fill(const GemmArgs& a, int o, uint16_t* p) { fill_row_bf16(a, o, p); }
+    static void store(const GemmArgs& a, const float* yt, int64_t ld, int r0, int r1) {
+        FloatTile<Avx512>::store(a, yt, ld, r0, r1);
     }
-    if (r0 < a.rows) {
-        run_rest_bf16<T::MR - 1>(a.rows - r0, x + int64_t(r0) * a.K, panel, a.K, sums);
-        store_sums(a, sums, r0, a.rows - r0, o0, no);
+};
+
+// One panel: its weight rows o0 .. o0 + NO - 1 filled (rows past n_out as zeros), then every block
+// of rows of x against it, MV blocks a tile and the last one alone; the sums into yt's rows o0...
+// T names the tile, P the panel's element, X xt's (float, or a pair of bf16); a block of xt is
+// `block` X's apart from the next.
+template <class T, class P, class X, int L>
+void run_panel(const GemmArgs& a, const X* xt, int64_t block, int blocks, float* yt, int64_t ld, int o0) {
+    constexpr int NO = T::NO, MV = T::MV;
+    thread_local std::vector<P> buffer;
+    P* panel = scratch(buffer, int64_t(NO) * a.K);
+    const int no = std::min(NO, a.n_out - o0);
+    for (int n = 0; n < NO; ++n) {
+        if (n < no) T::fill(a, o0 + n, panel + int64_t(n) * a.K);
+        else std::fill_n(panel + int64_t(n) * a.K, a.K, P(0));
+    }
+    const int pieces = (a.K + kMaxChunk - 1) / kMaxChunk, chunk = (a.K / pieces + 31) / 32 * 32;
+    for (int k0 = 0; k0 < a.K; k0 += chunk) {  // the panel's inputs a piece at a time, in L1
+        const int k1 = std::min(a.K, k0 + chunk);
+        int b = 0;
+        for (; b + MV <= blocks; b += MV)
+            T::template run<MV>(xt + b * block, block, panel, a.K, k0, k1, yt + o0 * ld + b * L, ld);
+        if (b < blocks) T::template run<1>(xt + b * block, block, panel, a.K, k0, k1, yt + o0 * ld + b * L, ld);
     }
 }
 
 #endif  // KERNELS_X86
 
-// --- x, once per call ------------------------------------------------------------------------
+// --- x in, y out, once per call ---------------------------------------------------------------
 
-// x as float, [rows, K]: int4 deinterleaved in blocks of 2 * lanes (its panel's order), zeros
-// past n_in.
-// The dtype a template argument, so that each loop compiles to plain conversions; rows split among
-// the threads: one thread widening 128 rows of bf16 took a sixth of a 128-row product on two.
+// x transposed in blocks of L rows: xt[b][k][j] = x[b L + j][k], the inputs in the panel's order
+// (int4 deinterleaved in steps of 2L), zeros past n_in and for the rows past `rows` that
+// fill the last block.
+// The dtype a template argument, so that each loop compiles to plain conversions; blocks split
+// among the threads: one thread widening 128 rows of bf16 took a sixth of a 128-row product on two.
 template <DType D>
-void prepare_float_rows(float* xs, const void* x, const GemmArgs& a, int lanes) {
+void prepare_float_rows(float* xt, const void* x, const GemmArgs& a, int L, int blocks) {
     const bool deinterleave = a.format == Format::int4;
 #pragma omp parallel for schedule(static) if (int64_t(a.rows) * a.n_in > (int64_t(1) << 14))
-    for (int r = 0; r < a.rows; ++r) {
-        float* row = xs + int64_t(r) * a.K;
-        const int64_t base = int64_t(r) * a.n_in;
-        if (deinterleave) {
-            for (int i = 0; i < a.n_in; i += 2 * lanes)
-                for (int j = 0; j < lanes; ++j) {
-                    row[i + j] = load_as_float<D>(x, base + i + 2 * j);
-                    row[i + lanes + j] = load_as_float<D>(x, base + i + 2 * j + 1);
-                }
-        } else {
-            for (int i = 0; i < a.n_in; ++i) row[i] = load_as_float<D>(x, base + i);
+    for (int b = 0; b < blocks; ++b) {
+        float* block = xt + int64_t(b) * a.K * L;
+        for (int j = 0; j < L; ++j) {
+            const int r = b * L + j;
+            if (r >= a.rows) {
+                for (int k = 0; k < a.K; ++k) block[int64_t(k) * L + j] = 0.f;
+                continue;
+            }
+            const int64_t base = int64_t(r) * a.n_in;
+            int k = 0;
+            if (deinterleave) {
+                for (; k < a.n_in; k += 2 * L)
+                    for (int i = 0; i < L; ++i) {
+                        block[int64_t(k + i) * L + j] = load_as_float<D>(x, base + k + 2 * i);
+                        block[int64_t(k + L + i) * L + j] = load_as_float<D>(x, base + k + 2 * i + 1);
+                    }
+            } else {
+                for (; k < a.n_in; ++k) block[int64_t(k) * L + j] = load_as_float<D>(x, base + k);
+            }
+            for (; k < a.K; ++k) block[int64_t(k) * L + j] = 0.f;
         }
-        std::fill(row + a.n_in, row + a.K, 0.f);
     }
 }
 
-void prepare_float_x(float* xs, const void* x, const GemmArgs& a, int lanes) {
-    if (a.dtype == DType::bf16) return prepare_float_rows<DType::bf16>(xs, x, a, lanes);
-    if (a.dtype == DType::f16) return prepare_float_rows<DType::f16>(xs, x, a, lanes);
-    prepare_float_rows<DType::f32>(xs, x, a, lanes);
+void prepare_float_x(float* xt, const void* x, const GemmArgs& a, int L, int blocks) {
+    if (a.dtype == DType::bf16) return prepare_float_rows<DType::bf16>(xt, x, a, L, blocks);
+    if (a.dtype == DType::f16) return prepare_float_rows<DType::f16>(xt, x, a, L, blocks);
+    prepare_float_rows<DType::f32>(xt, x, a, L, blocks);
 }
 
-// bf16 x as stored, [rows, K]: int4 deinterleaved in blocks of 32, zeros past n_in.
-void prepare_bf16_x(uint16_t* xs, const uint16_t* x, const GemmArgs& a) {
+// bf16 x in pairs, blocks of 16 rows: xt[b][k][j] = inputs 2k and 2k + 1 of row 16 b + j (int4:
+// deinterleaved in steps of 32 first), zeros past n_in and past `rows`.
+void prepare_pair_x(uint32_t* xt, const uint16_t* x, const GemmArgs& a, int blocks) {
 #pragma omp parallel for schedule(static) if (int64_t(a.rows) * a.n_in > (int64_t(1) << 14))
-    for (int r = 0; r < a.rows; ++r) {
-        uint16_t* row = xs + int64_t(r) * a.K;
-        const uint16_t* in = x + int64_t(r) * a.n_in;
-        if (a.format == Format::int4) {
-            for (int i = 0; i < a.n_in; i += 32)
-                for (int j = 0; j < 16; ++j) {
-                    row[i + j] = in[i + 2 * j];
-                    row[i + 16 + j] = in[i + 2 * j + 1];
+    for (int b = 0; b < blocks; ++b) {
+        uint32_t* block = xt + int64_t(b) * (a.K / 2) * 16;
+        thread_local std::vector<uint16_t> row_buffer;
+        uint16_t* row = scratch(row_buffer, a.K);  // one row in the panel's order
+        for (int j = 0; j < 16; ++j) {
+            const int r = b * 16 + j;
+            std::fill(row, row + a.K, uint16_t(0));
+            if (r < a.rows) {
+                const uint16_t* in = x + int64_t(r) * a.n_in;
+                if (a.format == Format::int4) {
+                    for (int i = 0; i < a.n_in; i += 32)
+                        for (int t = 0; t < 16; ++t) {
+                            row[i + t] = in[i + 2 * t];
+                            row[i + 16 + t] = in[i + 2 * t + 1];
+                        }
+                } else {
+                    std::copy_n(in, a.n_in, row);
                 }
-        } else {
-            std::copy_n(in, a.n_in, row);
+            }
+            for (int k = 0; k < a.K / 2; ++k)
+                block[int64_t(k) * 16 + j] = uint32_t(row[2 * k]) | uint32_t(row[2 * k + 1]) << 16;
         }
-        std::fill(row + a.n_in, row + a.K, uint16_t(0));
     }
 }
 
-// Panels split among the threads; one thread below a few panels' worth of work.
-void run_panels(void (*panel)(const GemmArgs&, int), const GemmArgs& a) {
-    const int panels = (a.n_out + kPanel - 1) / kPanel;
+// Panels split among the threads, then (after the barrier) the rows of y; one thread below a few
+// panels' worth of work.
+template <class T, class P, class X, int L>
+void run_panels(const GemmArgs& a, const X* xt, int64_t block, int blocks) {
+    constexpr int NO = T::NO;
+    const int panels = (a.n_out + NO - 1) / NO;
+    const int64_t ld = int64_t(blocks) * L;
+    thread_local std::vector<float> yt_buffer;
+    float* yt = scratch(yt_buffer, int64_t(panels) * NO * ld);
     const bool parallel = int64_t(a.rows) * a.n_in * a.n_out > (int64_t(1) << 17) && panels > 1;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int p = 0; p < panels; ++p) panel(a, p * kPanel);
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; ++p) run_panel<T, P, X, L>(a, xt, block, blocks, yt, ld, p * NO);
+        // (the barrier: every panel's sums are in yt) then y, 16 rows at a time
+#pragma omp for schedule(static)
+        for (int r0 = 0; r0 < a.rows; r0 += 16) T::store(a, yt, ld, r0, std::min(a.rows, r0 + 16));
+    }
 }
 
 void gemm(GemmArgs a, const void* x) {
     const Isa level = isa();
     thread_local std::vector<float> x_float;
-    thread_local std::vector<uint16_t> x_bf16;
+    thread_local std::vector<uint32_t> x_pairs;
 #ifdef KERNELS_X86
     if (level == Isa::avx512_bf16 && a.dtype == DType::bf16) {
         a.K = (a.n_in + 31) / 32 * 32;
-        uint16_t* xs = scratch(x_bf16, int64_t(a.rows) * a.K);
-        prepare_bf16_x(xs, static_cast<const uint16_t*>(x), a);
-        a.x = xs;
-        return run_panels(bf16_panel, a);
+        const int blocks = (a.rows + 15) / 16;
+        uint32_t* xt = scratch(x_pairs, int64_t(blocks) * 16 * a.K / 2);
+        prepare_pair_x(xt, static_cast<const uint16_t*>(x), a, blocks);
+        return run_panels<PairTile, uint16_t, uint32_t, 16>(a, xt, int64_t(a.K / 2) * 16, blocks);
     }
     const int lanes = level >= Isa::avx512 ? 16 : 8;
     a.K = (a.n_in + lanes - 1) / lanes * lanes;
-    float* xs = scratch(x_float, int64_t(a.rows) * a.K);
-    prepare_float_x(xs, x, a, lanes);
-    a.x = xs;
-    run_panels(level >= Isa::avx512 ? float_panel<Avx512> : float_panel<Avx2>, a);
+    const int blocks = (a.rows + lanes - 1) / lanes;
+    float* xt = scratch(x_float, int64_t(blocks) * lanes * a.K);
+    prepare_float_x(xt, x, a, lanes, blocks);
+    const int64_t block = int64_t(a.K) * lanes;
+    if (level >= Isa::avx512) return run_panels<FloatTile<Avx512>, float, float, 16>(a, xt, block, blocks);
+    run_panels<FloatTile<Avx2>, float, float, 8>(a, xt, block, blocks);
 #else
     (void)level, (void)x, (void)a;
 #endif
@@ -400,16 +434,16 @@ const char* gemm_name() {
 
 void int4_gemm(void* y, const void* x, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int rows,
                int n_in, int n_out, int group_size, DType dtype) {
-    gemm({y, nullptr, packed, nullptr, scale, min, rows, n_in, n_out, group_size, 0, dtype, Format::int4}, x);
+    gemm({y, packed, nullptr, scale, min, rows, n_in, n_out, group_size, 0, dtype, Format::int4}, x);
 }
 
 void int8_gemm(void* y, const void* x, const int8_t* q, const float* scale, int rows, int n_in, int n_out,
                DType dtype) {
-    gemm({y, nullptr, q, scale, nullptr, nullptr, rows, n_in, n_out, 0, 0, dtype, Format::int8}, x);
+    gemm({y, q, scale, nullptr, nullptr, rows, n_in, n_out, 0, 0, dtype, Format::int8}, x);
 }
 
 void bf16_gemm(void* y, const void* x, const uint16_t* w, int rows, int n_in, int n_out, DType dtype) {
-    gemm({y, nullptr, w, nullptr, nullptr, nullptr, rows, n_in, n_out, 0, 0, dtype, Format::bf16}, x);
+    gemm({y, w, nullptr, nullptr, nullptr, rows, n_in, n_out, 0, 0, dtype, Format::bf16}, x);
 }
 
 }  // namespace kernels::cpu

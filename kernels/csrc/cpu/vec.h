@@ -116,6 +116,11 @@ struct Avx2 {
     KERNELS_AVX2 static V zero() { return _mm256_setzero_ps(); }
     KERNELS_AVX2 static V set1(float a) { return _mm256_set1_ps(a); }
     KERNELS_AVX2 static V load(const float* p) { return _mm256_loadu_ps(p); }
+    // p[0], p[stride], ..., p[7 stride]: a column of a matrix (stride < 2^31 / 8)
+    KERNELS_AVX2 static V gather(const float* p, int64_t stride) {
+        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(stride)));
+        return _mm256_i32gather_ps(p, at, 4);
+    }
     KERNELS_AVX2 static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 
     template <DType D>
@@ -230,6 +235,12 @@ struct Avx512 {
     KERNELS_AVX512 static V zero() { return _mm512_setzero_ps(); }
     KERNELS_AVX512 static V set1(float a) { return _mm512_set1_ps(a); }
     KERNELS_AVX512 static V load(const float* p) { return _mm512_loadu_ps(p); }
+    // p[0], p[stride], ..., p[15 stride]: a column of a matrix (stride < 2^31 / 16)
+    KERNELS_AVX512 static V gather(const float* p, int64_t stride) {
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(int(stride)));
+        return _mm512_i32gather_ps(at, p, 4);
+    }
     KERNELS_AVX512 static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 
     template <DType D>
