@@ -10,8 +10,10 @@ only by ATEN_CPU_CAPABILITY at start-up): the float32 FMA peak measured by indep
 every thread (peak.cpp), then GFLOP/s (2 flops per multiply-add) of int4_linear, int8_linear and
 bf16_linear over SmolLM2's four layer matrices (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536) at each row count, with bfloat16 and float32 x, and of torch's F.linear on the same
-matrices as dense bf16 and float32 weights. With bf16 x on AVX512-BF16 the product runs vdpbf16ps,
-two multiply-adds per float32 lane: its ceiling is twice the float32 peak printed. "int4 int8-x":
+matrices as dense bf16 and float32 weights. "int4", "int8", "bf16": the float product (x widened to
+float32, FMAs); "int4 pairs", "bf16 pairs" (AVX512-BF16, bf16 x): x in bf16 pairs and vdpbf16ps, two
+multiply-adds per float32 lane, which the library runs by default where the CPU is AMD's (the
+"gemm" field of each result names the default here). "int4 int8-x":
 int4_linear with the weight's tiles, which quantizes bf16 x to int8 and multiplies in integers
 (int4_q8_gemm.cpp: vpmaddubsw, or VNNI; what chapter 06's --int8-activations runs), its ceiling
 above the float32 peak too; "int8 int8-x" the same for int8 weights (int8_q8_gemm.cpp); bf16 x only. Each figure is the median
@@ -83,17 +85,25 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
         "int8": lambda x, w: ext.int8_linear(x, *w["int8"]),
         "int8 int8-x": lambda x, w: ext.int8_linear(x, *w["int8"], w["int8 tiles"]),
         "bf16": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
+        "int4 pairs": lambda x, w: ext.int4_linear(x, *w["int4"], 32),
+        "bf16 pairs": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
         "torch bf16": lambda x, w: F.linear(x.bfloat16(), w["torch bf16"]),
         "torch f32": lambda x, w: F.linear(x.float(), w["torch f32"]),
     }
     flops = sum(2 * rows * n_out * n_in for n_out, n_in in SHAPES.values())
+    pairs = ext.cpu_isa() == "avx512_bf16" and dtype == torch.bfloat16
     out = {}
     for kind, call in calls.items():
         if kind.endswith("int8-x") and dtype != torch.bfloat16:
             out[kind] = None  # float32 x keeps the float product
             continue
+        if kind.endswith("pairs") and not pairs:
+            out[kind] = None  # bf16 pairs: AVX512-BF16 and bf16 x only
+            continue
+        ext.set_cpu_gemm_pairs(kind.endswith("pairs"))  # "int4", "int8", "bf16": the float product
         seconds = timed(lambda: [call(xs[name], mats[name]) for name in SHAPES], repeats)  # noqa: B023
         out[kind] = flops / seconds / 1e9
+    ext.set_cpu_gemm_pairs(None)
     return out
 
 
@@ -135,7 +145,7 @@ def main() -> int:
                                 "gflops": figures, "gemm": ext.cpu_gemm()})  # fmt: skip
     ext.set_cpu_isa(best)
 
-    kinds = ["int4", "int4 int8-x", "int8", "int8 int8-x", "bf16", "torch bf16", "torch f32"]
+    kinds = ["int4", "int4 int8-x", "int4 pairs", "int8", "int8 int8-x", "bf16", "bf16 pairs", "torch bf16", "torch f32"]
     print(f"\nGFLOP/s on SmolLM2-135M's layer matrices, {args.threads} threads (percent of the float32 FMA peak)")
     print(f"{'isa':<12}{'peak':>6} {'x':<9}{'rows':>5}" + "".join(f"{k:>17}" for k in kinds))
 
@@ -164,12 +174,13 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
     isas = list(dict.fromkeys(r["isa"] for r in results))
     fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
     for ax, isa in zip(axes[0], isas):
-        styles = {"int4": "-o", "int4 int8-x": "-D", "int8": "-s", "int8 int8-x": "-d", "bf16": "-^",
-                  "torch bf16": ":x", "torch f32": ":+"}  # fmt: skip
+        styles = {"int4": "-o", "int4 int8-x": "-D", "int4 pairs": "--o", "int8": "-s", "int8 int8-x": "-d",
+                  "bf16": "-^", "bf16 pairs": "--^", "torch bf16": ":x", "torch f32": ":+"}  # fmt: skip
         for kind, style in styles.items():
             here = {r["rows"]: r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16"}
             ys = [here[n] for n in rows_list]
-            ax.plot(rows_list, ys, style, label=kind)
+            if None not in ys:  # (pairs: AVX512-BF16 only)
+                ax.plot(rows_list, ys, style, label=kind)
         peak = next(r["peak_gflops"] for r in results if r["isa"] == isa)
         ax.axhline(peak, color="grey", lw=0.8, ls="--", label="float32 FMA peak")
         ax.set(xscale="log", xlabel="rows of x (bf16)", ylabel="GFLOP/s", title=isa)

@@ -216,6 +216,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "set_batch_invariant", [](bool on) { kernels::cpu::set_batch_invariant(on); }, py::arg("on"),
         "CPU linear kernels: the same instructions for a row of x whatever the number of rows (process-wide)");
     m.def("batch_invariant", [] { return kernels::cpu::batch_invariant(); });
+    m.def(
+        "set_cpu_gemm_pairs",
+        [](std::optional<bool> on) { kernels::cpu::set_gemm_bf16_pairs(on ? int(*on) : -1); },
+        py::arg("on") = py::none(),
+        "AVX512-BF16: the matrix product multiplies bf16 x in bf16 pairs (True) or as floats (False); "
+        "None: as this CPU's maker suggests (pairs on AMD)");
+    m.def("cpu_gemm_pairs", [] { return kernels::cpu::gemm_bf16_pairs(); },
+          "whether the matrix product multiplies bf16 x in bf16 pairs at the current ISA level");
 #ifdef WITH_CUDA
     m.attr("with_cuda") = true;
 #else

@@ -5,6 +5,7 @@ gemm_min_rows the matrix-vector kernels answer, so the sweep covers the hand-ove
 planted in a copy of the source, each of which the same check must catch."""
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,15 +50,30 @@ def check(y, kind, x, w, what):
     assert_close(y, reference.bf16_linear(x, *w), what)
 
 
+def each_form(ops, isa):
+    """At AVX512-BF16 bf16 x is multiplied in bf16 pairs or widened to floats, as the CPU's maker
+    suggests (cpu_kernels.h): yields each in turn there (the default put back after), else the one."""
+    if isa != "avx512_bf16":
+        yield "floats"
+        return
+    try:
+        for on in (True, False):
+            ops.set_cpu_gemm_pairs(on)
+            yield "pairs" if on else "floats"
+    finally:
+        ops.set_cpu_gemm_pairs(None)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_every_row_count_on_every_cpu_path(ops, isa, kind, dtype):
-    for n_out, n_in in SHAPES[kind]:
-        w = weights(kind, n_out, n_in, seed=n_out)
-        x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in)).to(dtype)
-        for rows in ROWS:
-            x = x_all[:rows]
-            check(call(ops, kind, x, w), kind, x, w, f"{isa} {kind} {rows} x {n_in} -> {n_out}")
+    for form in each_form(ops, isa):
+        for n_out, n_in in SHAPES[kind]:
+            w = weights(kind, n_out, n_in, seed=n_out)
+            x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in)).to(dtype)
+            for rows in ROWS:
+                x = x_all[:rows]
+                check(call(ops, kind, x, w), kind, x, w, f"{isa} ({form}) {kind} {rows} x {n_in} -> {n_out}")
 
 
 def test_a_row_is_the_same_whatever_rows_follow_it_in_the_product(ops, isa):
@@ -65,22 +81,37 @@ def test_a_row_is_the_same_whatever_rows_follow_it_in_the_product(ops, isa):
     # tail): a row gives the same bits in a call of 16 rows and of 300. (Across the hand-over at
     # gemm_min_rows they may not: that is what --batch-invariant is for.)
     n = ops.gemm_min_rows
-    for kind in ("int4", "int8", "bf16"):
-        n_out, n_in = SHAPES[kind][0]
-        w = weights(kind, n_out, n_in)
-        x = torch.randn(300, n_in).bfloat16()
-        assert torch.equal(call(ops, kind, x, w)[: n + 3], call(ops, kind, x[: n + 3], w)), f"{isa} {kind}"
+    for form in each_form(ops, isa):
+        for kind in ("int4", "int8", "bf16"):
+            n_out, n_in = SHAPES[kind][0]
+            w = weights(kind, n_out, n_in)
+            x = torch.randn(300, n_in).bfloat16()
+            assert torch.equal(call(ops, kind, x, w)[: n + 3], call(ops, kind, x[: n + 3], w)), f"{isa} ({form}) {kind}"
 
 
 def test_the_startup_line_names_the_path(ops, isa):
-    name = ops.cpu_gemm()
-    expected = {"scalar": "off", "avx2": "avx2-fma", "avx512": "avx512-fma", "avx512_bf16": "avx512-bf16"}[isa]
-    assert name.startswith(expected), name
+    for form in each_form(ops, isa):
+        name = ops.cpu_gemm()
+        expected = {"scalar": "off", "avx2": "avx2-fma", "avx512": "avx512-fma"}.get(isa)
+        expected = expected or ("avx512-bf16" if form == "pairs" else "avx512-fma (bf16 pairs off")
+        assert name.startswith(expected), (form, name)
     ops.set_batch_invariant(True)
     try:
         assert ops.cpu_gemm() == "off (batch-invariant)"
     finally:
         ops.set_batch_invariant(False)
+
+
+def test_bf16_pairs_are_the_default_on_amd_cpus_only(ops, isa):
+    ops.set_cpu_gemm_pairs(None)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    vendor = next((line.split(":")[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
+    assert ops.cpu_gemm_pairs() == (isa == "avx512_bf16" and vendor == "AuthenticAMD"), (isa, vendor)
+    ops.set_cpu_gemm_pairs(True)
+    try:  # a level without the BF16 dot products has no pairs to turn on
+        assert ops.cpu_gemm_pairs() == (isa == "avx512_bf16")
+    finally:
+        ops.set_cpu_gemm_pairs(None)
 
 
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---

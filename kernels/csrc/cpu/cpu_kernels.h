@@ -28,6 +28,14 @@ const char* isa_name(Isa isa);
 void set_batch_invariant(bool on);
 bool batch_invariant();
 
+// --- bf16 x in the matrix product: bf16 pairs or floats -------------------------------------
+// At the AVX512-BF16 level the matrix product (gemm.cpp) can multiply bf16 x in bf16 pairs
+// (vdpbf16ps: two multiply-adds a lane an instruction) or widen it to floats for FMAs. Which is
+// faster depends on the core, not on the instruction set (isa.cpp says why), so by default pairs
+// are on where the CPU is AMD's, off elsewhere; tests set both. mode: 1 on, 0 off, -1 the default.
+void set_gemm_bf16_pairs(int mode);
+bool gemm_bf16_pairs();  // at the current ISA level: false below AVX512-BF16
+
 // --- paged decode attention (flash-decoding) -------------------------------------------------
 // One query token per sequence, attending to its context_lens[b] keys, read block by block
 // through its block table. The keys are cut into partitions of `partition_size` slots; each

@@ -26,9 +26,10 @@
 // vector of W bytes dequantizes to W even inputs and W odd ones, and x is deinterleaved to match,
 // once per call (the dot product does not care in which order it meets its terms).
 //
-// AVX512-BF16 with bf16 x: the panel holds bf16 weights, xt holds x's inputs in pairs, and
-// vdpbf16ps adds two products a lane per instruction (products exact); a dequantized int4 weight
-// is then rounded to bf16 as a dense bf16 copy of W would be.
+// AVX512-BF16 with bf16 x, where the core runs it faster than FMAs (gemm_bf16_pairs, isa.cpp): the
+// panel holds bf16 weights, xt holds x's inputs in pairs, and vdpbf16ps adds two products a lane
+// per instruction (products exact); a dequantized int4 weight is then rounded to bf16 as a dense
+// bf16 copy of W would be.
 //
 // A row is one lane of every vector it meets, so its sums are the same instructions in every tile
 // and at every row count; but they are in another order than the matrix-vector kernels', so
@@ -390,7 +391,7 @@ void gemm(GemmArgs a, const void* x) {
     thread_local std::vector<float> x_float;
     thread_local std::vector<uint32_t> x_pairs;
 #ifdef KERNELS_X86
-    if (level == Isa::avx512_bf16 && a.dtype == DType::bf16) {
+    if (a.dtype == DType::bf16 && gemm_bf16_pairs()) {
         a.K = (a.n_in + 31) / 32 * 32;
         const int blocks = (a.rows + 15) / 16;
         uint32_t* xt = scratch(x_pairs, int64_t(blocks) * 16 * a.K / 2);
@@ -427,7 +428,9 @@ const char* gemm_name() {
         case Isa::scalar: return "off (portable C++)";
         case Isa::avx2: return "avx2-fma";
         case Isa::avx512: return "avx512-fma";
-        case Isa::avx512_bf16: return "avx512-bf16 for bf16 x, avx512-fma for float32";
+        case Isa::avx512_bf16:
+            return gemm_bf16_pairs() ? "avx512-bf16 for bf16 x, avx512-fma for float32"
+                                     : "avx512-fma (bf16 pairs off on this CPU: FMAs outrun them)";
     }
     return "unknown";
 }

@@ -75,6 +75,32 @@ std::atomic<bool> invariant{false};
 void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
 bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
 
+// bf16 pairs in the matrix product by default on AMD's cores only. A vdpbf16ps does twice an FMA's
+// multiply-adds, but what a core issues of each decides: Zen 4 and 5 run a 512-bit FMA as two
+// 256-bit halves and vdpbf16ps at the same rate, so pairs double the rate (the 2-core EPYC: 1.5-1.9x
+// its float product, bench/results/LOG.md); Intel's cores with AVX512-BF16 (Sapphire Rapids on)
+// issue two 512-bit FMAs a cycle, and on the Xeon this repo measures on the float product ran
+// 1.4x the pairs' (bench/gemm.py, chapter 06's README).
+namespace {
+std::atomic<int> pairs{-1};
+
+bool pairs_by_default() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+#else
+    return false;
+#endif
+}
+}  // namespace
+
+void set_gemm_bf16_pairs(int mode) { pairs.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed); }
+
+bool gemm_bf16_pairs() {
+    const int mode = pairs.load(std::memory_order_relaxed);
+    return isa() == Isa::avx512_bf16 && (mode < 0 ? pairs_by_default() : mode == 1);
+}
+
 const char* isa_name(Isa level) {
     switch (level) {
         case Isa::scalar: return "scalar";
