@@ -145,7 +145,8 @@ def main() -> int:
                                 "gflops": figures, "gemm": ext.cpu_gemm()})  # fmt: skip
     ext.set_cpu_isa(best)
 
-    kinds = ["int4", "int4 int8-x", "int4 pairs", "int8", "int8 int8-x", "bf16", "bf16 pairs", "torch bf16", "torch f32"]
+    kinds = ["int4", "int4 int8-x", "int4 pairs", "int8", "int8 int8-x", "bf16", "bf16 pairs"]
+    kinds += ["torch bf16", "torch f32"]
     print(f"\nGFLOP/s on SmolLM2-135M's layer matrices, {args.threads} threads (percent of the float32 FMA peak)")
     print(f"{'isa':<12}{'peak':>6} {'x':<9}{'rows':>5}" + "".join(f"{k:>17}" for k in kinds))
 

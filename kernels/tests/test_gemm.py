@@ -135,17 +135,29 @@ PLANTED = {
         ("if (b < blocks) T::template run<1>", "if (b + 1 < blocks) T::template run<1>")
     ],
     "the last output of a partial panel is never filled": [
-        ("const int no = std::min(NO, a.n_out - o0);", "const int no = std::min(NO, a.n_out - o0) - (a.n_out - o0 < NO);")
+        (
+            "const int no = std::min(NO, a.n_out - o0);",
+            "const int no = std::min(NO, a.n_out - o0) - (a.n_out - o0 < NO);",
+        )
     ],
     "the outputs past the last whole vector are never stored": [
-        ("    for (; o < a.n_out; ++o)\n        for (int r = r0;", "    for (; o + 1 < a.n_out; ++o)\n        for (int r = r0;")
+        (
+            "    for (; o < a.n_out; ++o)\n        for (int r = r0;",
+            "    for (; o + 1 < a.n_out; ++o)\n        for (int r = r0;",
+        )
     ],
     "the inputs past n_in are not zeroed": [
-        ("for (; k < a.K; ++k) block[int64_t(k) * L + j] = 0.f;", "for (; k < a.K; ++k) block[int64_t(k) * L + j] = 1.f;"),
+        (
+            "for (; k < a.K; ++k) block[int64_t(k) * L + j] = 0.f;",
+            "for (; k < a.K; ++k) block[int64_t(k) * L + j] = 1.f;",
+        ),
         ("    for (; i < a.K; ++i) p[i] = 0.f;", "    for (; i < a.K; ++i) p[i] = 1.f;"),
     ],
     "a long row's second piece starts its sums from zero": [
         ("k0 == 0 ? S::zero() : S::load(yt + n * ld + v * L)", "S::zero()")
+    ],
+    "every slice of rows writes over the first's": [
+        ("slice.y = static_cast<char*>(a.y) + r0 * a.n_out * size;", "slice.y = static_cast<char*>(a.y);")
     ],
     "int4 scales a group with its neighbour's scale": [
         ("a.group_scale[int64_t(o) * groups + g]));\n            const typename S::V m",
@@ -154,13 +166,14 @@ PLANTED = {
 }
 # Which call shows each bug: (weights, (n_out, n_in), row counts, x's dtype). float32 x: the float
 # panels, on every ISA from AVX2 (AVX512-BF16 multiplies bf16 x in bf16 pairs). 16 and 40 rows are
-# 1 and 3 blocks of 16 (a lone block in the last tile), 5 blocks of 8.
+# 1 and 3 blocks of 16 (a lone block in the last tile), 5 blocks of 8; 200 rows two slices.
 SHOWN_BY = {
     "the last block of rows, alone in its tile, is never computed": ("int8", (33, 320), [16, 40], torch.float32),
     "the last output of a partial panel is never filled": ("bf16", (21, 33), [40], torch.float32),
     "the outputs past the last whole vector are never stored": ("bf16", (21, 33), [20], torch.float32),
     "the inputs past n_in are not zeroed": ("int8", (70, 100), [20], torch.float32),
     "a long row's second piece starts its sums from zero": ("int4", (40, 640), [20], torch.float32),
+    "every slice of rows writes over the first's": ("int8", (33, 320), [200], torch.float32),
     "int4 scales a group with its neighbour's scale": ("int4", (70, 320), [20], torch.float32),
 }
 

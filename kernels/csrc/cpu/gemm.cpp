@@ -210,8 +210,8 @@ struct FloatTile<Avx2> {
     KERNELS_AVX2 __attribute__((flatten, noinline)) static void fill(const GemmArgs& a, int o, float* p) {
         fill_row<Avx2>(a, o, p);
     }
-    KERNELS_AVX2 __attribute__((flatten, noinline)) static void store(const GemmArgs& a, const float* yt, int64_t ld, int r0,
-                                                                      int r1) {
+    KERNELS_AVX2 __attribute__((flatten, noinline)) static void store(const GemmArgs& a, const float* yt,
+                                                                      int64_t ld, int r0, int r1) {
         store_y_rows<Avx2>(a, yt, ld, r0, r1);
     }
 };
@@ -227,8 +227,8 @@ struct FloatTile<Avx512> {
     KERNELS_AVX512 __attribute__((flatten, noinline)) static void fill(const GemmArgs& a, int o, float* p) {
         fill_row<Avx512>(a, o, p);
     }
-    KERNELS_AVX512 __attribute__((flatten, noinline)) static void store(const GemmArgs& a, const float* yt, int64_t ld, int r0,
-                                                                      int r1) {
+    KERNELS_AVX512 __attribute__((flatten, noinline)) static void store(const GemmArgs& a, const float* yt,
+                                                                        int64_t ld, int r0, int r1) {
         store_y_rows<Avx512>(a, yt, ld, r0, r1);
     }
 };
@@ -386,7 +386,8 @@ void run_panels(const GemmArgs& a, const X* xt, int64_t block, int blocks) {
     }
 }
 
-void gemm(GemmArgs a, const void* x) {
+// The product for one slice of the call's rows (gemm, below): x transposed, the panels, then y.
+void gemm_rows(GemmArgs a, const void* x) {
     const Isa level = isa();
     thread_local std::vector<float> x_float;
     thread_local std::vector<uint32_t> x_pairs;
@@ -409,6 +410,21 @@ void gemm(GemmArgs a, const void* x) {
 #else
     (void)level, (void)x, (void)a;
 #endif
+}
+
+// The call's rows in slices of at most kMaxRows: the buffers of a slice (x transposed, and the
+// product transposed, rows x n_out floats: 25 MB for 128 rows of SmolLM2's LM head) stay that size
+// whatever the call, and a panel's work for 128 rows of x keeps them in L2.
+constexpr int kMaxRows = 128;
+
+void gemm(GemmArgs a, const void* x) {
+    const int64_t size = a.dtype == DType::f32 ? 4 : 2, rows = a.rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        GemmArgs slice = a;
+        slice.rows = int(std::min<int64_t>(kMaxRows, rows - r0));
+        slice.y = static_cast<char*>(a.y) + r0 * a.n_out * size;
+        gemm_rows(slice, static_cast<const char*>(x) + r0 * a.n_in * size);
+    }
 }
 
 }  // namespace

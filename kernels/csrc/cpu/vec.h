@@ -118,7 +118,8 @@ struct Avx2 {
     KERNELS_AVX2 static V load(const float* p) { return _mm256_loadu_ps(p); }
     // p[0], p[stride], ..., p[7 stride]: a column of a matrix (stride < 2^31 / 8)
     KERNELS_AVX2 static V gather(const float* p, int64_t stride) {
-        const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(stride)));
+        const __m256i at =
+            _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(stride)));
         return _mm256_i32gather_ps(p, at, 4);
     }
     KERNELS_AVX2 static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
