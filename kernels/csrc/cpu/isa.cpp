@@ -84,10 +84,14 @@ bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
 namespace {
 std::atomic<int> pairs{-1};
 
+// Asked once: gemm_bf16_pairs runs on every call of the product.
 bool pairs_by_default() {
 #if defined(__x86_64__) || defined(_M_X64)
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd");
+    static const bool amd = [] {
+        __builtin_cpu_init();
+        return bool(__builtin_cpu_is("amd"));
+    }();
+    return amd;
 #else
     return false;
 #endif
