@@ -16,7 +16,10 @@ multiply-adds per float32 lane, which the library runs by default where the CPU 
 "gemm" field of each result names the default here). "int4 int8-x":
 int4_linear with the weight's tiles, which quantizes bf16 x to int8 and multiplies in integers
 (int4_q8_gemm.cpp: vpmaddubsw, or VNNI; what chapter 06's --int8-activations runs), its ceiling
-above the float32 peak too; "int8 int8-x" the same for int8 weights (int8_q8_gemm.cpp); bf16 x only. Each figure is the median
+above the float32 peak too; "int8 int8-x" the same for int8 weights (int8_q8_gemm.cpp); bf16 x only.
+On a CPU with AMX-BF16 the library hands bf16 weights times bf16 x of 16 rows or more to torch's GEMM
+(ops.set_cpu_gemm_amx): "torch bf16" is that route, and "bf16" here is the library's own product,
+the route switched off while this bench runs. Each figure is the median
 of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
 """
 
@@ -123,6 +126,7 @@ def main() -> int:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     ext = kernels.load()
+    ext.set_cpu_gemm_amx(False)  # the library's own products; "torch bf16" is the AMX route's
     torch.set_num_threads(args.threads)
     best = ext.best_cpu_isa()
     offered = [i for i in ISA_LEVELS[1:] if ISA_LEVELS.index(i) <= ISA_LEVELS.index(best)]

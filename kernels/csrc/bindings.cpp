@@ -201,8 +201,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");
     m.def("cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::isa())); });
-    m.def("cpu_gemm", [] { return std::string(kernels::cpu::gemm_name()); },
-          "what the CPU linear kernels run for many rows of x (gemm.cpp), at this ISA and batch-invariance");
+    m.def(
+        "cpu_gemm",
+        [] {
+            std::string name = kernels::cpu::gemm_name();
+            if (kernels::ops::cpu_gemm_amx())
+                name += "; bf16 weights from " + std::to_string(kernels::ops::kAmxMinRows) + " rows: amx (oneDNN)";
+            return name;
+        },
+        "what the CPU linear kernels run for many rows of x (gemm.cpp, or AMX), at this ISA and batch-invariance");
     m.def("cpu_fma_peak_gflops", &kernels::cpu::fma_peak_gflops, py::arg("steps") = 20'000'000,
           "the float32 FMA peak of this CPU at the current ISA and thread count, measured (GFLOP/s)");
     m.attr("gemm_min_rows") = kernels::kGemmMinRows;  // the linears' matrix product from this many rows (CPU, CUDA)
@@ -224,6 +231,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "None: as this CPU's maker suggests (pairs on AMD)");
     m.def("cpu_gemm_pairs", [] { return kernels::cpu::gemm_bf16_pairs(); },
           "whether the matrix product multiplies bf16 x in bf16 pairs at the current ISA level");
+    m.def(
+        "set_cpu_gemm_amx", [](std::optional<bool> on) { kernels::ops::set_cpu_gemm_amx(on ? int(*on) : -1); },
+        py::arg("on") = py::none(),
+        "bf16 weights times bf16 x from gemm_amx_min_rows rows: torch's GEMM on AMX-BF16 tiles (True, an error "
+        "where there are none), the library's product (False), or None: AMX where the CPU and the OS have it");
+    m.def("cpu_gemm_amx", &kernels::ops::cpu_gemm_amx,
+          "whether bf16 weights times bf16 x go to AMX (torch's oneDNN) from gemm_amx_min_rows rows, now");
+    m.attr("gemm_amx_min_rows") = kernels::ops::kAmxMinRows;
 #ifdef WITH_CUDA
     m.attr("with_cuda") = true;
 #else

@@ -3,6 +3,10 @@
 // (dispatch.h), which calls the CPU function or the CUDA launcher.
 #include "ops.h"
 
+#include <ATen/cpu/Utils.h>
+
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "dispatch.h"
@@ -345,6 +349,50 @@ at::Tensor int8_tiles(const at::Tensor& q) {
     return tiles;
 }
 
+// AMX. A CPU with AMX-BF16 (Intel's Xeons from Sapphire Rapids on) multiplies bf16 tiles of 16 x 32
+// by 32 x 16 in one instruction, many times what AVX512's FMAs do: torch's bf16 GEMM, which oneDNN
+// runs on those tiles, took a layer's four products 1.9x as fast as the library's at 16 rows of x
+// and 4-7x from 128 rows on the Xeon of chapter 06's README (bench/gemm.py, "torch bf16"), where
+// below 16 rows the library's own product is as fast (a decode step reads the weights; the tiles
+// do not read them faster). The library has no AMX kernel of its own (the tiles need the OS's
+// leave, a tile configuration and the weights in pairs of rows: its next kernel), so on such a CPU
+// a bf16 weight's product of kAmxMinRows rows or more is at::linear's. Not where torch would not use
+// the tiles (ONEDNN_MAX_CPU_ISA below them, ATEN_CPU_CAPABILITY below AVX512-BF16, which caps the
+// library's level too), and not under batch invariance: oneDNN's rounding of a row may depend on the
+// rows beside it.
+namespace {
+
+std::atomic<int> amx_mode{-1};
+
+bool onednn_may_use_amx() {
+    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+    if (cap == nullptr) return true;
+    const std::string s(cap);
+    return s.empty() || s == "ALL" || s == "DEFAULT" || s.find("AMX") != std::string::npos;
+}
+
+bool amx_available() {
+    static const bool available = [] {  // asked once: cpuinfo's flags, then the OS's leave (Linux)
+        const auto caps = at::cpu::get_cpu_capabilities();
+        const auto it = caps.find("amx_bf16");
+        return it != caps.end() && it->second.isBool() && it->second.toBool() && at::cpu::init_amx();
+    }();
+    return available && onednn_may_use_amx();
+}
+
+}  // namespace
+
+void set_cpu_gemm_amx(int mode) {
+    TORCH_CHECK(mode <= 0 || amx_available(), "set_cpu_gemm_amx(True): this CPU has no AMX-BF16 tiles ",
+                "(or the OS does not grant them, or ONEDNN_MAX_CPU_ISA keeps oneDNN below them)");
+    amx_mode.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed);
+}
+
+bool cpu_gemm_amx() {
+    const int mode = amx_mode.load(std::memory_order_relaxed);
+    return mode != 0 && cpu::isa() == cpu::Isa::avx512_bf16 && !cpu::batch_invariant() && amx_available();
+}
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
                 "w: contiguous bfloat16 [n_out, n_in] expected, got ", w.scalar_type(), " ", w.sizes());
@@ -352,6 +400,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {
     check_x(x, n_in);
     check_same_device(x, w, "w");
     const DType dtype = dtype_of(x, "x");
+    if (x.is_cpu() && dtype == DType::bf16 && x.size(0) >= kAmxMinRows && cpu_gemm_amx()) return at::linear(x, w);
     at::Tensor y = at::empty({x.size(0), n_out}, x.options());
     if (y.numel() == 0) return y;
     run_kernel("bf16_linear", x, cpu::bf16_linear,

@@ -49,6 +49,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // no integer product, or n_in is not a multiple of 32.
 at::Tensor int8_tiles(const at::Tensor& q);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
+// bf16 weights times bf16 x on a CPU with AMX-BF16 tiles: from kAmxMinRows rows bf16_linear is
+// torch's GEMM (oneDNN runs it on the tiles; ops.cpp says why). mode -1: where the CPU has the tiles
+// and the OS grants them (the default), 0: never, 1: required (an error where there are none).
+// Off below the AVX512-BF16 level (ATEN_CPU_CAPABILITY) and under batch invariance.
+constexpr int64_t kAmxMinRows = 16;
+void set_cpu_gemm_amx(int mode);
+bool cpu_gemm_amx();
 
 // LoRA for many adapters in one batch (cpu/cpu_kernels.h has the contract): the shrink -> v float32
 // [rows, r_max]; the expand adds scale * B v to y in place. Rows are cut into segments

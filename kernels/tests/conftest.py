@@ -65,12 +65,15 @@ ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 def isa(request, ops):
     """Runs a CPU test once per instruction-set path this CPU has (the others skip), restoring the
     default afterwards. ATEN_CPU_CAPABILITY=avx2 caps the default as it caps torch's own kernels
-    (=avx512 leaves out the BF16 dot products)."""
+    (=avx512 leaves out the BF16 dot products). The library's own products are what these tests
+    check: bf16 weights times bf16 x stay off AMX (torch's GEMM, test_gemm.py tests that route)."""
     best = ops.best_cpu_isa()
     if ISAS.index(request.param) > ISAS.index(best):
         pytest.skip(f"this CPU (or ATEN_CPU_CAPABILITY) offers {best} at most")
     ops.set_cpu_isa(request.param)
+    ops.set_cpu_gemm_amx(False)
     yield request.param
+    ops.set_cpu_gemm_amx(None)
     ops.set_cpu_isa(best)
 
 

@@ -114,6 +114,55 @@ def test_bf16_pairs_are_the_default_on_amd_cpus_only(ops, isa):
         ops.set_cpu_gemm_pairs(None)
 
 
+def has_amx_bf16() -> bool:
+    """AMX-BF16 tiles that torch's oneDNN may use: the CPU's flag, as torch's cpuinfo reads it."""
+    import os
+
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")
+    return bool(caps.get("amx_bf16")) and (isa_cap in ("", "ALL", "DEFAULT") or "AMX" in isa_cap)
+
+
+def test_bf16_weights_times_bf16_x_go_to_amx_from_its_rows_where_the_cpu_has_it(ops):
+    # The isa fixture keeps AMX off; here the default is on where the CPU has the tiles, at the
+    # AVX512-BF16 level only, and never for float32 x or under batch invariance.
+    amx = has_amx_bf16() and ops.best_cpu_isa() == "avx512_bf16"
+    (w,) = weights("bf16", 70, 96)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ops.set_cpu_gemm_amx(None)
+    try:
+        assert ops.cpu_gemm_amx() == amx and ("amx (oneDNN)" in ops.cpu_gemm()) == amx, ops.cpu_gemm()
+        for rows in (1, ops.gemm_amx_min_rows - 1, ops.gemm_amx_min_rows, 40):
+            y = ops.bf16_linear(x[:rows], w)
+            ops.set_cpu_gemm_amx(False)
+            own = ops.bf16_linear(x[:rows], w)
+            ops.set_cpu_gemm_amx(None)
+            routed = amx and rows >= ops.gemm_amx_min_rows
+            assert torch.equal(y, torch.nn.functional.linear(x[:rows], w) if routed else own), rows
+            assert_close(y, reference.bf16_linear(x[:rows], w), f"{rows} rows")
+        # float32 x: the library's product at every row count
+        xf = x.float()
+        ops.set_cpu_gemm_amx(False)
+        own = ops.bf16_linear(xf, w)
+        ops.set_cpu_gemm_amx(None)
+        assert torch.equal(ops.bf16_linear(xf, w), own)
+        ops.set_batch_invariant(True)
+        try:
+            assert not ops.cpu_gemm_amx()
+        finally:
+            ops.set_batch_invariant(False)
+        ops.set_cpu_isa("avx512" if amx else "scalar")
+        try:
+            assert not ops.cpu_gemm_amx()
+        finally:
+            ops.set_cpu_isa(ops.best_cpu_isa())
+        if not has_amx_bf16():
+            with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+                ops.set_cpu_gemm_amx(True)
+    finally:
+        ops.set_cpu_gemm_amx(None)
+
+
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
 
 SHIM = """
