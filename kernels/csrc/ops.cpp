@@ -6,6 +6,7 @@
 #include <ATen/cpu/Utils.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <string>
 
@@ -351,40 +352,44 @@ at::Tensor int8_tiles(const at::Tensor& q) {
 
 // AMX. A CPU with AMX-BF16 (Intel's Xeons from Sapphire Rapids on) multiplies bf16 tiles of 16 x 32
 // by 32 x 16 in one instruction, many times what AVX512's FMAs do: torch's bf16 GEMM, which oneDNN
-// runs on those tiles, took a layer's four products 1.9x as fast as the library's at 16 rows of x
-// and 4-7x from 128 rows on the Xeon of chapter 06's README (bench/gemm.py, "torch bf16"), where
-// below 16 rows the library's own product is as fast (a decode step reads the weights; the tiles
-// do not read them faster). The library has no AMX kernel of its own (the tiles need the OS's
-// leave, a tile configuration and the weights in pairs of rows: its next kernel), so on such a CPU
-// a bf16 weight's product of kAmxMinRows rows or more is at::linear's. Not where torch would not use
-// the tiles (ONEDNN_MAX_CPU_ISA below them, ATEN_CPU_CAPABILITY below AVX512-BF16, which caps the
-// library's level too), and not under batch invariance: oneDNN's rounding of a row may depend on the
-// rows beside it.
+// runs on those tiles, took a layer's four products 1.8x as fast as the library's at 16 rows of x,
+// 3.7x at 128 and 6.5x at 512 on the Xeon of chapter 06's README; 1.3x at 12 rows and 0.94x at 8, so
+// the route starts where the library's own matrix product does. The library has no AMX kernel of
+// its own (the tiles need the OS's leave, a tile configuration and the weights in pairs of rows: its
+// next kernel), so on such a CPU a bf16 weight's product of kAmxMinRows rows or more is at::linear's.
+// Not where oneDNN may not use the tiles (ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA below them, or
+// torch.backends.mkldnn off); not below the AVX512-BF16 level, a choice (torch's GEMM would still use
+// the tiles): ATEN_CPU_CAPABILITY=avx2 or avx512 then reproduces a CPU without them; and not under
+// batch invariance: oneDNN's rounding of a row may depend on the rows beside it.
 namespace {
 
 std::atomic<int> amx_mode{-1};
 
-bool onednn_may_use_amx() {
-    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-    if (cap == nullptr) return true;
-    const std::string s(cap);
-    return s.empty() || s == "ALL" || s == "DEFAULT" || s.find("AMX") != std::string::npos;
+bool isa_cap_allows_amx(const char* name) {  // oneDNN reads its cap once, at its first use: so here
+    const char* cap = std::getenv(name);
+    if (cap == nullptr || *cap == '\0') return true;
+    std::string s(cap);
+    for (char& c : s) c = char(std::toupper(static_cast<unsigned char>(c)));
+    return s == "ALL" || s == "DEFAULT" || s.find("AMX") != std::string::npos;
 }
 
 bool amx_available() {
-    static const bool available = [] {  // asked once: cpuinfo's flags, then the OS's leave (Linux)
+    static const bool available = [] {  // asked once: cpuinfo's flags, oneDNN's cap, the OS's leave (Linux)
         const auto caps = at::cpu::get_cpu_capabilities();
         const auto it = caps.find("amx_bf16");
-        return it != caps.end() && it->second.isBool() && it->second.toBool() && at::cpu::init_amx();
+        return it != caps.end() && it->second.isBool() && it->second.toBool() &&
+               isa_cap_allows_amx("ONEDNN_MAX_CPU_ISA") && isa_cap_allows_amx("DNNL_MAX_CPU_ISA") &&
+               at::cpu::init_amx();
     }();
-    return available && onednn_may_use_amx();
+    return available && at::globalContext().userEnabledMkldnn();
 }
 
 }  // namespace
 
 void set_cpu_gemm_amx(int mode) {
     TORCH_CHECK(mode <= 0 || amx_available(), "set_cpu_gemm_amx(True): this CPU has no AMX-BF16 tiles ",
-                "(or the OS does not grant them, or ONEDNN_MAX_CPU_ISA keeps oneDNN below them)");
+                "(or the OS does not grant them, ONEDNN_MAX_CPU_ISA keeps oneDNN below them, or "
+                "torch.backends.mkldnn is off)");
     amx_mode.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed);
 }
 

@@ -115,45 +115,54 @@ def test_bf16_pairs_are_the_default_on_amd_cpus_only(ops, isa):
 
 
 def has_amx_bf16() -> bool:
-    """AMX-BF16 tiles that torch's oneDNN may use: the CPU's flag, as torch's cpuinfo reads it."""
+    """AMX-BF16 tiles that torch's oneDNN may use: the CPU's flag (torch's cpuinfo), the OS's leave,
+    and no ONEDNN_MAX_CPU_ISA below them."""
     import os
 
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")
-    return bool(caps.get("amx_bf16")) and (isa_cap in ("", "ALL", "DEFAULT") or "AMX" in isa_cap)
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    allowed = cap in ("", "ALL", "DEFAULT") or "AMX" in cap
+    return bool(caps.get("amx_bf16")) and allowed and torch.backends.mkldnn.enabled and torch.cpu._init_amx()
+
+
+def went_to_torch(ops, x, w) -> bool:
+    """Whether bf16_linear(x, w) called torch's GEMM (aten::linear: the AMX route) rather than the
+    library's product (whose only torch operator is its output's aten::empty)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.bf16_linear(x, w)
+    return any(e.name == "aten::linear" for e in prof.events())
 
 
 def test_bf16_weights_times_bf16_x_go_to_amx_from_its_rows_where_the_cpu_has_it(ops):
     # The isa fixture keeps AMX off; here the default is on where the CPU has the tiles, at the
-    # AVX512-BF16 level only, and never for float32 x or under batch invariance.
+    # AVX512-BF16 level only, from gemm_amx_min_rows rows, and never for float32 x or under batch
+    # invariance. The route's product is torch's, bit for bit, and within rounding of the reference.
     amx = has_amx_bf16() and ops.best_cpu_isa() == "avx512_bf16"
+    n = ops.gemm_amx_min_rows
     (w,) = weights("bf16", 70, 96)
     x = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
     ops.set_cpu_gemm_amx(None)
     try:
         assert ops.cpu_gemm_amx() == amx and ("amx (oneDNN)" in ops.cpu_gemm()) == amx, ops.cpu_gemm()
-        for rows in (1, ops.gemm_amx_min_rows - 1, ops.gemm_amx_min_rows, 40):
+        for rows in (1, n - 1, n, 40):
+            routed = amx and rows >= n
+            assert went_to_torch(ops, x[:rows], w) == routed, rows
             y = ops.bf16_linear(x[:rows], w)
-            ops.set_cpu_gemm_amx(False)
-            own = ops.bf16_linear(x[:rows], w)
-            ops.set_cpu_gemm_amx(None)
-            routed = amx and rows >= ops.gemm_amx_min_rows
-            assert torch.equal(y, torch.nn.functional.linear(x[:rows], w) if routed else own), rows
+            if routed:
+                assert torch.equal(y, torch.nn.functional.linear(x[:rows], w)), rows
             assert_close(y, reference.bf16_linear(x[:rows], w), f"{rows} rows")
-        # float32 x: the library's product at every row count
-        xf = x.float()
+        assert not went_to_torch(ops, x.float(), w)  # float32 x: the library's product
         ops.set_cpu_gemm_amx(False)
-        own = ops.bf16_linear(xf, w)
+        assert not ops.cpu_gemm_amx() and not went_to_torch(ops, x, w)
         ops.set_cpu_gemm_amx(None)
-        assert torch.equal(ops.bf16_linear(xf, w), own)
         ops.set_batch_invariant(True)
         try:
-            assert not ops.cpu_gemm_amx()
+            assert not ops.cpu_gemm_amx() and not went_to_torch(ops, x[: n + 1], w)
         finally:
             ops.set_batch_invariant(False)
         ops.set_cpu_isa("avx512" if amx else "scalar")
         try:
-            assert not ops.cpu_gemm_amx()
+            assert not ops.cpu_gemm_amx() and not went_to_torch(ops, x[: n + 1], w)
         finally:
             ops.set_cpu_isa(ops.best_cpu_isa())
         if not has_amx_bf16():

@@ -133,7 +133,7 @@ def test_each_library_linear_multiplies_as_the_prepared_weight(kind, cpu_isa):
     dtype = CASES[kind][1]
     model = load(*CASES[kind])
     layer = model.layers[0]
-    for rows in (1, 5, 20):  # 20: the library's matrix product (gemm.cpp), as in a prompt chunk
+    for rows in (1, 5, 20):  # 20: the matrix product (gemm.cpp; bf16 on an AMX CPU torch's), as in a prompt chunk
         x = torch.randn(rows, model.config.hidden_size).to(dtype)
         library = model.ops._library_linear(layer.wqkv)
         assert torch.equal(library(x), linear(x, layer.wqkv)), (library.kind, rows)

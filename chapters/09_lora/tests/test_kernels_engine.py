@@ -86,8 +86,9 @@ def test_kernels_on_and_off_give_the_same_logits(smollm2_dir, smollm2_tokenizer,
 def test_bf16_weights_decode_through_the_bf16_kernel_as_accurately_as_torch(smollm2_dir, smollm2_tokenizer):
     # A bf16 model with the kernels on: every matrix (the tied head too) is the library's bf16
     # matmul at every row count, on the weight tensor itself (no copy). A step of a few tokens runs
-    # its matrix-vector form in every layer, a longer one its matrix product (gemm.cpp): both give
-    # logits as close to float32's as torch's bf16 GEMM's are.
+    # its matrix-vector form in every layer, a longer one its matrix product (gemm.cpp; on a CPU
+    # with AMX-BF16 the library hands that one to torch's GEMM on the tiles): both give logits as
+    # close to float32's as torch's bf16 GEMM's are.
     import kernels
     from ops import KernelBf16Linear
 
