@@ -17,9 +17,11 @@ multiply-adds per float32 lane, which the library runs by default where the CPU 
 int4_linear with the weight's tiles, which quantizes bf16 x to int8 and multiplies in integers
 (int4_q8_gemm.cpp: vpmaddubsw, or VNNI; what chapter 06's --int8-activations runs), its ceiling
 above the float32 peak too; "int8 int8-x" the same for int8 weights (int8_q8_gemm.cpp); bf16 x only.
-On a CPU with AMX-BF16 the library hands bf16 weights times bf16 x of 16 rows or more to torch's GEMM
+On a CPU with AMX the library hands bf16 weights times bf16 x of 16 rows or more to torch's GEMM
 (ops.set_cpu_gemm_amx): "torch bf16" is that route, and "bf16" here is the library's own product,
-the route switched off while this bench runs. Each figure is the median
+the route switched off while this bench runs; and its integer products take every 16 rows of x on
+AMX-INT8 tiles: "int4 int8-x amx" and "int8 int8-x amx" (at the AVX512-BF16 level of such a CPU),
+where "int4 int8-x" and "int8 int8-x" are VNNI's alone. Each figure is the median
 of --repeats timings of all four matrices. Results: a table, JSON at --out, a PNG beside it.
 """
 
@@ -87,6 +89,8 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
         "int4 int8-x": lambda x, w: ext.int4_linear(x, *w["int4"], 32, w["int4 tiles"]),
         "int8": lambda x, w: ext.int8_linear(x, *w["int8"]),
         "int8 int8-x": lambda x, w: ext.int8_linear(x, *w["int8"], w["int8 tiles"]),
+        "int4 int8-x amx": lambda x, w: ext.int4_linear(x, *w["int4"], 32, w["int4 tiles"]),
+        "int8 int8-x amx": lambda x, w: ext.int8_linear(x, *w["int8"], w["int8 tiles"]),
         "bf16": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
         "int4 pairs": lambda x, w: ext.int4_linear(x, *w["int4"], 32),
         "bf16 pairs": lambda x, w: ext.bf16_linear(x, *w["bf16"]),
@@ -97,8 +101,12 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
     pairs = ext.cpu_isa() == "avx512_bf16" and dtype == torch.bfloat16
     out = {}
     for kind, call in calls.items():
-        if kind.endswith("int8-x") and dtype != torch.bfloat16:
+        if "int8-x" in kind and dtype != torch.bfloat16:
             out[kind] = None  # float32 x keeps the float product
+            continue
+        ext.set_cpu_gemm_amx(None if kind.endswith("amx") else False)
+        if kind.endswith("amx") and not ext.cpu_int8_amx():
+            out[kind] = None  # AMX-INT8 tiles: a CPU that has them, at the AVX512-BF16 level
             continue
         if kind.endswith("pairs") and not pairs:
             out[kind] = None  # bf16 pairs: AVX512-BF16 and bf16 x only
@@ -107,6 +115,7 @@ def measure(ext, rows: int, dtype: torch.dtype, mats: dict, repeats: int) -> dic
         seconds = timed(lambda: [call(xs[name], mats[name]) for name in SHAPES], repeats)  # noqa: B023
         out[kind] = flops / seconds / 1e9
     ext.set_cpu_gemm_pairs(None)
+    ext.set_cpu_gemm_amx(False)
     return out
 
 
@@ -149,7 +158,8 @@ def main() -> int:
                                 "gflops": figures, "gemm": ext.cpu_gemm()})  # fmt: skip
     ext.set_cpu_isa(best)
 
-    kinds = ["int4", "int4 int8-x", "int4 pairs", "int8", "int8 int8-x", "bf16", "bf16 pairs"]
+    kinds = ["int4", "int4 int8-x", "int4 int8-x amx", "int4 pairs", "int8", "int8 int8-x", "int8 int8-x amx"]
+    kinds += ["bf16", "bf16 pairs"]
     kinds += ["torch bf16", "torch f32"]
     print(f"\nGFLOP/s on SmolLM2-135M's layer matrices, {args.threads} threads (percent of the float32 FMA peak)")
     print(f"{'isa':<12}{'peak':>6} {'x':<9}{'rows':>5}" + "".join(f"{k:>17}" for k in kinds))
@@ -179,12 +189,13 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
     isas = list(dict.fromkeys(r["isa"] for r in results))
     fig, axes = plt.subplots(1, len(isas), figsize=(5 * len(isas), 4), squeeze=False)
     for ax, isa in zip(axes[0], isas):
-        styles = {"int4": "-o", "int4 int8-x": "-D", "int4 pairs": "--o", "int8": "-s", "int8 int8-x": "-d",
-                  "bf16": "-^", "bf16 pairs": "--^", "torch bf16": ":x", "torch f32": ":+"}  # fmt: skip
+        styles = {"int4": "-o", "int4 int8-x": "-D", "int4 int8-x amx": "--D", "int4 pairs": "--o", "int8": "-s",
+                  "int8 int8-x": "-d", "int8 int8-x amx": "--d", "bf16": "-^", "bf16 pairs": "--^",
+                  "torch bf16": ":x", "torch f32": ":+"}  # fmt: skip
         for kind, style in styles.items():
             here = {r["rows"]: r["gflops"][kind] for r in results if r["isa"] == isa and r["x"] == "bfloat16"}
             ys = [here[n] for n in rows_list]
-            if None not in ys:  # (pairs: AVX512-BF16 only)
+            if None not in ys:  # (pairs: AVX512-BF16 only; amx: a CPU with AMX-INT8)
                 ax.plot(rows_list, ys, style, label=kind)
         peak = next(r["peak_gflops"] for r in results if r["isa"] == isa)
         ax.axhline(peak, color="grey", lw=0.8, ls="--", label="float32 FMA peak")

@@ -43,9 +43,10 @@ def test_gemm_bench_reports_each_kind_against_the_peak(tmp_path):
     for row in rows:
         assert row["isa"] == "avx2" and row["gemm"] == "avx2-fma" and row["peak_gflops"] > 0
         kinds = {"int4", "int4 int8-x", "int4 pairs", "int8", "int8 int8-x", "bf16", "bf16 pairs"}
-        kinds |= {"torch bf16", "torch f32"}
+        kinds |= {"int4 int8-x amx", "int8 int8-x amx", "torch bf16", "torch f32"}
         assert set(row["gflops"]) == kinds
         for integer in ("int4 int8-x", "int8 int8-x"):
             assert (row["gflops"][integer] is None) == (row["x"] == "float32")
         assert row["gflops"]["int4 pairs"] is None and row["gflops"]["bf16 pairs"] is None  # AVX512-BF16 only
+        assert row["gflops"]["int4 int8-x amx"] is None and row["gflops"]["int8 int8-x amx"] is None  # likewise
     assert out.with_suffix(".png").exists()

@@ -215,7 +215,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("gemm_min_rows") = kernels::kGemmMinRows;  // the linears' matrix product from this many rows (CPU, CUDA)
     m.def("cpu_int8_product", [] {  // int4/int8 weights times int8-quantized x (cpu/int4_q8_gemm.cpp, int8_q8_gemm.cpp)
         const int width = kernels::cpu::q8_tile_width();
-        return std::string(width == 16 ? "avx512-vnni" : width == 8 ? "avx2-vpmaddubsw" : "none");
+        std::string name = width == 16 ? "avx512-vnni" : width == 8 ? "avx2-vpmaddubsw" : "none";
+        if (width == 16 && kernels::cpu::q8_amx())
+            name += ", amx-int8 from " + std::to_string(kernels::cpu::kQ8AmxRows) + " rows";
+        return name;
     });
     m.def("best_cpu_isa", [] { return std::string(kernels::cpu::isa_name(kernels::cpu::best_isa())); });
     m.def("set_cpu_isa", [](const std::string& name) { kernels::cpu::set_isa(isa_from(name)); }, py::arg("name"));
@@ -234,10 +237,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def(
         "set_cpu_gemm_amx", [](std::optional<bool> on) { kernels::ops::set_cpu_gemm_amx(on ? int(*on) : -1); },
         py::arg("on") = py::none(),
-        "bf16 weights times bf16 x from gemm_amx_min_rows rows: torch's GEMM on AMX-BF16 tiles (True, an error "
-        "where there are none), the library's product (False), or None: AMX where the CPU and the OS have it");
+        "AMX tiles: bf16 weights times bf16 x from gemm_amx_min_rows rows to torch's GEMM (AMX-BF16), and the "
+        "int4/int8 weights' integer products int8_amx_rows rows at a time on AMX-INT8 (True: each where it can, an "
+        "error where neither can), the library's VNNI and float products (False), or None: AMX where the CPU and "
+        "the OS have it");
     m.def("cpu_gemm_amx", &kernels::ops::cpu_gemm_amx,
           "whether bf16 weights times bf16 x go to AMX (torch's oneDNN) from gemm_amx_min_rows rows, now");
+    m.def("cpu_int8_amx", &kernels::cpu::q8_amx,
+          "whether the int4 and int8 weights' integer products run 16 rows of x at a time on AMX-INT8 tiles, now");
+    m.def("cpu_has_amx_int8", &kernels::cpu::amx_int8_supported,
+          "whether this CPU has AMX-INT8 tiles and the OS lets this process use them (at any ISA level)");
+    m.attr("int8_amx_rows") = kernels::cpu::kQ8AmxRows;
     m.attr("gemm_amx_min_rows") = kernels::ops::kAmxMinRows;
 #ifdef WITH_CUDA
     m.attr("with_cuda") = true;

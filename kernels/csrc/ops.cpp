@@ -354,9 +354,9 @@ at::Tensor int8_tiles(const at::Tensor& q) {
 // by 32 x 16 in one instruction, many times what AVX512's FMAs do: torch's bf16 GEMM, which oneDNN
 // runs on those tiles, took a layer's four products 1.8x as fast as the library's at 16 rows of x,
 // 3.7x at 128 and 6.5x at 512 on the Xeon of chapter 06's README; 1.3x at 12 rows and 0.94x at 8, so
-// the route starts where the library's own matrix product does. The library has no AMX kernel of
-// its own (the tiles need the OS's leave, a tile configuration and the weights in pairs of rows: its
-// next kernel), so on such a CPU a bf16 weight's product of kAmxMinRows rows or more is at::linear's.
+// the route starts where the library's own matrix product does. The library's own AMX kernel is
+// its integer products' (int4 and int8 weights, cpu/q8_tiles.h); bf16 weights would need theirs in
+// pairs of rows, so on such a CPU a bf16 weight's product of kAmxMinRows rows or more is at::linear's.
 // Not where oneDNN may not use the tiles (ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA below them, or
 // torch.backends.mkldnn off); not below the AVX512-BF16 level, a choice (torch's GEMM would still use
 // the tiles): ATEN_CPU_CAPABILITY=avx2 or avx512 then reproduces a CPU without them; and not under
@@ -386,11 +386,15 @@ bool amx_available() {
 
 }  // namespace
 
+// One switch for both uses of the tiles: torch's GEMM for bf16 weights, the library's integer
+// products for int4 and int8 weights (cpu::set_q8_amx). On: each where it can run, an error where
+// neither can.
 void set_cpu_gemm_amx(int mode) {
-    TORCH_CHECK(mode <= 0 || amx_available(), "set_cpu_gemm_amx(True): this CPU has no AMX-BF16 tiles ",
-                "(or the OS does not grant them, ONEDNN_MAX_CPU_ISA keeps oneDNN below them, or "
-                "torch.backends.mkldnn is off)");
+    TORCH_CHECK(mode <= 0 || amx_available() || cpu::amx_int8_supported(),
+                "set_cpu_gemm_amx(True): this CPU has no AMX-BF16 tiles (or the OS does not grant them, ",
+                "ONEDNN_MAX_CPU_ISA keeps oneDNN below them, or torch.backends.mkldnn is off) and no AMX-INT8 ones");
     amx_mode.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed);
+    cpu::set_q8_amx(mode > 0 && !cpu::amx_int8_supported() ? -1 : mode);
 }
 
 bool cpu_gemm_amx() {

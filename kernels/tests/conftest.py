@@ -66,7 +66,8 @@ def isa(request, ops):
     """Runs a CPU test once per instruction-set path this CPU has (the others skip), restoring the
     default afterwards. ATEN_CPU_CAPABILITY=avx2 caps the default as it caps torch's own kernels
     (=avx512 leaves out the BF16 dot products). The library's own products are what these tests
-    check: bf16 weights times bf16 x stay off AMX (torch's GEMM, test_gemm.py tests that route)."""
+    check: AMX stays off (torch's GEMM for bf16 weights, which test_gemm.py tests; the integer
+    products' tiles, which test_int4_q8_gemm.py and test_int8_q8_gemm.py test against VNNI)."""
     best = ops.best_cpu_isa()
     if ISAS.index(request.param) > ISAS.index(best):
         pytest.skip(f"this CPU (or ATEN_CPU_CAPABILITY) offers {best} at most")
@@ -155,3 +156,44 @@ def assert_caught_where_it_lives(ops, planted, index: int, bug: str, rows, width
     if not expected:
         pytest.skip(f"{bug}: lives in tiles {widths} wide; this CPU runs {sorted(ran)}")
     assert caught == expected, f"{bug}: caught at tile widths {sorted(caught)}, expected {sorted(expected)}"
+
+
+# --- AMX-INT8 in the integer products (cpu/q8_tiles.h) ---------------------------------------------
+
+
+def skip_without_amx_int8(ops) -> None:
+    """Skips unless the integer products take AMX-INT8 tiles here by default: the CPU has them
+    (Sapphire Rapids on), the OS grants them, and the level is AVX512-BF16 (not capped)."""
+    ops.set_cpu_gemm_amx(None)
+    if not ops.cpu_int8_amx():
+        pytest.skip(f"needs AMX-INT8 tiles at the AVX512-BF16 level (this CPU, or its cap: {ops.best_cpu_isa()})")
+
+
+def assert_amx_gives_vnni_s_bits(ops, linear, check, rows) -> None:
+    """linear(x) (an integer product) with AMX on against AMX off, at each row count in rows (x a
+    prefix of one draw): the tiles' sums are exact integers scaled by the VNNI tile's instructions,
+    so every result is VNNI's to the bit; and each passes check(y, x)."""
+    skip_without_amx_int8(ops)
+    assert "amx-int8" in ops.cpu_int8_product(), ops.cpu_int8_product()
+    try:
+        for r in rows:
+            ops.set_cpu_gemm_amx(None)
+            y, x = linear(r)
+            ops.set_cpu_gemm_amx(False)
+            vnni, _ = linear(r)
+            assert torch.equal(y, vnni), f"{r} rows: AMX differs from VNNI by {(y.float() - vnni.float()).abs().max()}"
+            check(y, x)
+        assert "amx" not in ops.cpu_int8_product()  # switched off (still)
+    finally:
+        ops.set_cpu_gemm_amx(None)
+
+
+def assert_amx_bug_caught(ops, planted, index: int, bug: str, rows, call) -> None:
+    """A bug planted in the AMX path of a build_planted copy (its shim's set_amx switches the tiles):
+    with them on, caught at tile width 16 and nowhere else (assert_caught_where_it_lives)."""
+    skip_without_amx_int8(ops)
+    planted.set_amx(1)
+    try:
+        assert_caught_where_it_lives(ops, planted, index, bug, rows, (16,), call)
+    finally:
+        planted.set_amx(0)

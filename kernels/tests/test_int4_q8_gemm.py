@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from conftest import assert_caught_where_it_lives, build_planted
+from conftest import assert_amx_bug_caught, assert_amx_gives_vnni_s_bits, assert_caught_where_it_lives, build_planted
 from kernels import reference
 from test_gemm import ROWS
 from test_quant_linear import int4_weight
@@ -145,6 +145,23 @@ def test_the_one_call_layer_s_linear_takes_the_tiles(ops):
         ops.Linear("int4", [*w, tiles, tiles], 32)
 
 
+def test_amx_tiles_give_vnni_s_bits_at_every_row_count(ops):
+    # On a CPU with AMX-INT8 every 16 rows of x go to the tiles (codes widened to bytes, one tile
+    # instruction a block), the rest to VNNI, with the VNNI tile's float steps after exact sums.
+    for n_out, n_in, group_size in SHAPES:
+        w = int4_weight(n_out, n_in, group_size, seed=n_out + 1)
+        x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in + 1)).bfloat16()
+
+        def linear(r):
+            tiles = tiles_of(ops, w, group_size)
+            return ops.int4_linear(x_all[:r], *w, group_size, tiles), x_all[:r]
+
+        def check(y, x):
+            check_q8(y, x, *w, group_size, f"AMX {x.shape[0]} x {n_in} -> {n_out}, G={group_size}")
+
+        assert_amx_gives_vnni_s_bits(ops, linear, check, [r for r in ROWS if r >= 15])
+
+
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
 
 SHIM = """
@@ -159,6 +176,7 @@ void tiles(uint8_t* t, const uint8_t* p, const uint16_t* s, const uint16_t* m, i
     cpu::int4_tiles(t, p, s, m, n_in, n_out, g, w); }
 void gemm(void* y, const void* x, const uint8_t* t, int rows, int n_in, int n_out, int w) {
     cpu::int4_q8_gemm(y, x, t, rows, n_in, n_out, w, DType::bf16); }
+void set_amx(int on) { cpu::set_q8_amx(on); }
 }
 """
 # Each bug: (the correct text, the text with the bug, on while BUG), the call that shows it
@@ -185,17 +203,37 @@ PLANTED = {
         ("q8_tiles.h", "const int no = std::min(F, a.n_out - o0);",
          "const int no = std::min(F, a.n_out - o0) - (BUG && a.n_out - o0 < F);"), (70, 64), [16], (8, 16)),
 }  # fmt: skip
+# The same in the AMX path (on for these only: the bugs above live where 16 rows would go to it)
+AMX_PLANTED = {
+    "AMX widens a block's high nibbles into its low ones' rows": (
+        ("_mm512_storeu_si512(codes + 128 * j, lo);", "_mm512_storeu_si512(codes + 128 * j, BUG ? hi : lo);"),
+        (16, 64), [16, 33]),
+    "AMX scales a block with the sums of the block before": (
+        ("q8_tiles.h", "const int32_t* sums = work.sums[b % D];", "const int32_t* sums = work.sums[(b + BUG * (D - 1)) % D];"),
+        (16, 256), [16]),
+    "AMX's tile of x takes 16 rows a block apart": (
+        ("q8_tiles.h", "const int64_t x_stride = a.n_in;", "const int64_t x_stride = BUG ? kBlock : a.n_in;"),
+        (16, 64), [16]),
+    "the rows after the tiles' last 16 are left out": (
+        ("q8_tiles.h", "r0 = a.rows / kAmxRows * kAmxRows;", "r0 = (a.rows / kAmxRows + BUG) * kAmxRows;"),
+        (16, 64), [17, 35]),
+    "AMX's second 16 rows use codes that were never widened": (
+        ("q8_tiles.h", "if (r0 == 0 && b < a.blocks)", "if (r0 == BUG * kAmxRows && b < a.blocks)"),
+        (16, 96), [32]),  # a shape of its own: the thread's buffer holds no other test's codes
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """The CPU half built once with every bug above in its copy of int4_q8_gemm.cpp, each behind a
-    switch (set_bug), so that each bug is checked alone at every tile width."""
-    changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})"))
-               for i, (change, *_) in enumerate(PLANTED.values())]  # fmt: skip
+    switch (set_bug), so that each bug is checked alone at every tile width; AMX off but for its own."""
+    bugs = [change for change, *_ in [*PLANTED.values(), *AMX_PLANTED.values()]]
+    changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})")) for i, change in enumerate(bugs)]
     also = ("gemm.cpp", "quant_linear.cpp", "isa.cpp")
-    return build_planted(tmp_path_factory.mktemp("planted_q8"), "int4_q8_gemm.cpp", changes, SHIM, also,
-                         prologue="extern int planted_bug;\n")  # fmt: skip
+    lib = build_planted(tmp_path_factory.mktemp("planted_q8"), "int4_q8_gemm.cpp", changes, SHIM, also,
+                        prologue="extern int planted_bug;\n")  # fmt: skip
+    lib.set_amx(0)
+    return lib
 
 
 def planted_call(lib, x, w, n_out):
@@ -225,3 +263,20 @@ def test_a_planted_bug_fails_the_check(ops, planted, bug):
         return width, True
 
     assert_caught_where_it_lives(ops, planted, list(PLANTED).index(bug), bug, rows, widths, call)
+
+
+@pytest.mark.parametrize("bug", AMX_PLANTED)
+def test_a_planted_amx_bug_fails_the_check(ops, planted, bug):
+    _, (n_out, n_in), rows = AMX_PLANTED[bug]
+    w = int4_weight(n_out, n_in, 32, seed=8)
+
+    def call(r):
+        x = torch.randn(r, n_in).bfloat16()
+        y, width = planted_call(planted, x, w, n_out)
+        try:
+            check_q8(y, x, *w, 32, bug)
+        except AssertionError:
+            return width, False
+        return width, True
+
+    assert_amx_bug_caught(ops, planted, len(PLANTED) + list(AMX_PLANTED).index(bug), bug, rows, call)

@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from conftest import assert_caught_where_it_lives, build_planted
+from conftest import assert_amx_bug_caught, assert_amx_gives_vnni_s_bits, assert_caught_where_it_lives, build_planted
 from kernels import reference
 from test_gemm import ROWS
 
@@ -156,6 +156,22 @@ def test_the_one_call_layer_s_linear_takes_the_tiles(ops):
 
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
 
+def test_amx_tiles_give_vnni_s_bits_at_every_row_count(ops):
+    # On a CPU with AMX-INT8 every 16 rows of x go to the tiles (a VNNI tile's block is already their
+    # B), the rest to VNNI, with the VNNI tile's correction and scaling after exact sums.
+    for n_out, n_in in SHAPES:
+        q, scale = int8_weight(n_out, n_in, seed=n_out + 1)
+        x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in + 1)).bfloat16()
+
+        def linear(r):
+            return ops.int8_linear(x_all[:r], q, scale, tiles_of(ops, q)), x_all[:r]
+
+        def check(y, x):
+            check_q8(y, x, q, scale, f"AMX {x.shape[0]} x {n_in} -> {n_out}")
+
+        assert_amx_gives_vnni_s_bits(ops, linear, check, [r for r in ROWS if r >= 15])
+
+
 SHIM = """
 #include "cpu_kernels.h"
 using namespace kernels;
@@ -167,6 +183,7 @@ int width() { return cpu::q8_tile_width(); }
 void tiles(uint8_t* t, const int8_t* q, int n_in, int n_out, int w) { cpu::int8_tiles(t, q, n_in, n_out, w); }
 void gemm(void* y, const void* x, const uint8_t* t, const float* s, int rows, int n_in, int n_out, int w) {
     cpu::int8_q8_gemm(y, x, t, s, rows, n_in, n_out, w, DType::bf16); }
+void set_amx(int on) { cpu::set_q8_amx(on); }
 }
 """
 # Each bug: (the correct text, the text with the bug), the call that shows it ((n_out, n_in), row
@@ -189,15 +206,24 @@ PLANTED = {
         ("q8_tiles.h", "sums[r * F + f] * a.scale[o0 + f]", "sums[r * F + f] * a.scale[o0 + (BUG ? 0 : f)]"),
         (16, 64), [16], (8, 16)),
 }  # fmt: skip
+# The same in the AMX path (on for these only: the bugs above live where 16 rows would go to it)
+AMX_PLANTED = {
+    "AMX forgets to take x's sum back off": (
+        ("_mm512_set1_epi32(128 * xq_sum)", "_mm512_set1_epi32(BUG ? 0 : 128 * xq_sum)"), (16, 64), [16, 20]),
+    "AMX gathers x's scales of the rows' first block only": (
+        ("q8_tiles.h", "dx[at] = a.dx[rb];", "dx[at] = a.dx[BUG ? rb - b : rb];"), (16, 128), [16]),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})"))
-               for i, (change, *_) in enumerate(PLANTED.values())]  # fmt: skip
+    bugs = [change for change, *_ in [*PLANTED.values(), *AMX_PLANTED.values()]]
+    changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})")) for i, change in enumerate(bugs)]
     also = ("int4_q8_gemm.cpp", "gemm.cpp", "quant_linear.cpp", "isa.cpp")
-    return build_planted(tmp_path_factory.mktemp("planted_i8q8"), "int8_q8_gemm.cpp", changes, SHIM, also,
-                         prologue="extern int planted_bug;\n")  # fmt: skip
+    lib = build_planted(tmp_path_factory.mktemp("planted_i8q8"), "int8_q8_gemm.cpp", changes, SHIM, also,
+                        prologue="extern int planted_bug;\n")  # fmt: skip
+    lib.set_amx(0)  # on for the AMX bugs only
+    return lib
 
 
 def planted_call(lib, x, q, scale):
@@ -226,3 +252,20 @@ def test_a_planted_bug_fails_the_check(ops, planted, bug):
         return width, True
 
     assert_caught_where_it_lives(ops, planted, list(PLANTED).index(bug), bug, rows, widths, call)
+
+
+@pytest.mark.parametrize("bug", AMX_PLANTED)
+def test_a_planted_amx_bug_fails_the_check(ops, planted, bug):
+    _, (n_out, n_in), rows = AMX_PLANTED[bug]
+    q, scale = int8_weight(n_out, n_in, seed=8)
+
+    def call(r):
+        x = torch.randn(r, n_in).bfloat16()
+        y, width = planted_call(planted, x, q, scale)
+        try:
+            check_q8(y, x, q, scale, bug)
+        except AssertionError:
+            return width, False
+        return width, True
+
+    assert_amx_bug_caught(ops, planted, len(PLANTED) + list(AMX_PLANTED).index(bug), bug, rows, call)

@@ -136,6 +136,37 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Q8Ar
     q8_tile<VnniDot, Avx512, MR>(a, t, r0, s);
 }
 
+// A block on the AMX tiles (q8_tiles.h): the codes widened to bytes in the tile's own order
+// (part j's low nibbles are inputs 8j .. 8j + 3, B's row 2j; its high nibbles B's row 2j + 1),
+// and each row's sums scaled as the VNNI tile scales them.
+struct AmxBlock {
+    static constexpr bool kWidened = true;
+    KERNELS_AMX_INT8 static void widen(const uint8_t* tile, uint8_t* codes) {
+        for (int j = 0; j < 4; ++j) {
+            __m512i lo, hi;
+            VnniDot::codes(tile + 4 * 16 * j, lo, hi);
+            _mm512_storeu_si512(codes + 128 * j, lo);
+            _mm512_storeu_si512(codes + 128 * j + 64, hi);
+        }
+    }
+    struct Factors {
+        __m512 scale, min;
+    };
+    KERNELS_AMX_INT8 static Factors factors(const uint8_t* tile) {
+        return {Avx512::load_as<DType::f16>(tile + 16 * 16, 0), Avx512::load_as<DType::f16>(tile + 18 * 16, 0)};
+    }
+    KERNELS_AMX_INT8 static __m512 add(const Factors& f, const int32_t* sums, float dx, float xsum, int32_t,
+                                       __m512 acc) {
+        const __m512 block = VnniDot::block_sums(_mm512_load_si512(sums));
+        acc = Avx512::fma(block, Avx512::mul(f.scale, Avx512::set1(dx)), acc);
+        return Avx512::fma(f.min, Avx512::set1(xsum), acc);
+    }
+};
+
+KERNELS_AMX_INT8 __attribute__((flatten, noinline)) void tile_amx(const Q8Args& a, int t, q8::AmxWork& work) {
+    q8::amx_tile_row<AmxBlock, kQ8TileBytes>(a, t, work);
+}
+
 const q8::TileFn avx2_tiles[q8::kRows<8> + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 const q8::TileFn vnni_tiles[q8::kRows<16> + 1] = {nullptr,      tile_vnni<1>, tile_vnni<2>, tile_vnni<3>,
                                                   tile_vnni<4>, tile_vnni<5>, tile_vnni<6>, tile_vnni<7>,
@@ -243,7 +274,7 @@ void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_
 #ifdef KERNELS_X86
     const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
     const q8::Args a{y, q.xq, q.dx, q.xsum, nullptr, tiles, nullptr, rows, n_in, n_out, n_in / kBlock, dtype};
-    q8::run<kQ8TileBytes>(a, width, avx2_tiles, vnni_tiles);
+    q8::run<kQ8TileBytes>(a, width, avx2_tiles, vnni_tiles, tile_amx);
 #else
     (void)y, (void)x, (void)tiles, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
 #endif

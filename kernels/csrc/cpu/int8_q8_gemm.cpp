@@ -116,6 +116,24 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Args
     q8_tile<VnniDot, Avx512, MR>(a, t, r0, s);
 }
 
+// A block on the AMX tiles (q8_tiles.h): the VNNI tile's block is already what tdpbsud takes as B
+// (8 rows of 4 inputs of 16 outputs, unsigned: q + 128), so it is loaded as it lies; x's sums take
+// the 128s back off, and each row's block is scaled as the VNNI tile scales it.
+struct AmxBlock {
+    static constexpr bool kWidened = false;
+    struct Factors {};
+    KERNELS_AMX_INT8 static Factors factors(const uint8_t*) { return {}; }
+    KERNELS_AMX_INT8 static __m512 add(const Factors&, const int32_t* sums, float dx, float, int32_t xq_sum,
+                                       __m512 acc) {
+        const __m512i block = _mm512_sub_epi32(_mm512_load_si512(sums), _mm512_set1_epi32(128 * xq_sum));
+        return Avx512::fma(_mm512_cvtepi32_ps(block), Avx512::set1(dx), acc);
+    }
+};
+
+KERNELS_AMX_INT8 __attribute__((flatten, noinline)) void tile_amx(const Args& a, int t, q8::AmxWork& work) {
+    q8::amx_tile_row<AmxBlock, kTileBytes>(a, t, work);
+}
+
 const q8::TileFn avx2_tiles[q8::kRows<8> + 1] = {nullptr, tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>};
 const q8::TileFn vnni_tiles[q8::kRows<16> + 1] = {nullptr,      tile_vnni<1>, tile_vnni<2>, tile_vnni<3>,
                                                   tile_vnni<4>, tile_vnni<5>, tile_vnni<6>, tile_vnni<7>,
@@ -158,7 +176,7 @@ void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* sca
     }
     const Args a{y,    q.xq,  q.dx,   q.xsum, width == 16 ? xq_sum.data() : nullptr, tiles, scale, rows,
                  n_in, n_out, blocks, dtype};
-    q8::run<kTileBytes>(a, width, avx2_tiles, vnni_tiles);
+    q8::run<kTileBytes>(a, width, avx2_tiles, vnni_tiles, tile_amx);
 #else
     (void)y, (void)x, (void)tiles, (void)scale, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
 #endif

@@ -10,6 +10,14 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "cpu_kernels.h"
 
 namespace kernels::cpu {
@@ -103,6 +111,41 @@ void set_gemm_bf16_pairs(int mode) { pairs.store(mode < 0 ? -1 : mode > 0, std::
 bool gemm_bf16_pairs() {
     const int mode = pairs.load(std::memory_order_relaxed);
     return isa() == Isa::avx512_bf16 && (mode < 0 ? pairs_by_default() : mode == 1);
+}
+
+// AMX-INT8 in the integer products (q8_tiles.h). The tiles are an extension the OS enables per
+// process: Linux (5.16 on) leaves a thread's tile data out of its saved state until the process
+// asks for it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), and a tile instruction before that
+// is SIGILL. So the CPU's flags (CPUID leaf 7: AMX-TILE, AMX-INT8) and the OS's leave, asked once.
+namespace {
+std::atomic<int> amx_mode{-1};
+
+bool amx_int8_by_cpu_and_os() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = edx >> 24 & 1, int8 = edx >> 25 & 1;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // <asm/prctl.h>, the kernel's xfeature number
+    return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+}
+}  // namespace
+
+bool amx_int8_supported() {
+    static const bool supported = amx_int8_by_cpu_and_os();
+    return supported;
+}
+
+void set_q8_amx(int mode) {
+    if (mode > 0 && !amx_int8_supported())
+        throw std::invalid_argument("this CPU has no AMX-INT8 tiles (or the OS does not grant them)");
+    amx_mode.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed);
+}
+
+bool q8_amx() {
+    return amx_mode.load(std::memory_order_relaxed) != 0 && isa() == Isa::avx512_bf16 && amx_int8_supported();
 }
 
 const char* isa_name(Isa level) {
