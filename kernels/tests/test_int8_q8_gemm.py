@@ -237,10 +237,10 @@ def planted_call(lib, x, q, scale):
     return y, width
 
 
-@pytest.mark.parametrize("bug", PLANTED)
-def test_a_planted_bug_fails_the_check(ops, planted, bug):
-    _, (n_out, n_in), rows, widths = PLANTED[bug]
-    q, scale = int8_weight(n_out, n_in, seed=7)
+def checked_call(planted, n_out, n_in, seed, bug):
+    """call(r) for the checks below: r rows of x through the planted copy of a [n_out, n_in] weight
+    -> (the tiles' width, whether the result passes check_q8)."""
+    q, scale = int8_weight(n_out, n_in, seed=seed)
 
     def call(r):
         x = torch.randn(r, n_in).bfloat16()
@@ -251,21 +251,18 @@ def test_a_planted_bug_fails_the_check(ops, planted, bug):
             return width, False
         return width, True
 
+    return call
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_a_planted_bug_fails_the_check(ops, planted, bug):
+    _, (n_out, n_in), rows, widths = PLANTED[bug]
+    call = checked_call(planted, n_out, n_in, 7, bug)
     assert_caught_where_it_lives(ops, planted, list(PLANTED).index(bug), bug, rows, widths, call)
 
 
 @pytest.mark.parametrize("bug", AMX_PLANTED)
 def test_a_planted_amx_bug_fails_the_check(ops, planted, bug):
     _, (n_out, n_in), rows = AMX_PLANTED[bug]
-    q, scale = int8_weight(n_out, n_in, seed=8)
-
-    def call(r):
-        x = torch.randn(r, n_in).bfloat16()
-        y, width = planted_call(planted, x, q, scale)
-        try:
-            check_q8(y, x, q, scale, bug)
-        except AssertionError:
-            return width, False
-        return width, True
-
+    call = checked_call(planted, n_out, n_in, 8, bug)
     assert_amx_bug_caught(ops, planted, len(PLANTED) + list(AMX_PLANTED).index(bug), bug, rows, call)
