@@ -192,7 +192,7 @@ def assert_amx_bug_caught(ops, planted, index: int, bug: str, rows, call) -> Non
     """A bug planted in the AMX path of a build_planted copy (its shim's set_amx switches the tiles):
     with them on, caught at tile width 16 and nowhere else (assert_caught_where_it_lives)."""
     skip_without_amx_int8(ops)
-    planted.set_amx(1)
+    assert planted.set_amx(1) == 0, "the planted copy has no AMX-INT8 where the library has"
     try:
         assert_caught_where_it_lives(ops, planted, index, bug, rows, (16,), call)
     finally:

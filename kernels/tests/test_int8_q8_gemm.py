@@ -183,7 +183,7 @@ int width() { return cpu::q8_tile_width(); }
 void tiles(uint8_t* t, const int8_t* q, int n_in, int n_out, int w) { cpu::int8_tiles(t, q, n_in, n_out, w); }
 void gemm(void* y, const void* x, const uint8_t* t, const float* s, int rows, int n_in, int n_out, int w) {
     cpu::int8_q8_gemm(y, x, t, s, rows, n_in, n_out, w, DType::bf16); }
-void set_amx(int on) { cpu::set_q8_amx(on); }
+int set_amx(int on) { try { cpu::set_q8_amx(on); return 0; } catch (...) { return 1; } }
 }
 """
 # Each bug: (the correct text, the text with the bug), the call that shows it ((n_out, n_in), row

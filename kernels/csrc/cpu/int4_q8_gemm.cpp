@@ -141,7 +141,7 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Q8Ar
 // and each row's sums scaled as the VNNI tile scales them.
 struct AmxBlock {
     static constexpr bool kWidened = true;
-    KERNELS_AMX_INT8 static void widen(const uint8_t* tile, uint8_t* codes) {
+    KERNELS_AVX512_VNNI static void widen(const uint8_t* tile, uint8_t* codes) {
         for (int j = 0; j < 4; ++j) {
             __m512i lo, hi;
             VnniDot::codes(tile + 4 * 16 * j, lo, hi);
@@ -152,18 +152,18 @@ struct AmxBlock {
     struct Factors {
         __m512 scale, min;
     };
-    KERNELS_AMX_INT8 static Factors factors(const uint8_t* tile) {
+    KERNELS_AVX512_VNNI static Factors factors(const uint8_t* tile) {
         return {Avx512::load_as<DType::f16>(tile + 16 * 16, 0), Avx512::load_as<DType::f16>(tile + 18 * 16, 0)};
     }
-    KERNELS_AMX_INT8 static __m512 add(const Factors& f, const int32_t* sums, float dx, float xsum, int32_t,
+    KERNELS_AVX512_VNNI static __m512 add(const Factors& f, const int32_t* sums, float dx, float xsum, int32_t,
                                        __m512 acc) {
-        const __m512 block = VnniDot::block_sums(_mm512_load_si512(sums));
+        const __m512 block = VnniDot::block_sums(_mm512_loadu_si512(sums));
         acc = Avx512::fma(block, Avx512::mul(f.scale, Avx512::set1(dx)), acc);
         return Avx512::fma(f.min, Avx512::set1(xsum), acc);
     }
 };
 
-KERNELS_AMX_INT8 __attribute__((flatten, noinline)) void tile_amx(const Q8Args& a, int t, q8::AmxWork& work) {
+KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_amx(const Q8Args& a, int t, q8::AmxWork& work) {
     q8::amx_tile_row<AmxBlock, kQ8TileBytes>(a, t, work);
 }
 

@@ -122,15 +122,15 @@ KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_vnni(const Args
 struct AmxBlock {
     static constexpr bool kWidened = false;
     struct Factors {};
-    KERNELS_AMX_INT8 static Factors factors(const uint8_t*) { return {}; }
-    KERNELS_AMX_INT8 static __m512 add(const Factors&, const int32_t* sums, float dx, float, int32_t xq_sum,
+    KERNELS_AVX512_VNNI static Factors factors(const uint8_t*) { return {}; }
+    KERNELS_AVX512_VNNI static __m512 add(const Factors&, const int32_t* sums, float dx, float, int32_t xq_sum,
                                        __m512 acc) {
-        const __m512i block = _mm512_sub_epi32(_mm512_load_si512(sums), _mm512_set1_epi32(128 * xq_sum));
+        const __m512i block = _mm512_sub_epi32(_mm512_loadu_si512(sums), _mm512_set1_epi32(128 * xq_sum));
         return Avx512::fma(_mm512_cvtepi32_ps(block), Avx512::set1(dx), acc);
     }
 };
 
-KERNELS_AMX_INT8 __attribute__((flatten, noinline)) void tile_amx(const Args& a, int t, q8::AmxWork& work) {
+KERNELS_AVX512_VNNI __attribute__((flatten, noinline)) void tile_amx(const Args& a, int t, q8::AmxWork& work) {
     q8::amx_tile_row<AmxBlock, kTileBytes>(a, t, work);
 }
 

@@ -14,8 +14,6 @@
 #include "vec.h"
 
 #define KERNELS_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#define KERNELS_AMX_INT8 \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
 namespace kernels::cpu::q8 {
 
@@ -94,7 +92,7 @@ constexpr int kAmxXTile = 4 + I % 2;
 template <int I>
 constexpr int kAmxCodesTile = 6 + I % 2;
 
-KERNELS_AMX_INT8 inline void amx_configure() {
+KERNELS_AVX512_VNNI inline void amx_configure() {
     struct alignas(64) {
         uint8_t palette = 1, start_row = 0, reserved[14] = {};
         uint16_t bytes[16] = {};
@@ -103,14 +101,15 @@ KERNELS_AMX_INT8 inline void amx_configure() {
     for (int i = 0; i < kAmxDepth; ++i) config.rows[i] = kAmxRows, config.bytes[i] = 64;  // 16 int32 sums a row
     for (int i = 4; i < 6; ++i) config.rows[i] = kAmxRows, config.bytes[i] = kBlock;      // a block of x a row
     for (int i = 6; i < 8; ++i) config.rows[i] = kBlock / 4, config.bytes[i] = 64;        // 4 inputs of 16 outputs
-    // The tile instructions are written out here rather than taken from GCC 12's intrinsics, which
-    // tell the compiler less than the instructions do: its _tile_loadconfig reads 8 bytes of the 64
-    // (the rows and widths above were dropped as stores nobody reads: unconfigured tiles, SIGILL),
-    // its _tile_loadd no memory at all (a buffer's stores could move past the load).
+    // The tile instructions are written out as asm rather than taken from GCC's intrinsics, which
+    // tell the compiler less than the instructions do (GCC 12: its _tile_loadconfig reads 8 bytes of
+    // the 64, and the rows and widths above were dropped as stores nobody reads: unconfigured tiles,
+    // SIGILL; its _tile_loadd reads no memory, so a buffer's stores could move past the load), and
+    // need GCC 11 for their target: the asm needs only an assembler that knows them (binutils 2.36).
     __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
-KERNELS_AMX_INT8 inline void amx_release() { __asm__ volatile("tilerelease" ::: "memory"); }
+KERNELS_AVX512_VNNI inline void amx_release() { __asm__ volatile("tilerelease" ::: "memory"); }
 
 using AmxSums = int32_t[kAmxRows * 16];  // C: 16 rows of 16 int32
 constexpr int kAmxCodeBytes = kBlock / 4 * 64;  // a block's B: 8 rows of 64 bytes
@@ -141,17 +140,13 @@ KERNELS_INLINE void tile_dpbsud() {
     __asm__ volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
 }
 
-// A thread's buffers, kept from call to call: the sums of the blocks in flight as the tiles store
-// them, a tile row's codes widened to bytes (int4's), x's factors. Not the tile function's locals:
-// beside asm that writes a buffer of its own frame, GCC kept the accumulators in memory again.
-struct AmxWork {
-    alignas(64) AmxSums sums[kAmxDepth];
-    std::vector<uint8_t> codes;
-    // x's factors of every row and block, by group of 16 rows, then block, then row: a block's 16
-    // are one pointer (indexed as the VNNI tile indexes them, the row offsets took 16 registers).
+// x's factors of every row and block by group of 16 rows, then block, then row, so that a block's
+// 16 are one pointer (indexed as the VNNI tile indexes them, the 16 row offsets took the general
+// registers). Gathered once a call, by the calling thread, before its team starts.
+struct AmxFactors {
     std::vector<float> dx, xsum;
     std::vector<int32_t> xq_sum;
-    void gather_factors(const Args& a) {
+    void gather(const Args& a) {
         const int groups = a.rows / kAmxRows;
         const size_t n = size_t(groups) * a.blocks * kAmxRows;
         dx.resize(n), xsum.resize(n), xq_sum.resize(a.xq_sum ? n : 0);
@@ -161,15 +156,25 @@ struct AmxWork {
                     const int64_t rb = int64_t(g * kAmxRows + r) * a.blocks + b;
                     const size_t at = (size_t(g) * a.blocks + b) * kAmxRows + r;
                     dx[at] = a.dx[rb];
-                    xsum[at] = a.xsum ? a.xsum[rb] : 0.f;
+                    xsum[at] = a.xsum[rb];
                     if (a.xq_sum) xq_sum[at] = a.xq_sum[rb];
                 }
     }
 };
 
-inline AmxWork& thread_amx_work() {
-    thread_local AmxWork work;
-    return work;
+// A thread's buffers, kept from call to call: the sums of the blocks in flight as the tiles store
+// them, a tile row's codes widened to bytes (int4's). Not the tile function's locals: beside asm
+// that writes a buffer of its own frame, GCC kept the accumulators in memory again.
+struct AmxWork {
+    alignas(64) AmxSums sums[kAmxDepth];
+    std::vector<uint8_t> codes;
+    const AmxFactors* x = nullptr;  // this call's, the calling thread's
+};
+
+template <class T>
+T& thread_buffers() {
+    thread_local T buffers;
+    return buffers;
 }
 
 // Block b's integer sums: 16 rows of x (from x) by its 16 outputs' codes (B's 512 bytes), into
@@ -229,8 +234,8 @@ KERNELS_INLINE void amx_rows(const Args& a, const uint8_t* tile, int r0, float* 
         const auto factors = Block::factors(block(b));
         const int32_t* sums = work.sums[b % D];
         const size_t at = (size_t(r0 / kAmxRows) * a.blocks + b) * kAmxRows;
-        const float *dx = work.dx.data() + at, *xsum = work.xsum.data() + at;
-        const int32_t* xq_sum = a.xq_sum ? work.xq_sum.data() + at : nullptr;
+        const float *dx = work.x->dx.data() + at, *xsum = work.x->xsum.data() + at;
+        const int32_t* xq_sum = a.xq_sum ? work.x->xq_sum.data() + at : nullptr;
         for (int r = 0; r < kAmxRows; ++r)
             acc[r] = Block::add(factors, sums + r * 16, dx[r], xsum[r], xq_sum ? xq_sum[r] : 0, acc[r]);
     }
@@ -240,6 +245,7 @@ KERNELS_INLINE void amx_rows(const Args& a, const uint8_t* tile, int r0, float* 
 // Every 16 rows of x against tile row t on the tiles.
 template <class Block, int BYTES>
 KERNELS_INLINE void amx_tile_row(const Args& a, int t, AmxWork& work) {
+    __asm__ volatile("" ::: "memory");  // x's rows (tile_load_x reads them unannounced) are all written
     const uint8_t* tile = a.tiles + int64_t(t) * a.blocks * BYTES * 16;
     if (Block::kWidened && int64_t(work.codes.size()) < int64_t(a.blocks) * kAmxCodeBytes)
         work.codes.resize(size_t(a.blocks) * kAmxCodeBytes);
@@ -282,14 +288,18 @@ void run(const Args& a, int width, const TileFn* avx2_tiles, const TileFn* vnni_
     const bool parallel = int64_t(a.rows) * a.n_in * a.n_out > (int64_t(1) << 17) && n_tiles > 1;
     if (width == 16) {
         const AmxFn amx = a.rows >= kAmxRows && q8_amx() ? amx_tile : nullptr;
+#ifdef KERNELS_X86
+        AmxFactors* x = amx ? &thread_buffers<AmxFactors>() : nullptr;
+        if (x) x->gather(a);
+#endif
 #pragma omp parallel if (parallel)
         {
             AmxWork* work = nullptr;
 #ifdef KERNELS_X86
             if (amx) {
                 amx_configure();
-                work = &thread_amx_work();
-                work->gather_factors(a);
+                work = &thread_buffers<AmxWork>();
+                work->x = x;
             }
 #endif
 #pragma omp for schedule(static)
