@@ -10,7 +10,13 @@ import ctypes
 import pytest
 import torch
 
-from conftest import assert_amx_bug_caught, assert_amx_gives_vnni_s_bits, assert_caught_where_it_lives, build_planted
+from conftest import (
+    assert_amx_bug_caught,
+    assert_amx_gives_vnni_s_bits,
+    assert_caught_where_it_lives,
+    build_planted,
+    skip_without_amx_int8,
+)
 from kernels import reference
 from test_gemm import ROWS
 from test_quant_linear import int4_weight
@@ -162,6 +168,27 @@ def test_amx_tiles_give_vnni_s_bits_at_every_row_count(ops):
         assert_amx_gives_vnni_s_bits(ops, linear, check, [r for r in ROWS if r >= 15])
 
 
+def test_amx_tiles_give_the_same_bits_in_a_team_of_any_size(ops):
+    # Each thread of a product configures its own tiles and keeps its own sums and widened codes;
+    # the calling thread gathers x's factors for all of them. Teams of 1 to 3 threads (more than
+    # this machine's cores too) split the tile rows differently and must not change a bit.
+    skip_without_amx_int8(ops)
+    w = int4_weight(200, 320, 32, seed=9)
+    tiles = tiles_of(ops, w, 32)
+    x = torch.randn(50, 320, generator=torch.Generator().manual_seed(9)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        ops.set_cpu_gemm_amx(False)
+        vnni = ops.int4_linear(x, *w, 32, tiles)
+        ops.set_cpu_gemm_amx(None)
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(ops.int4_linear(x, *w, 32, tiles), vnni), f"{n} threads"
+    finally:
+        torch.set_num_threads(threads)
+        ops.set_cpu_gemm_amx(None)
+
+
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with a bug put into a copy ---
 
 SHIM = """
@@ -212,8 +239,8 @@ AMX_PLANTED = {
         ("_mm512_storeu_si512(codes + 128 * j, lo);", "_mm512_storeu_si512(codes + 128 * j, BUG ? hi : lo);"),
         (16, 64), [16, 33]),
     "AMX scales a block with the sums of the block before": (
-        ("q8_tiles.h", "const int32_t* sums = work.sums[b % D];", "const int32_t* sums = work.sums[(b + BUG * (D - 1)) % D];"),
-        (16, 256), [16]),
+        ("q8_tiles.h", "const int32_t* sums = work.sums[b % D];",
+         "const int32_t* sums = work.sums[(b + BUG * (D - 1)) % D];"), (16, 256), [16]),
     "AMX's tile of x takes 16 rows a block apart": (
         ("q8_tiles.h", "const int64_t x_stride = a.n_in;", "const int64_t x_stride = BUG ? kBlock : a.n_in;"),
         (16, 64), [16]),
