@@ -135,7 +135,6 @@ def main() -> int:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     ext = kernels.load()
-    ext.set_cpu_gemm_amx(False)  # the library's own products; "torch bf16" is the AMX route's
     torch.set_num_threads(args.threads)
     best = ext.best_cpu_isa()
     offered = [i for i in ISA_LEVELS[1:] if ISA_LEVELS.index(i) <= ISA_LEVELS.index(best)]

@@ -5,7 +5,6 @@
 
 #include <ATen/cpu/Utils.h>
 
-#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <string>
@@ -363,8 +362,6 @@ at::Tensor int8_tiles(const at::Tensor& q) {
 // batch invariance: oneDNN's rounding of a row may depend on the rows beside it.
 namespace {
 
-std::atomic<int> amx_mode{-1};
-
 bool isa_cap_allows_amx(const char* name) {  // oneDNN reads its cap once, at its first use: so here
     const char* cap = std::getenv(name);
     if (cap == nullptr || *cap == '\0') return true;
@@ -386,20 +383,18 @@ bool amx_available() {
 
 }  // namespace
 
-// One switch for both uses of the tiles: torch's GEMM for bf16 weights, the library's integer
-// products for int4 and int8 weights (cpu::set_q8_amx). On: each where it can run, an error where
-// neither can.
+// One switch for both uses of the tiles (cpu::set_amx): torch's GEMM for bf16 weights, the
+// library's integer products for int4 and int8 weights. On: each where it can run, an error where
+// neither can (on without AMX-INT8 is the default for the library's part: -1, which cannot throw).
 void set_cpu_gemm_amx(int mode) {
     TORCH_CHECK(mode <= 0 || amx_available() || cpu::amx_int8_supported(),
                 "set_cpu_gemm_amx(True): this CPU has no AMX-BF16 tiles (or the OS does not grant them, ",
                 "ONEDNN_MAX_CPU_ISA keeps oneDNN below them, or torch.backends.mkldnn is off) and no AMX-INT8 ones");
-    amx_mode.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed);
-    cpu::set_q8_amx(mode > 0 && !cpu::amx_int8_supported() ? -1 : mode);
+    cpu::set_amx(mode > 0 && !cpu::amx_int8_supported() ? -1 : mode);
 }
 
 bool cpu_gemm_amx() {
-    const int mode = amx_mode.load(std::memory_order_relaxed);
-    return mode != 0 && cpu::isa() == cpu::Isa::avx512_bf16 && !cpu::batch_invariant() && amx_available();
+    return cpu::amx_allowed() && cpu::isa() == cpu::Isa::avx512_bf16 && !cpu::batch_invariant() && amx_available();
 }
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) {

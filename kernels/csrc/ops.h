@@ -53,7 +53,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // torch's GEMM (oneDNN runs it on the tiles; ops.cpp says why). mode -1: where the CPU has the tiles
 // and the OS grants them (the default), 0: never, 1: required (an error where there are none).
 // cpu_gemm_amx() says whether it applies now; ops.cpp lists when it does not. The same switch sets
-// the integer products' AMX-INT8 tiles (cpu::set_q8_amx, cpu::q8_amx()).
+// the integer products' AMX-INT8 tiles (cpu::set_amx, cpu::q8_amx()).
 constexpr int64_t kAmxMinRows = 16;
 void set_cpu_gemm_amx(int mode);
 bool cpu_gemm_amx();

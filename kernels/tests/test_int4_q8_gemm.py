@@ -154,12 +154,13 @@ def test_the_one_call_layer_s_linear_takes_the_tiles(ops):
 def test_amx_tiles_give_vnni_s_bits_at_every_row_count(ops):
     # On a CPU with AMX-INT8 every 16 rows of x go to the tiles (codes widened to bytes, one tile
     # instruction a block), the rest to VNNI, with the VNNI tile's float steps after exact sums.
+    skip_without_amx_int8(ops)  # before any tiles: a CPU without them has none at its level
     for n_out, n_in, group_size in SHAPES:
         w = int4_weight(n_out, n_in, group_size, seed=n_out + 1)
+        tiles = tiles_of(ops, w, group_size)
         x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in + 1)).bfloat16()
 
         def linear(r):
-            tiles = tiles_of(ops, w, group_size)
             return ops.int4_linear(x_all[:r], *w, group_size, tiles), x_all[:r]
 
         def check(y, x):
@@ -206,7 +207,7 @@ void gemm(void* y, const void* x, const uint8_t* t, int rows, int n_in, int n_ou
     auto& codes = cpu::q8::thread_buffers<cpu::q8::AmxWork>().codes;  // no codes widened by an earlier call
     std::fill(codes.begin(), codes.end(), 0xFF);
     cpu::int4_q8_gemm(y, x, t, rows, n_in, n_out, w, DType::bf16); }
-int set_amx(int on) { try { cpu::set_q8_amx(on); return 0; } catch (...) { return 1; } }
+int set_amx(int on) { try { cpu::set_amx(on); return 0; } catch (...) { return 1; } }
 }
 """
 # Each bug: (the correct text, the text with the bug, on while BUG), the call that shows it

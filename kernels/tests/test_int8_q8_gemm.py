@@ -10,7 +10,13 @@ import ctypes
 import pytest
 import torch
 
-from conftest import assert_amx_bug_caught, assert_amx_gives_vnni_s_bits, assert_caught_where_it_lives, build_planted
+from conftest import (
+    assert_amx_bug_caught,
+    assert_amx_gives_vnni_s_bits,
+    assert_caught_where_it_lives,
+    build_planted,
+    skip_without_amx_int8,
+)
 from kernels import reference
 from test_gemm import ROWS
 
@@ -159,12 +165,14 @@ def test_the_one_call_layer_s_linear_takes_the_tiles(ops):
 def test_amx_tiles_give_vnni_s_bits_at_every_row_count(ops):
     # On a CPU with AMX-INT8 every 16 rows of x go to the tiles (a VNNI tile's block is already their
     # B), the rest to VNNI, with the VNNI tile's correction and scaling after exact sums.
+    skip_without_amx_int8(ops)  # before any tiles: a CPU without them has none at its level
     for n_out, n_in in SHAPES:
         q, scale = int8_weight(n_out, n_in, seed=n_out + 1)
+        tiles = tiles_of(ops, q)
         x_all = torch.randn(max(ROWS), n_in, generator=torch.Generator().manual_seed(n_in + 1)).bfloat16()
 
         def linear(r):
-            return ops.int8_linear(x_all[:r], q, scale, tiles_of(ops, q)), x_all[:r]
+            return ops.int8_linear(x_all[:r], q, scale, tiles), x_all[:r]
 
         def check(y, x):
             check_q8(y, x, q, scale, f"AMX {x.shape[0]} x {n_in} -> {n_out}")
@@ -183,7 +191,7 @@ int width() { return cpu::q8_tile_width(); }
 void tiles(uint8_t* t, const int8_t* q, int n_in, int n_out, int w) { cpu::int8_tiles(t, q, n_in, n_out, w); }
 void gemm(void* y, const void* x, const uint8_t* t, const float* s, int rows, int n_in, int n_out, int w) {
     cpu::int8_q8_gemm(y, x, t, s, rows, n_in, n_out, w, DType::bf16); }
-int set_amx(int on) { try { cpu::set_q8_amx(on); return 0; } catch (...) { return 1; } }
+int set_amx(int on) { try { cpu::set_amx(on); return 0; } catch (...) { return 1; } }
 }
 """
 # Each bug: (the correct text, the text with the bug), the call that shows it ((n_out, n_in), row

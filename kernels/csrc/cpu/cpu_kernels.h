@@ -36,16 +36,18 @@ bool batch_invariant();
 void set_gemm_bf16_pairs(int mode);
 bool gemm_bf16_pairs();  // at the current ISA level: false below AVX512-BF16
 
-// --- AMX-INT8 tiles in the integer products ----------------------------------------------------
+// --- AMX tiles -------------------------------------------------------------------------------
 // A CPU with AMX (Intel's Xeons from Sapphire Rapids on) multiplies a tile of 16 rows of int8 by a
 // tile of 16 columns in one instruction (q8_tiles.h). The int4 and int8 products take every 16
-// rows of x there, the rest on VNNI, the same integer sums and so the same bits. mode: 1 on (throws
-// where the CPU or the OS has no tiles), 0 off, -1 on where there are tiles; never below the
-// AVX512-BF16 level, so ATEN_CPU_CAPABILITY=avx512 or avx2 reproduces a CPU without them.
+// rows of x there, the rest on VNNI, the same integer sums and so the same bits. One switch for
+// every use of the tiles (ops.cpp's bf16 route reads it too): mode 1 on (throws where the CPU or
+// the OS has no AMX-INT8), 0 off, -1 on where there are tiles; the integer products never take them
+// below the AVX512-BF16 level, so ATEN_CPU_CAPABILITY=avx512 or avx2 reproduces a CPU without them.
 constexpr int kQ8AmxRows = 16;  // rows of x a tile instruction takes
 bool amx_int8_supported();  // the CPU has AMX-INT8 and the OS lets this process use it (asked once)
-void set_q8_amx(int mode);
-bool q8_amx();  // whether the integer products use the tiles now
+void set_amx(int mode);
+bool amx_allowed();  // the switch is not off
+bool q8_amx();       // whether the integer products use the tiles now
 
 // --- paged decode attention (flash-decoding) -------------------------------------------------
 // One query token per sequence, attending to its context_lens[b] keys, read block by block

@@ -138,15 +138,15 @@ bool amx_int8_supported() {
     return supported;
 }
 
-void set_q8_amx(int mode) {
+void set_amx(int mode) {
     if (mode > 0 && !amx_int8_supported())
         throw std::invalid_argument("this CPU has no AMX-INT8 tiles (or the OS does not grant them)");
     amx_mode.store(mode < 0 ? -1 : mode > 0, std::memory_order_relaxed);
 }
 
-bool q8_amx() {
-    return amx_mode.load(std::memory_order_relaxed) != 0 && isa() == Isa::avx512_bf16 && amx_int8_supported();
-}
+bool amx_allowed() { return amx_mode.load(std::memory_order_relaxed) != 0; }
+
+bool q8_amx() { return amx_allowed() && isa() == Isa::avx512_bf16 && amx_int8_supported(); }
 
 const char* isa_name(Isa level) {
     switch (level) {
