@@ -90,8 +90,11 @@ models: $(VENV)/.stamp
 # costs 2 s, on every `make run`. (The emulator's sources are not the library's.)
 # A machine without a compiler still runs everything else: chapter 06 says why its kernels are off
 # and runs chapter 05's path (and tries the build again when it starts).
+# `make test` builds with --werror (-Wall -Wextra -Werror, which change no code): its C++ check then
+# finds every source already compiled so (kernels.build --werror-checked) instead of compiling it again.
+KERNELS_BUILD_FLAGS ?=
 $(KERNELS_MADE): $(VENV)/.stamp kernels/build.py $(shell find kernels/csrc -path kernels/csrc/emulator -prune -o -type f -print)
-	@$(PY) -m kernels.build || echo "kernels: not built (the error above); chapter 06 runs without them"; \
+	@$(PY) -m kernels.build $(KERNELS_BUILD_FLAGS) || echo "kernels: not built (the error above); chapter 06 runs without them"; \
 	  mkdir -p $(dir $@) && touch $@
 kernels: $(VENV)/.stamp
 	@$(PY) -m kernels.build && mkdir -p $(dir $(KERNELS_MADE)) && touch $(KERNELS_MADE)
@@ -129,14 +132,15 @@ NEWEST_FIRST := $(patsubst chapters/%,%,$(shell printf '%s\n' $(CHAPTERS) | sort
 LONG_CHAPTERS := $(filter-out 00_% 01_% 02_% 03_%,$(NEWEST_FIRST))
 SUITES := kernels-cuda-check $(LONG_CHAPTERS) tests kernels $(filter-out $(LONG_CHAPTERS),$(NEWEST_FIRST)) kernels-cpu-check
 suite_dir = $(if $(filter tests,$(1)),tests,$(if $(filter kernels,$(1)),kernels/tests,chapters/$(1)/tests))
-suite_cmd = $(if $(filter kernels-cuda-check,$(1)),export ARCHS=80; $(CUDA_CHECK),$(if $(filter kernels-cpu-check,$(1)),$(CPU_CHECK),\
+suite_cmd = $(if $(filter kernels-cuda-check,$(1)),export ARCHS=80; $(CUDA_CHECK),$(if $(filter kernels-cpu-check,$(1)),$(PY) -m kernels.build --werror-checked || $(CPU_CHECK),\
 	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(call suite_dir,$(1))))
 
 test:
 	@rm -rf .test-results && mkdir -p .test-results; \
 	echo "setup, then $(words $(SUITES)) suites, $(TEST_JOBS) jobs at a time on $(NPROC) cores; each one's output appears when it ends"; \
 	cores=$(SUITE_CORES); status=0; $(MAKE) --no-print-directory -k -j$(TEST_JOBS) --output-sync=target \
-	  TEST_WORKERS=$$(( cores < 8 ? cores : 8 )) OMP_NUM_THREADS=$$cores $(addprefix suite-,$(SUITES)) || status=$$?; \
+	  TEST_WORKERS=$$(( cores < 8 ? cores : 8 )) OMP_NUM_THREADS=$$cores KERNELS_BUILD_FLAGS=--werror \
+	  $(addprefix suite-,$(SUITES)) || status=$$?; \
 	failed=$$(cd .test-results && ls *.failed 2>/dev/null | sed 's/.failed$$//' | tr '\n' ' '); \
 	echo; cat .test-results/*.time 2>/dev/null | sort -k2 -n -r; \
 	if [ -n "$$failed" ]; then echo "FAILED: $$failed"; exit 1; fi; \

@@ -2,6 +2,8 @@
 
     python -m kernels.build            # what `make kernels` runs: build (if needed) and report
     python -m kernels.build --verbose  # and show the compiler's commands and output
+    python -m kernels.build --werror   # what `make test` builds with: a warning fails the build
+    python -m kernels.build --werror-checked   # did the build in place compile with --werror?
 
 torch.utils.cpp_extension compiles csrc/ into a Python module with the host C++ compiler (and
 nvcc for csrc/cuda/ when torch is a CUDA build), through ninja, into kernels/build/ (or
@@ -33,6 +35,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 STAMP = "sources.sha256"  # beside the built module: the fingerprint() it was built from
+# Beside it when the build compiled every C++ source with WARNINGS, which change no code: the same
+# fingerprint. `make test` builds so, and its C++ check (csrc/cpu/check_compile.sh, the same flags,
+# a minute and a half of CPU on two cores) then has nothing left to compile.
+WERROR_STAMP = "werror.sha256"
+WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 
 
 class KernelBuildError(RuntimeError):
@@ -217,9 +224,10 @@ class _Ticker:
 _module = None
 
 
-def load(verbose: bool = False):
-    """The compiled module (see csrc/bindings.cpp for its functions), built first if needed. Where
-    the CUDA half cannot be built, or fails to, the CPU half alone (with a message saying why)."""
+def load(verbose: bool = False, werror: bool = False):
+    """The compiled module (see csrc/bindings.cpp for its functions), built first if needed (werror:
+    with WARNINGS, a warning failing the build). Where the CUDA half cannot be built, or fails to,
+    the CPU half alone (with a message saying why)."""
     global _module
     if _module is not None:
         return _module
@@ -227,36 +235,54 @@ def load(verbose: bool = False):
 
     if cuda_build_possible() is None:
         try:
-            _module = _build(True, verbose)
+            _module = _build(True, verbose, werror)
             return _module
         except KernelBuildError as e:
             print(f"kernels: the CUDA half failed to build; building the CPU half alone.\n{e}", file=sys.stderr)
-    _module = _build(False, verbose)
+    _module = _build(False, verbose, werror)
     return _module
 
 
-def _build(with_cuda: bool, verbose: bool):
-    from torch.utils import cpp_extension
-
-    name = "llm_kernels_cuda" if with_cuda else "llm_kernels_cpu"
+def _build_plan(with_cuda: bool):
+    """-> (module name, sources, build folder, C++ flags, nvcc flags, the fingerprint of them all)."""
     files = sources(with_cuda)
-    folder = build_dir(with_cuda)
-    folder.mkdir(parents=True, exist_ok=True)
     # No -std: torch's build picks the standard its headers need (C++17, C++20 for newer ATen).
     cflags = ["-O3", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
+    cuda_flags = ["-O3", "-DWITH_CUDA", *TORCH_NVCC_DEFINES, *gencode_flags(cuda_archs() if with_cuda else [])]
+    name = "llm_kernels_cuda" if with_cuda else "llm_kernels_cpu"
+    return name, files, build_dir(with_cuda), cflags, cuda_flags, fingerprint(files, cflags, cuda_flags)
+
+
+def werror_checked() -> str | None:
+    """None when the build in place, of these exact sources, compiled every C++ source with
+    WARNINGS; else why not. (The variant load() would take: the CUDA one where it can be built.)"""
+    import torch  # noqa: F401
+
+    _, _, folder, _, _, stamp = _build_plan(cuda_build_possible() is None)
+    if not (folder / STAMP).exists() or (folder / STAMP).read_text() != stamp:
+        return f"no build of these sources in {folder}"
+    if not (folder / WERROR_STAMP).exists() or (folder / WERROR_STAMP).read_text() != stamp:
+        return f"{folder} was built without {' '.join(WARNINGS)}"
+    return None
+
+
+def _build(with_cuda: bool, verbose: bool, werror: bool = False):
+    from torch.utils import cpp_extension
+
+    name, files, folder, cflags, cuda_flags, stamp = _build_plan(with_cuda)
     archs = cuda_archs() if with_cuda else []
-    cuda_flags = ["-O3", "-DWITH_CUDA", *TORCH_NVCC_DEFINES, *gencode_flags(archs)]
-    stamp = fingerprint(files, cflags, cuda_flags)
+    folder.mkdir(parents=True, exist_ok=True)
     module = _import_built(name, folder, stamp)
     if module is None:
         _check_tools()
         what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
+        (folder / WERROR_STAMP).unlink(missing_ok=True)
         try:
             with _Ticker(what):
                 module = cpp_extension.load(
                     name,
                     [str(f) for f in files],
-                    extra_cflags=cflags,
+                    extra_cflags=cflags + (WARNINGS if werror else []),
                     extra_cuda_cflags=cuda_flags,
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(folder),
@@ -270,6 +296,8 @@ def _build(with_cuda: bool, verbose: bool):
             tail = "\n".join(str(e).strip().splitlines()[-25:])
             raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
         (folder / STAMP).write_text(stamp)
+        if werror:
+            (folder / WERROR_STAMP).write_text(stamp)
     module.cuda_archs = archs  # what kernels.gpu_not_covered() reads
     from kernels import fake
 
@@ -282,9 +310,19 @@ def main() -> int:
         prog="python -m kernels.build", description="Build kernels/csrc/ if needed, load it and say what it holds."
     )
     ap.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+    ap.add_argument("--werror", action="store_true", help=f"compile with {' '.join(WARNINGS)} (where a build is due)")
+    ap.add_argument(
+        "--werror-checked",
+        action="store_true",
+        help=f"build nothing; exit 0 if the build in place compiled with {' '.join(WARNINGS)}, else 1",
+    )
     args = ap.parse_args()
+    if args.werror_checked:
+        why_not = werror_checked()
+        print(f"kernels: {why_not}" if why_not else f"kernels: every C++ source compiled with {' '.join(WARNINGS)}")
+        return 1 if why_not else 0
     try:
-        ext = load(verbose=args.verbose)
+        ext = load(verbose=args.verbose, werror=args.werror)
     except KernelBuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,3 +67,18 @@ def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_p
     assert dry_run("-W", "kernels/csrc/kernels.h")  # as if just edited
     assert dry_run("-W", "kernels/csrc/cuda/paged_attention.cu")
     assert not dry_run("-W", "kernels/csrc/emulator/emu.cpp")  # the test tool is not the library
+
+
+def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
+    # a library never built here: make test's setup builds it, with the warnings as errors
+    r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", "test"], cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    builds = [line for line in r.stdout.splitlines() if "-m kernels.build" in line]
+    assert any("-m kernels.build --werror ||" in line for line in builds), builds
+    check = next(line for line in r.stdout.splitlines() if "cpu/check_compile.sh" in line)
+    assert "-m kernels.build --werror-checked || " in check  # compiles only what the build did not check
+    # make run's setup builds as before
+    r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", "setup"], cwd=REPO, capture_output=True,
+                       text=True)
+    assert "-m kernels.build " in r.stdout and "--werror" not in r.stdout

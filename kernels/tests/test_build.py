@@ -177,3 +177,19 @@ def test_a_failed_cuda_half_still_gives_the_cpu_half(monkeypatch, capsys):
     module = build.load()
     assert module.__file__ == cpu_half.__file__ and not module.with_cuda
     assert "the CUDA half failed to build; building the CPU half alone" in capsys.readouterr().err
+
+
+def test_werror_checked_says_whether_the_build_in_place_compiled_with_the_warnings(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERNELS_BUILD_DIR", str(tmp_path))
+    with_cuda = build.cuda_build_possible() is None
+    folder, stamp = build.build_dir(with_cuda), build._build_plan(with_cuda)[-1]
+    assert "no build of these sources" in build.werror_checked()
+    folder.mkdir(parents=True)
+    (folder / build.STAMP).write_text(stamp)
+    assert "built without -Wall -Wextra -Werror" in build.werror_checked()
+    (folder / build.WERROR_STAMP).write_text("0" * 64)  # checked, but other sources
+    assert "built without" in build.werror_checked()
+    (folder / build.WERROR_STAMP).write_text(stamp)
+    assert build.werror_checked() is None
+    (folder / build.STAMP).write_text("0" * 64)  # the sources changed since
+    assert "no build of these sources" in build.werror_checked()
