@@ -70,9 +70,11 @@ def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_p
 
 
 def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
+    # not the variables of a make this test runs under (make test's own: KERNELS_BUILD_FLAGS=--werror)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "KERNELS_BUILD_FLAGS")}
     # a library never built here: make test's setup builds it, with the warnings as errors
     r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", "test"], cwd=REPO, capture_output=True,
-                       text=True)
+                       text=True, env=env)
     assert r.returncode == 0, r.stderr
     builds = [line for line in r.stdout.splitlines() if "-m kernels.build" in line]
     assert any("-m kernels.build --werror ||" in line for line in builds), builds
@@ -80,5 +82,5 @@ def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp
     assert "-m kernels.build --werror-checked || " in check  # compiles only what the build did not check
     # make run's setup builds as before
     r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", "setup"], cwd=REPO, capture_output=True,
-                       text=True)
+                       text=True, env=env)
     assert "-m kernels.build " in r.stdout and "--werror" not in r.stdout

@@ -168,10 +168,10 @@ def test_a_failed_cuda_half_still_gives_the_cpu_half(monkeypatch, capsys):
     monkeypatch.setattr(build, "cuda_build_possible", lambda: None)
     real = build._build
 
-    def failing_cuda(with_cuda, verbose):
+    def failing_cuda(with_cuda, verbose, werror):
         if with_cuda:
             raise kernels.KernelBuildError("building kernels/ failed (nvcc: unsupported gpu architecture)")
-        return real(with_cuda, verbose)
+        return real(with_cuda, verbose, werror)
 
     monkeypatch.setattr(build, "_build", failing_cuda)
     module = build.load()
