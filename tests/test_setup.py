@@ -72,15 +72,24 @@ def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_p
 def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
     # not the variables of a make this test runs under (make test's own: KERNELS_BUILD_FLAGS=--werror)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "KERNELS_BUILD_FLAGS")}
-    # a library never built here: make test's setup builds it, with the warnings as errors
-    r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", "test"], cwd=REPO, capture_output=True,
-                       text=True, env=env)
-    assert r.returncode == 0, r.stderr
-    builds = [line for line in r.stdout.splitlines() if "-m kernels.build" in line]
-    assert any("-m kernels.build --werror ||" in line for line in builds), builds
-    check = next(line for line in r.stdout.splitlines() if "cpu/check_compile.sh" in line)
-    assert "-m kernels.build --werror-checked || " in check  # compiles only what the build did not check
+
+    def dry_run(*args):  # never `make -n test`: make runs a recipe that calls $(MAKE), even under -n
+        r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", *args], cwd=REPO,
+                           capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    # make test passes its suites --werror for the build (the database: the recipe as written)
+    database = dry_run("-p", "help")
+    start = database.index("test:")
+    test_recipe = "\n".join(database[start + 1 : database.index("", start)])
+    assert "$(addprefix suite-,$(SUITES))" in test_recipe and "KERNELS_BUILD_FLAGS=--werror" in test_recipe, test_recipe
+    # its setup then builds a library never built here with the warnings as errors, and the C++
+    # check compiles only where the build did not
+    lines = dry_run("KERNELS_BUILD_FLAGS=--werror", "suite-kernels-cpu-check")
+    assert any("-m kernels.build --werror ||" in line for line in lines), lines
+    check = next(line for line in lines if "cpu/check_compile.sh" in line)
+    assert "-m kernels.build --werror-checked || " in check
     # make run's setup builds as before
-    r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", "setup"], cwd=REPO, capture_output=True,
-                       text=True, env=env)
-    assert "-m kernels.build " in r.stdout and "--werror" not in r.stdout
+    lines = dry_run("setup")
+    assert any("-m kernels.build " in line for line in lines) and not any("--werror" in line for line in lines)
