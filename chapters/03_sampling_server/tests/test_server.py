@@ -13,7 +13,7 @@ require(*SERVER_STACK)  # before the imports that need them: without them, this 
 import httpx
 import openai
 
-from live_server import serve
+from live_server import http, serve
 
 MODEL = "smollm2-135m"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,7 +32,7 @@ def client(base_url):
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(base_url + "/health").json()["status"] == "ok"
+    assert http.get(base_url + "/health").json()["status"] == "ok"
 
 
 def test_chat_non_streaming(client):
@@ -159,9 +159,9 @@ def test_logprobs(client):
 )
 def test_bad_requests_get_openai_errors(base_url, path, body, status, fragment):
     if isinstance(body, bytes):
-        r = httpx.post(base_url + path, content=body, headers={"content-type": "application/json"})
+        r = http.post(base_url + path, content=body, headers={"content-type": "application/json"})
     else:
-        r = httpx.post(base_url + path, json=body, timeout=60)
+        r = http.post(base_url + path, json=body, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert fragment in error["message"] and error["type"]
@@ -170,7 +170,7 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status, fragment):
 
 
 def test_server_still_serves_after_errors(client, base_url):
-    httpx.post(base_url + "/v1/chat/completions", content=b"][", headers={"content-type": "application/json"})
+    http.post(base_url + "/v1/chat/completions", content=b"][", headers={"content-type": "application/json"})
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=PARIS, temperature=-3)
     r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=10)
@@ -218,15 +218,15 @@ def test_client_disconnect_stops_generation(client, base_url):
         "temperature": 0,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
         assert got and "text" in json.loads(got[0][5:])["choices"][0]
     # 4000 tokens would take minutes on this CPU: the worker must notice the disconnect and stop.
     deadline = time.time() + 30
-    while httpx.get(base_url + "/health").json()["busy"] and time.time() < deadline:
+    while http.get(base_url + "/health").json()["busy"] and time.time() < deadline:
         time.sleep(0.2)
-    assert not httpx.get(base_url + "/health").json()["busy"]
+    assert not http.get(base_url + "/health").json()["busy"]
     r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=10)
     assert "Paris" in r.choices[0].message.content
 
@@ -235,7 +235,7 @@ def wait_until_idle(base_url, seconds: float) -> dict:
     """/health once the worker has nothing to do, or when `seconds` are up."""
     deadline = time.time() + seconds
     while True:
-        health = httpx.get(base_url + "/health").json()
+        health = http.get(base_url + "/health").json()
         if (not health["busy"] and health["queued"] == 0) or time.time() > deadline:
             return health
         time.sleep(0.2)
@@ -245,7 +245,7 @@ def test_abandoned_non_streaming_requests_free_the_worker(client, base_url):
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
     for _ in range(3):  # one runs, two wait; every client gives up after 0.5 s
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(base_url + "/v1/completions", json=body, timeout=0.5)
+            http.post(base_url + "/v1/completions", json=body, timeout=0.5)
     # 3 x 4000 tokens would hold the worker for many minutes on this CPU: all three must be dropped.
     health = wait_until_idle(base_url, 30)
     assert not health["busy"] and health["queued"] == 0, health
@@ -256,22 +256,22 @@ def test_abandoned_non_streaming_requests_free_the_worker(client, base_url):
 def test_a_request_over_the_memory_budget_is_refused_before_it_is_queued(base_url):
     # n=8 x (2000 + 64) tokens of KV cache and a 2000-token prompt pass: about 1.2 GB, over --memory-budget-gb 1
     body = {"model": MODEL, "prompt": [5] * 2000, "max_tokens": 64, "n": 8, "temperature": 1}
-    r = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    r = http.post(base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "GiB per request" in message and "lower n (8), max_tokens (64) or the prompt's length (2000" in message
-    assert httpx.get(base_url + "/health").json()["busy"] is False
+    assert http.get(base_url + "/health").json()["busy"] is False
 
 
 def test_the_default_body_limit_follows_the_context(base_url):
     # SmolLM2's 8192 tokens: 32 bytes each and 64 KiB, 327,680 bytes; a 400 KB body is refused from its
     # Content-Length (a fixed 1 MB let in 67x the context), and thousands of tokens of text still fit.
     words = "the quick brown fox jumps over lazy dogs " * 10000  # 410,000 characters
-    r = httpx.post(base_url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=60)
+    r = http.post(base_url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=60)
     assert r.status_code == 413, r.text
     assert "over this server's limit of 327680 bytes (--max-body-mb)" in r.json()["error"]["message"]
     # A body just under the limit is read whole: JSON whitespace pads a short prompt to 320,000 bytes
     # (the size of a long prompt without the seconds of prefilling 2,000 tokens here).
     body = json.dumps({"prompt": "the quick brown fox", "max_tokens": 1}).ljust(320_000)
-    r = httpx.post(base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    r = http.post(base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text

@@ -16,6 +16,10 @@ from common.tools.warm_python import start_python
 REACHES = ["server.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
 CHAPTER = Path(__file__).resolve().parents[1]
+# One client for the tests' requests: httpx.get() and its kin build a client per call, and with it an
+# SSL context that reads certifi's CA bundle, 30 ms of CPU each (4-7 s of a chapter's suite), even
+# for http://. Like them it keeps no connection between requests: the server tests count connections.
+http = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 @contextlib.contextmanager
@@ -46,7 +50,7 @@ def serve(log_dir: Path, model: str, *flags: str):
             if proc.poll() is not None:
                 pytest.fail(f"server exited: {log.read_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if http.get(url + "/health", timeout=1).status_code == 200:
                     break
             time.sleep(0.05)  # a poll costs the server a millisecond; a late one, a core idle
         else:

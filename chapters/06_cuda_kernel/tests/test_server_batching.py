@@ -14,7 +14,7 @@ require(*SERVER_STACK)  # before the imports that need them: without them, this 
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
-from live_server import serve
+from live_server import http, serve
 
 MODEL = "tiny-llama3"
 PROMPTS = [f"Tell me about the number {i}." + " And more." * (i % 5) for i in range(16)]
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
 
 
 def health(url):
-    return httpx.get(url + "/health", timeout=5).json()
+    return http.get(url + "/health", timeout=5).json()
 
 
 async def stream_text(client: AsyncOpenAI, prompt: str, max_tokens: int = 24) -> str:
@@ -116,7 +116,7 @@ def test_n_choices_through_http(server):
 def test_a_request_the_pool_can_never_hold_is_a_400(server):
     url = server[0]
     total = health(url)["kv_blocks_total"] * 16
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": total + 1}, timeout=10)
+    r = http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": total + 1}, timeout=10)
     assert r.status_code == 400
     assert "KV cache holds" in r.json()["error"]["message"]
 

@@ -13,7 +13,7 @@ require(*SERVER_STACK)  # before the imports that need them: without them, this 
 import httpx
 import openai
 
-from live_server import serve
+from live_server import http, serve
 
 MODEL = "smollm2-135m"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -45,7 +45,7 @@ def client(base_url):
 
 def test_models_and_health(client, base_url):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    health = httpx.get(base_url + "/health").json()
+    health = http.get(base_url + "/health").json()
     assert health["status"] == "ok"
     # the engine's figures: requests running and waiting, the KV block pool, the prefix cache
     assert {
@@ -188,9 +188,9 @@ def test_logprobs(client):
 )
 def test_bad_requests_get_openai_errors(base_url, path, body, status, fragment):
     if isinstance(body, bytes):
-        r = httpx.post(base_url + path, content=body, headers={"content-type": "application/json"})
+        r = http.post(base_url + path, content=body, headers={"content-type": "application/json"})
     else:
-        r = httpx.post(base_url + path, json=body, timeout=60)
+        r = http.post(base_url + path, json=body, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert fragment in error["message"] and error["type"]
@@ -199,7 +199,7 @@ def test_bad_requests_get_openai_errors(base_url, path, body, status, fragment):
 
 
 def test_server_still_serves_after_errors(client, base_url):
-    httpx.post(base_url + "/v1/chat/completions", content=b"][", headers={"content-type": "application/json"})
+    http.post(base_url + "/v1/chat/completions", content=b"][", headers={"content-type": "application/json"})
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=PARIS, temperature=-3)
     r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=10)
@@ -247,15 +247,15 @@ def test_client_disconnect_stops_generation(client, base_url):
         "temperature": 0,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
         assert got and "text" in json.loads(got[0][5:])["choices"][0]
     # 4000 tokens would take minutes on this CPU: the worker must notice the disconnect and stop.
     deadline = time.time() + 30
-    while httpx.get(base_url + "/health").json()["busy"] and time.time() < deadline:
+    while http.get(base_url + "/health").json()["busy"] and time.time() < deadline:
         time.sleep(0.2)
-    health = httpx.get(base_url + "/health").json()
+    health = http.get(base_url + "/health").json()
     assert not health["busy"] and health["kv_blocks_used"] == 0, health  # its blocks went back to the pool
     r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=10)
     assert "Paris" in r.choices[0].message.content
@@ -265,7 +265,7 @@ def wait_until_idle(base_url, seconds: float) -> dict:
     """/health once the worker has nothing to do, or when `seconds` are up."""
     deadline = time.time() + seconds
     while True:
-        health = httpx.get(base_url + "/health").json()
+        health = http.get(base_url + "/health").json()
         if (not health["busy"] and health["queued"] == 0) or time.time() > deadline:
             return health
         time.sleep(0.2)
@@ -275,7 +275,7 @@ def test_abandoned_non_streaming_requests_free_the_worker(client, base_url):
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
     for _ in range(3):  # they run together; every client gives up after 0.5 s
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(base_url + "/v1/completions", json=body, timeout=0.5)
+            http.post(base_url + "/v1/completions", json=body, timeout=0.5)
     # 3 x 4000 tokens would hold the worker for many minutes on this CPU: all three must be dropped.
     health = wait_until_idle(base_url, 30)
     assert not health["busy"] and health["queued"] == 0 and health["kv_blocks_used"] == 0, health
@@ -287,14 +287,14 @@ def test_a_request_that_can_never_fit_the_kv_pool_is_refused_before_it_is_queued
     # 2000 + 4000 tokens: within the 8192-token context, over the 5824 tokens of --kv-cache-memory-gb 0.25
     slots = pool_blocks() * 16
     body = {"model": MODEL, "prompt": [5] * 2000, "max_tokens": 4000, "temperature": 1}
-    r = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    r = http.post(base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert message == (
         f"this request needs room for 6000 tokens (2000 in the prompt, 4000 to generate), but this "
         f"server's KV cache holds {slots} tokens: lower max_tokens or the prompt's length"
     )
-    health = httpx.get(base_url + "/health").json()
+    health = http.get(base_url + "/health").json()
     assert health["busy"] is False and health["running"] == health["waiting"] == health["queued"] == 0, health
 
 
@@ -302,11 +302,11 @@ def test_the_default_body_limit_follows_the_context(base_url):
     # SmolLM2's 8192 tokens: 32 bytes each and 64 KiB, 327,680 bytes; a 400 KB body is refused from its
     # Content-Length (a fixed 1 MB let in 67x the context), and thousands of tokens of text still fit.
     words = "the quick brown fox jumps over lazy dogs " * 10000  # 410,000 characters
-    r = httpx.post(base_url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=60)
+    r = http.post(base_url + "/v1/completions", json={"prompt": words, "max_tokens": 1}, timeout=60)
     assert r.status_code == 413, r.text
     assert "over this server's limit of 327680 bytes (--max-body-mb)" in r.json()["error"]["message"]
     # A body just under the limit is read whole: JSON whitespace pads a short prompt to 320,000 bytes
     # (the size of a long prompt without the seconds of prefilling 2,000 tokens here).
     body = json.dumps({"prompt": "the quick brown fox", "max_tokens": 1}).ljust(320_000)
-    r = httpx.post(base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    r = http.post(base_url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text

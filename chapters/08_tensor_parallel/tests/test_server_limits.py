@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from common.tools.serving import connect_from, idle_flood
 from common.tools.warm_python import run_python
-from live_server import serve
+from live_server import http, serve
 
 REACHES = ["server.py"]  # scripts run in a subprocess (common/tools/carried.py)
 
@@ -69,7 +69,7 @@ def error_of(r: httpx.Response) -> dict:
 
 def test_max_tokens_default_applies_when_the_request_sets_none(limited):
     url, _ = limited
-    r = httpx.post(
+    r = http.post(
         url + "/v1/chat/completions", json={"messages": HI, "ignore_eos": True, "temperature": 0}, timeout=60
     )
     assert r.status_code == 200, r.text
@@ -78,8 +78,8 @@ def test_max_tokens_default_applies_when_the_request_sets_none(limited):
 
 def test_max_model_len_caps_the_context(limited):
     url, _ = limited
-    assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 256
-    r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 300}, timeout=60)
+    assert http.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 256
+    r = http.post(url + "/v1/completions", json={"prompt": [5] * 300}, timeout=60)
     assert r.status_code == 400 and "context is 256 tokens" in error_of(r)["message"]
 
 
@@ -87,7 +87,7 @@ def test_the_kv_pool_is_at_most_max_num_seqs_full_contexts(limited):
     # --kv-cache-memory-gb 0.25 (live_server.py) buys 8192 blocks of tiny-llama3, more than the
     # 32 sequences x 256 tokens / 16 that could ever run at once: the pool stops there
     url, log = limited
-    assert httpx.get(url + "/health").json()["kv_blocks_total"] == 32 * 256 // 16
+    assert http.get(url + "/health").json()["kv_blocks_total"] == 32 * 256 // 16
     assert "KV cache: 512 blocks of 16 tokens = 8192 tokens in 0.02 GiB" in log.read_text()
 
 
@@ -107,10 +107,10 @@ def test_a_kv_cache_budget_without_room_for_a_block_is_a_clear_error():
 def test_a_body_over_the_limit_gets_413(limited):
     url, _ = limited
     body = b'{"prompt": "' + b"x" * 20_000 + b'"}'
-    r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    r = http.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
     # without a Content-Length (chunked), the bytes are counted as they come
-    r = httpx.post(
+    r = http.post(
         url + "/v1/completions", content=iter([body[:8000], body[8000:]]), headers={"content-type": "application/json"}
     )
     assert r.status_code == 413 and "10485 bytes" in error_of(r)["message"]
@@ -142,13 +142,13 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(limited):
 )
 def test_every_error_is_an_openai_error_object(limited, method, path, content, status, fragment):
     url, _ = limited
-    r = httpx.request(method, url + path, content=content, headers={"content-type": "application/json"})
+    r = http.request(method, url + path, content=content, headers={"content-type": "application/json"})
     assert r.status_code == status and fragment in error_of(r)["message"], r.text
 
 
 def test_openapi_documents_400_with_the_error_object_and_no_422(limited):
     url, _ = limited
-    schema = httpx.get(url + "/openapi.json").json()
+    schema = http.get(url + "/openapi.json").json()
     responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert "422" not in responses and "HTTPValidationError" not in schema["components"]["schemas"]
     assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
@@ -167,7 +167,7 @@ def test_idle_connections_do_not_lock_out_other_clients(limited):
     idle = [connect_from(f"127.0.0.{20 + i % 4}", port) for i in range(20)]
     try:
         t0 = time.time()
-        r = httpx.get(url + "/health", timeout=10)
+        r = http.get(url + "/health", timeout=10)
         assert r.status_code in (200, 503) and time.time() - t0 < 10  # an answer, not a hang
         # --timeout-headers 2 closes the sockets that never sent a request
         wait_until_healthy(url)
@@ -189,7 +189,7 @@ def test_a_flood_of_idle_connections_does_not_lock_out_other_clients(limited):
         time.sleep(1.0)  # the flood is on
         served = []
         for _ in range(10):
-            r = httpx.post(
+            r = http.post(
                 url + "/v1/completions",
                 json={"prompt": "hi", "max_tokens": 2},
                 headers={"connection": "close"},
@@ -197,7 +197,7 @@ def test_a_flood_of_idle_connections_does_not_lock_out_other_clients(limited):
             )
             served.append(r.status_code)
         assert served == [200] * 10, served
-        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert http.get(url + "/health", timeout=10).status_code == 200
 
 
 def test_a_client_over_its_connection_cap_gets_a_503_error_object(limited):
@@ -226,10 +226,10 @@ def wait_until_healthy(url: str, within_s: float = 30) -> None:
     deadline = time.time() + within_s
     while time.time() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            if http.get(url + "/health", timeout=5).status_code == 200:
                 break
         time.sleep(0.5)
-    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    assert http.get(url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and sets another process's limits (Linux)")
@@ -361,11 +361,11 @@ def test_a_shutdown_ends_open_requests_with_an_error_before_its_deadline(tmp_pat
         lines, reply = [], {}
 
         def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json=long | {"stream": True}, timeout=60) as r:
+            with http.stream("POST", f"{url}/v1/completions", json=long | {"stream": True}, timeout=60) as r:
                 lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
 
         def wait():
-            r = httpx.post(f"{url}/v1/completions", json=long, timeout=60)
+            r = http.post(f"{url}/v1/completions", json=long, timeout=60)
             reply.update(status=r.status_code, body=r.json())
 
         threads = [threading.Thread(target=stream), threading.Thread(target=wait)]

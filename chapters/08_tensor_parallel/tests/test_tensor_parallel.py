@@ -184,7 +184,7 @@ def test_engine_with_16_requests_and_speculation_equals_tp1():
 def test_server_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path):
     import httpx
 
-    from live_server import serve
+    from live_server import http, serve
 
     prompts = [tok_ids for tok_ids in (Tokenizer(resolve_model("tiny-llama3")).encode(p) for p in PROMPTS)]
     want = tp1_texts("tiny-llama3", PROMPTS, 6)
@@ -207,7 +207,7 @@ def test_server_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path):
 def test_a_killed_worker_makes_the_server_answer_503_and_exit(tmp_path):
     import httpx
 
-    from live_server import serve
+    from live_server import http, serve
 
     with serve(tmp_path, "tiny-llama3", "--tensor-parallel-size", "2", "--timeout-graceful-shutdown", "5") as (
         url,
@@ -220,7 +220,7 @@ def test_a_killed_worker_makes_the_server_answer_503_and_exit(tmp_path):
         deadline = time.time() + 30
         while proc.poll() is None and time.time() < deadline:
             try:
-                r = httpx.post(url + "/v1/completions", json={"model": "tiny-llama3", "prompt": "hi", "max_tokens": 2}, timeout=10)
+                r = http.post(url + "/v1/completions", json={"model": "tiny-llama3", "prompt": "hi", "max_tokens": 2}, timeout=10)
                 statuses.append(r.status_code)
             except httpx.HTTPError:
                 pass  # the listening socket is closed once the shutdown has begun

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine import Request, build_engine
-from live_server import serve
+from live_server import http, serve
 from peft_adapters import hf_base, make_adapter
 from sampling import SamplingParams
 
@@ -49,7 +49,7 @@ def complete(url: str, model: str | None, **extra) -> httpx.Response:
     body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True, **extra}
     if model is not None:
         body["model"] = model
-    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+    return http.post(url + "/v1/completions", json=body, timeout=120)
 
 
 def text_of(reply: dict) -> str:
@@ -60,7 +60,7 @@ def stream_text(url: str, body: dict, on_chunk=lambda: None) -> tuple[str, int]:
     """A streamed completion's text and its number of tokens (from the final usage chunk)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     text, n = "", 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+    with http.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
@@ -75,7 +75,7 @@ def stream_text(url: str, body: dict, on_chunk=lambda: None) -> tuple[str, int]:
 def test_the_model_field_picks_the_adapter_and_the_models_list_names_them(server, paths, expected):
     url, log = server
     assert "LoRA: 2 adapters, 2 slots of rank up to 8" in log.read_text()
-    data = httpx.get(url + "/v1/models").json()["data"]
+    data = http.get(url + "/v1/models").json()["data"]
     assert [m["id"] for m in data] == [MODEL, "a", "b"]
     assert data[1]["parent"] == MODEL and data[1]["root"] == str(paths["a"])
     for model, adapter in ((MODEL, None), (None, None), ("a", "a"), ("b", "b")):
@@ -108,15 +108,15 @@ def test_load_and_unload_while_a_stream_runs(server, paths, expected):
 
     streamer = threading.Thread(target=stream)
     streamer.start()
-    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(paths["late"])}, timeout=60)
+    r = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(paths["late"])}, timeout=60)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
-    assert "late" in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    assert "late" in [m["id"] for m in http.get(url + "/v1/models").json()["data"]]
     got = complete(url, "late")
     assert got.status_code == 200 and text_of(got.json()) == expected["late"]
-    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+    r = http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' removed successfully.", log.read_text()[-3000:]
     assert complete(url, "late").status_code == 404
-    assert "late" not in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    assert "late" not in [m["id"] for m in http.get(url + "/v1/models").json()["data"]]
     streamer.join(timeout=120)
     assert not errors and streamed[0][1] == 48
     assert streamed[0][0].startswith(expected[None])  # the base stream never saw the adapters come and go
@@ -134,7 +134,7 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, exp
     t = threading.Thread(target=run)
     t.start()
     assert started.wait(60)
-    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)
+    r = http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)
     assert r.status_code == 200
     t.join(timeout=120)
     assert result["n"] == 64 and result["text"].startswith(expected["b"])
@@ -157,7 +157,7 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, exp
 def test_bad_load_and_unload_requests_get_their_error(server, paths, path, body, status, message):
     url, _ = server
     body = {k: v.format(a=paths["a"]) if isinstance(v, str) else v for k, v in body.items()}
-    r = httpx.post(url + f"/v1/{path}_lora_adapter", json=body, timeout=60)
+    r = http.post(url + f"/v1/{path}_lora_adapter", json=body, timeout=60)
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"]
 
@@ -165,7 +165,7 @@ def test_bad_load_and_unload_requests_get_their_error(server, paths, path, body,
 def test_an_adapter_over_the_rank_limit_is_refused_and_the_server_keeps_serving(server, tmp_path, expected):
     url, _ = server
     big = make_adapter(tmp_path / "r16", 16, ["q_proj"], seed=4)
-    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)}, timeout=60)
+    r = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)}, timeout=60)
     assert r.status_code == 400 and "16" in r.json()["error"]["message"], r.text
     assert text_of(complete(url, "a").json()) == expected["a"]
 
@@ -195,9 +195,9 @@ def test_at_tensor_parallel_size_2_adapters_load_and_answer_as_at_1(tmp_path, pa
     slices of the new adapter, and the answers are TP=1's."""
     with serve(tmp_path, MODEL, "--tensor-parallel-size", "2", "--lora-modules", f"a={paths['a']}") as (url, _proc, log):
         assert "tensor parallel: 2 ranks" in log.read_text()
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(paths["late"])}, timeout=60)
+        r = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(paths["late"])}, timeout=60)
         assert r.status_code == 200, r.text
         for model in ("a", "late", MODEL):
             assert text_of(complete(url, model).json()) == expected[None if model == MODEL else model], model
-        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
+        assert http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
         assert complete(url, "late").status_code == 404
