@@ -37,7 +37,7 @@ CSRC = HERE / "csrc"
 STAMP = "sources.sha256"  # beside the built module: the fingerprint() it was built from
 # Beside it when the build compiled every C++ source with WARNINGS, which change no code: the same
 # fingerprint. `make test` builds so, and its C++ check (csrc/cpu/check_compile.sh, the same flags,
-# a minute and a half of CPU on two cores) then has nothing left to compile.
+# some 70 s of CPU on two cores) then has nothing left to compile.
 WERROR_STAMP = "werror.sha256"
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 
