@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
@@ -182,11 +183,15 @@ def fingerprint(files: list[Path], *flags: list[str]) -> str:
     return digest.hexdigest()
 
 
+def _stamped(path: Path, stamp: str) -> bool:
+    return path.exists() and path.read_text() == stamp
+
+
 def _import_built(name: str, folder: Path, stamp: str):
     """The module built from these exact sources, imported without the compiler or ninja (which
     would also rebuild a folder built from another copy's paths); None when there is none."""
     built = sorted(folder.glob(f"{name}*.so"))
-    if not built or not (folder / STAMP).exists() or (folder / STAMP).read_text() != stamp:
+    if not built or not _stamped(folder / STAMP, stamp):
         return None
     spec = importlib.util.spec_from_file_location(name, built[0])
     module = importlib.util.module_from_spec(spec)
@@ -243,14 +248,27 @@ def load(verbose: bool = False, werror: bool = False):
     return _module
 
 
-def _build_plan(with_cuda: bool):
-    """-> (module name, sources, build folder, C++ flags, nvcc flags, the fingerprint of them all)."""
+class BuildPlan(NamedTuple):
+    """What a build of one variant is made of, and the fingerprint() of it all."""
+
+    name: str
+    files: list[Path]
+    folder: Path
+    cflags: list[str]
+    cuda_flags: list[str]
+    archs: list[tuple[int, int, bool]]
+    stamp: str
+
+
+def _build_plan(with_cuda: bool) -> BuildPlan:
     files = sources(with_cuda)
     # No -std: torch's build picks the standard its headers need (C++17, C++20 for newer ATen).
     cflags = ["-O3", "-fopenmp"] + (["-DWITH_CUDA"] if with_cuda else [])
-    cuda_flags = ["-O3", "-DWITH_CUDA", *TORCH_NVCC_DEFINES, *gencode_flags(cuda_archs() if with_cuda else [])]
+    archs = cuda_archs() if with_cuda else []
+    cuda_flags = ["-O3", "-DWITH_CUDA", *TORCH_NVCC_DEFINES, *gencode_flags(archs)]
     name = "llm_kernels_cuda" if with_cuda else "llm_kernels_cpu"
-    return name, files, build_dir(with_cuda), cflags, cuda_flags, fingerprint(files, cflags, cuda_flags)
+    stamp = fingerprint(files, cflags, cuda_flags)
+    return BuildPlan(name, files, build_dir(with_cuda), cflags, cuda_flags, archs, stamp)
 
 
 def werror_checked() -> str | None:
@@ -258,19 +276,18 @@ def werror_checked() -> str | None:
     WARNINGS; else why not. (The variant load() would take: the CUDA one where it can be built.)"""
     import torch  # noqa: F401
 
-    _, _, folder, _, _, stamp = _build_plan(cuda_build_possible() is None)
-    if not (folder / STAMP).exists() or (folder / STAMP).read_text() != stamp:
-        return f"no build of these sources in {folder}"
-    if not (folder / WERROR_STAMP).exists() or (folder / WERROR_STAMP).read_text() != stamp:
-        return f"{folder} was built without {' '.join(WARNINGS)}"
+    plan = _build_plan(cuda_build_possible() is None)
+    if not _stamped(plan.folder / STAMP, plan.stamp):
+        return f"no build of these sources in {plan.folder}"
+    if not _stamped(plan.folder / WERROR_STAMP, plan.stamp):
+        return f"{plan.folder} was built without {' '.join(WARNINGS)}"
     return None
 
 
 def _build(with_cuda: bool, verbose: bool, werror: bool = False):
     from torch.utils import cpp_extension
 
-    name, files, folder, cflags, cuda_flags, stamp = _build_plan(with_cuda)
-    archs = cuda_archs() if with_cuda else []
+    name, files, folder, cflags, cuda_flags, archs, stamp = _build_plan(with_cuda)
     folder.mkdir(parents=True, exist_ok=True)
     module = _import_built(name, folder, stamp)
     if module is None:

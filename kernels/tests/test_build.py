@@ -182,7 +182,7 @@ def test_a_failed_cuda_half_still_gives_the_cpu_half(monkeypatch, capsys):
 def test_werror_checked_says_whether_the_build_in_place_compiled_with_the_warnings(monkeypatch, tmp_path):
     monkeypatch.setenv("KERNELS_BUILD_DIR", str(tmp_path))
     with_cuda = build.cuda_build_possible() is None
-    folder, stamp = build.build_dir(with_cuda), build._build_plan(with_cuda)[-1]
+    folder, stamp = build.build_dir(with_cuda), build._build_plan(with_cuda).stamp
     assert "no build of these sources" in build.werror_checked()
     folder.mkdir(parents=True)
     (folder / build.STAMP).write_text(stamp)
