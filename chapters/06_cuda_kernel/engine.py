@@ -190,7 +190,13 @@ class Engine:
         """One token for each ready sequence, from its logits row."""
         if not ready:
             return []
-        x = logits[torch.tensor([row for row, _ in ready], device=logits.device)].float()  # [ready, vocab]
+        rows = [row for row, _ in ready]
+        # A decode step's rows are the first ones, in order: a view then, not a gather. sample() makes
+        # the float32 copy it works on, so the min_tokens masks below go into the step's own logits.
+        if rows == list(range(len(rows))):
+            x = logits[: len(rows)]  # [ready, vocab]
+        else:
+            x = logits[torch.tensor(rows, device=logits.device)]  # [ready, vocab]
         seqs = [seq for _, seq in ready]
         for i, seq in enumerate(seqs):
             state = self.requests[seq.request_id]

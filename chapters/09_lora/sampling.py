@@ -32,6 +32,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -213,9 +214,8 @@ def sample(
     for i, p in enumerate(params):
         apply_penalties(x[i], p, prompt_tokens[i], output_tokens[i])
     # Greedy rows take the argmax (the first one on ties); it is computed for every row because one
-    # batched argmax is cheaper than picking rows out, and sampled rows overwrite theirs. torch.max
-    # over the last dimension gives it with the row's max, at a third of torch.argmax's time on a CPU.
-    best, tokens = x.max(dim=-1)  # [batch] each
+    # batched argmax is cheaper than picking rows out, and sampled rows overwrite theirs.
+    best, tokens = row_max(x)  # [batch] each
     if not bool(torch.isfinite(best).all()):  # the one device-to-host transfer before the tokens'
         # A row's max is a NaN if the row has one, +inf if it has one, -inf if no token is possible:
         # only then does finite_logits change x (-inf stays -inf), so every other step skips it. The
@@ -268,6 +268,17 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], out
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and the index of its first occurrence (torch.max over the last dimension).
+    On a CPU through NumPy's argmax, which runs in vector instructions where torch's reduction with
+    indices does not: on 16 rows of SmolLM2's 49152 logits 0.1 ms against 0.33 (torch.argmax 1 ms),
+    a millisecond of a batched decode step in the engine, where the logits come in cold."""
+    if x.device.type != "cpu":
+        return x.max(dim=-1)
+    tokens = torch.from_numpy(np.argmax(x.numpy(), axis=-1))  # [rows] int64
+    return x.gather(-1, tokens[:, None]).squeeze(-1), tokens
 
 
 def finite_logits(x: torch.Tensor) -> torch.Tensor:

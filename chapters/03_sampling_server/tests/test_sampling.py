@@ -15,6 +15,7 @@ from sampling import (
     choice_seed,
     filter_probs,
     make_generator,
+    row_max,
     sample,
 )
 
@@ -68,6 +69,23 @@ def test_greedy_ties_go_to_the_lowest_id_across_a_whole_vocabulary(device):
         logits[row, 17 * row + 5] = 7.0  # the same logit, at a lower id
     logits[::2, 30000:31000] = float("-inf")
     assert run(logits, SamplingParams(temperature=0.0))[0] == [17 * row + 5 for row in range(16)]
+
+
+def test_row_max_is_torch_max_over_the_last_dimension(device):
+    """The greedy path's (max, first index) per row, NumPy's argmax on a CPU, against torch.max:
+    ties, a NaN (it wins, as in torch.max), +inf, a row of -inf, and a view that is not contiguous."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 3000, generator=gen) * 4).to(device)
+    x[0, [10, 2000]] = 50.0  # a tie far apart
+    x[1, 77] = float("nan")
+    x[2, [5, 9]] = float("inf")
+    x[3] = float("-inf")
+    for rows in (x, x[:, ::2], x[::2]):
+        best, tokens = row_max(rows)
+        want_best, want_tokens = rows.max(dim=-1)
+        assert tokens.tolist() == want_tokens.tolist()
+        assert torch.equal(best.isnan(), want_best.isnan())
+        assert torch.equal(best.nan_to_num(), want_best.nan_to_num())
 
 
 def test_greedy_equals_argmax_on_random_batches(device):

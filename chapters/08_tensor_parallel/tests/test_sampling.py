@@ -15,6 +15,7 @@ from sampling import (
     choice_seed,
     filter_probs,
     make_generator,
+    row_max,
     sample,
 )
 
@@ -57,6 +58,23 @@ def test_temperature_zero_is_argmax_even_with_extreme_logits():
     assert run(torch.tensor([[-1e30, -1e4, -5.0, -3.0, -1e9]]), greedy)[0] == [3]
     assert run(torch.tensor([[1e30, 3e38, 0.0, float("-inf"), 1.0]]), greedy)[0] == [1]
     assert run(torch.tensor([[1.0, 5.0, 5.0, 2.0, 5.0]]), greedy)[0] == [1]  # ties: the lowest id
+
+
+def test_row_max_is_torch_max_over_the_last_dimension(device):
+    """The greedy path's (max, first index) per row, NumPy's argmax on a CPU, against torch.max:
+    ties, a NaN (it wins, as in torch.max), +inf, a row of -inf, and a view that is not contiguous."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 3000, generator=gen) * 4).to(device)
+    x[0, [10, 2000]] = 50.0  # a tie far apart
+    x[1, 77] = float("nan")
+    x[2, [5, 9]] = float("inf")
+    x[3] = float("-inf")
+    for rows in (x, x[:, ::2], x[::2]):
+        best, tokens = row_max(rows)
+        want_best, want_tokens = rows.max(dim=-1)
+        assert tokens.tolist() == want_tokens.tolist()
+        assert torch.equal(best.isnan(), want_best.isnan())
+        assert torch.equal(best.nan_to_num(), want_best.nan_to_num())
 
 
 def test_greedy_equals_argmax_on_random_batches(device):
