@@ -43,6 +43,7 @@ from sampling import (
     apply_penalties,
     check_some_token_possible,
     finite_logits,
+    row_max,
     sampled_probs,
     token_logprobs,
 )
@@ -73,8 +74,11 @@ def target_logits(
         apply_penalties(x[j], params, prompt, output + draft[:j])
     if banned is not None:
         x.masked_fill_(banned, float("-inf"))
-    x = finite_logits(x)
-    check_some_token_possible(x)
+    # As sample() does: a row's max is finite unless the row has a NaN or +inf or nothing possible,
+    # and only then does finite_logits change x (two passes over it per sequence otherwise).
+    if not bool(torch.isfinite(row_max(x)[0]).all()):
+        x = finite_logits(x)
+        check_some_token_possible(x)
     return x
 
 
@@ -95,7 +99,7 @@ def accept(
     target_logits). draft_probs: [k, vocab], the proposer's q_j; None for a deterministic proposer."""
     k = len(draft)
     if params.temperature < GREEDY_BELOW:
-        best = x.argmax(dim=-1).tolist()  # [k+1]: what greedy decoding would pick at each row
+        best = row_max(x)[1].tolist()  # [k+1]: what greedy decoding would pick at each row
         m = 0
         while m < k and draft[m] == best[m]:
             m += 1

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from proposers import NgramProposer, make_proposer
-from sampling import SamplingParams, apply_penalties, filter_probs
+from sampling import NoTokenError, SamplingParams, apply_penalties, filter_probs
 from speculative import Verdict, accept, target_logits, target_probs
 
 # --- prompt lookup ---------------------------------------------------------------------------------
@@ -90,6 +90,24 @@ def test_banned_rows_cannot_pick_the_banned_tokens():
     assert accept(x, [2, 2], GREEDY, None).tokens[0] != 2
     x = target_logits(logits, GREEDY, [], [], [5, 5], banned)
     assert x[2].argmax() == 2  # the last row is past min_tokens
+
+
+def test_non_finite_rows_are_made_finite_and_a_row_with_no_token_raises():
+    """target_logits cleans a NaN (to -inf) and +inf (to the largest float) as sample() does, and
+    only where a row has one; greedy then never picks the NaN; a row all -inf raises."""
+    logits = torch.randn(3, 8)
+    logits[0, 3] = float("nan")
+    logits[1, 5] = float("inf")
+    x = target_logits(logits, GREEDY, [], [], [1, 1], None)
+    assert not bool(x.isnan().any()) and bool(torch.isfinite(x.max(dim=-1).values).all())
+    assert x[0, 3] == float("-inf") and x[1, 5] == torch.finfo(torch.float32).max
+    assert torch.equal(x[2], logits[2])
+    assert accept(x, [1, 1], GREEDY, None).tokens[:2] != [3, 3]
+    assert accept(x, [x[0].argmax().item(), 9], GREEDY, None).tokens[1] == 5  # +inf is certain
+    banned = torch.zeros(3, 8, dtype=torch.bool)
+    banned[2] = True
+    with pytest.raises(NoTokenError):
+        target_logits(torch.randn(3, 8), GREEDY, [], [], [1, 1], banned)
 
 
 # --- the sampled rule preserves the target distribution ---------------------------------------------
