@@ -148,7 +148,11 @@ test:
 
 # One suite, as `make test` runs it; its result lands in .test-results/ (NAME.time, NAME.failed).
 # No $(MAKE) in this recipe: make would not hold back the output of a recursive line.
-$(addprefix suite-,$(filter-out kernels-cuda-check,$(SUITES))): setup
+# The kernel suites need the venv and the library, not the models: they start as soon as the
+# build ends, on the core it leaves while the LoRA adapter still trains.
+KERNEL_SUITES := kernels kernels-cpu-check
+$(addprefix suite-,$(filter-out kernels-cuda-check $(KERNEL_SUITES),$(SUITES))): setup
+$(addprefix suite-,$(KERNEL_SUITES)): $(VENV)/.stamp $(KERNELS_MADE)
 suite-%:
 	@echo "=== $*"; start=$$(date +%s); mkdir -p .test-results; \
 	{ $(call suite_cmd,$*); } || touch .test-results/$*.failed; \

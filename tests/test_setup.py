@@ -93,3 +93,19 @@ def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp
     # make run's setup builds as before
     lines = dry_run("setup")
     assert any("-m kernels.build " in line for line in lines) and not any("--werror" in line for line in lines)
+
+
+def test_the_kernel_suites_start_without_the_models(tmp_path):
+    # They need the venv and the library only: under make test they run beside the model step.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "KERNELS_BUILD_FLAGS")}
+
+    def dry_run(target):  # suite recipes call no $(MAKE): -n runs nothing
+        r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", target], cwd=REPO,
+                           capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    for suite in ("suite-kernels", "suite-kernels-cpu-check"):
+        lines = dry_run(suite)
+        assert "-m kernels.build" in lines and "common.prepare_models" not in lines, lines
+    assert "common.prepare_models" in dry_run("suite-00_setup")
