@@ -69,7 +69,7 @@ def test_row_max_is_torch_max_over_the_last_dimension(device):
     x[1, 77] = float("nan")
     x[2, [5, 9]] = float("inf")
     x[3] = float("-inf")
-    for rows in (x, x[:, ::2], x[::2]):
+    for rows in (x, x[:, ::2], x[::2], x.bfloat16()):
         best, tokens = row_max(rows)
         want_best, want_tokens = rows.max(dim=-1)
         assert tokens.tolist() == want_tokens.tolist()
