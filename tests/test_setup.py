@@ -69,15 +69,20 @@ def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_p
     assert not dry_run("-W", "kernels/csrc/emulator/emu.cpp")  # the test tool is not the library
 
 
-def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
-    # not the variables of a make this test runs under (make test's own: KERNELS_BUILD_FLAGS=--werror)
+def make_dry_run(tmp_path: Path, *args: str) -> list[str]:
+    """The lines `make -n` prints for `args`, with a library never built (KERNELS_MADE in tmp_path) and
+    without the variables of a make this test may run under (make test's own: KERNELS_BUILD_FLAGS).
+    Never `make -n test`: make runs a recipe line that calls $(MAKE) even under -n."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "KERNELS_BUILD_FLAGS")}
+    r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", *args], cwd=REPO, capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
 
-    def dry_run(*args):  # never `make -n test`: make runs a recipe that calls $(MAKE), even under -n
-        r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", *args], cwd=REPO,
-                           capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr
-        return r.stdout.splitlines()
+
+def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
+    def dry_run(*args):
+        return make_dry_run(tmp_path, *args)
 
     # make test passes its suites --werror for the build (the database: the recipe as written)
     database = dry_run("-p", "help")
@@ -97,15 +102,7 @@ def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp
 
 def test_the_kernel_suites_start_without_the_models(tmp_path):
     # They need the venv and the library only: under make test they run beside the model step.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "KERNELS_BUILD_FLAGS")}
-
-    def dry_run(target):  # suite recipes call no $(MAKE): -n runs nothing
-        r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", target], cwd=REPO,
-                           capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
-
     for suite in ("suite-kernels", "suite-kernels-cpu-check"):
-        lines = dry_run(suite)
+        lines = "\n".join(make_dry_run(tmp_path, suite))  # (their recipes call no $(MAKE))
         assert "-m kernels.build" in lines and "common.prepare_models" not in lines, lines
-    assert "common.prepare_models" in dry_run("suite-00_setup")
+    assert "common.prepare_models" in "\n".join(make_dry_run(tmp_path, "suite-00_setup"))
