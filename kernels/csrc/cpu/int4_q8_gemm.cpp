@@ -63,7 +63,11 @@ struct Avx2Dot {  // vpmaddubsw into 16-bit sums (a block's at most 8 x 3810), t
         hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     }
     KERNELS_AVX2 static I dot(I sum, I codes, int32_t x) {
-        return _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(x)));
+        I s = _mm256_add_epi16(sum, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(x)));
+        // An opaque use: the sums stay a chain in registers. Integer adds may be regrouped, and GCC 12
+        // made a tree of them, all 32 products of a block first (4 rows), spilled to the stack.
+        __asm__("" : "+x"(s));
+        return s;
     }
     KERNELS_AVX2 static I add(I a, I b) { return _mm256_add_epi16(a, b); }  // a block's parts: no overflow
     KERNELS_AVX2 static V block_sums(I sum) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1))); }
