@@ -1,5 +1,6 @@
 """`make setup`'s venv recipe, run with a stand-in python that records what it is asked to do."""
 
+import functools
 import os
 import stat
 import subprocess
@@ -52,26 +53,10 @@ def test_without_it_pip_takes_torch_from_requirements_alone(tmp_path):
     assert "-m pip install -q --no-compile -r requirements.txt" in calls
 
 
-def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_path):
-    made = tmp_path / ".made"
-    made.touch()  # newer than every source: the library was built after the last change
-
-    def dry_run(*args):
-        r = subprocess.run(
-            ["make", "-n", f"KERNELS_MADE={made}", *args, "setup"], cwd=REPO, capture_output=True, text=True
-        )
-        assert r.returncode == 0, r.stderr
-        return "-m kernels.build" in r.stdout
-
-    assert not dry_run()
-    assert dry_run("-W", "kernels/csrc/kernels.h")  # as if just edited
-    assert dry_run("-W", "kernels/csrc/cuda/paged_attention.cu")
-    assert not dry_run("-W", "kernels/csrc/emulator/emu.cpp")  # the test tool is not the library
-
-
 def make_dry_run(tmp_path: Path, *args: str) -> list[str]:
-    """The lines `make -n` prints for `args`, with a library never built (KERNELS_MADE in tmp_path) and
-    without the variables of a make this test may run under (make test's own: KERNELS_BUILD_FLAGS).
+    """The lines `make -n` prints for `args`, with KERNELS_MADE at tmp_path/.made (a library never built
+    unless the test makes that file) and without the variables of a make this test may run under
+    (make test's own: KERNELS_BUILD_FLAGS).
     Never `make -n test`: make runs a recipe line that calls $(MAKE) even under -n."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "KERNELS_BUILD_FLAGS")}
     r = subprocess.run(["make", "-n", f"KERNELS_MADE={tmp_path / '.made'}", *args], cwd=REPO, capture_output=True,
@@ -80,10 +65,20 @@ def make_dry_run(tmp_path: Path, *args: str) -> list[str]:
     return r.stdout.splitlines()
 
 
-def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
-    def dry_run(*args):
-        return make_dry_run(tmp_path, *args)
+def test_setup_asks_for_a_kernels_build_only_when_a_library_source_changed(tmp_path):
+    (tmp_path / ".made").touch()  # newer than every source: the library was built after the last change
 
+    def dry_run(*args):
+        return any("-m kernels.build" in line for line in make_dry_run(tmp_path, *args, "setup"))
+
+    assert not dry_run()
+    assert dry_run("-W", "kernels/csrc/kernels.h")  # as if just edited
+    assert dry_run("-W", "kernels/csrc/cuda/paged_attention.cu")
+    assert not dry_run("-W", "kernels/csrc/emulator/emu.cpp")  # the test tool is not the library
+
+
+def test_make_test_builds_with_werror_and_its_cpp_check_asks_the_build_first(tmp_path):
+    dry_run = functools.partial(make_dry_run, tmp_path)
     # make test passes its suites --werror for the build (the database: the recipe as written)
     database = dry_run("-p", "help")
     start = database.index("test:")
