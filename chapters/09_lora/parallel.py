@@ -3,7 +3,7 @@
     rank 0                                     ranks 1 .. N-1 (this file run as a script, or torchrun)
     scheduler, sampler, server                 -
     plan = scheduler.schedule()                -
-    send(("run", runner, work))   ---------->  work = recv()
+    send(("run", runner_id, work)) -------->  work = recv()
     runner.run(work) on its shard              runner.run(work) on its shard
         ... all-reduce after o_proj and down_proj, every layer, every rank ...
         logits gathered on rank 0  <--------   its slice of the vocabulary's logits
