@@ -158,3 +158,25 @@ def test_make_run_takes_each_branch_of_its_recipe():
     r = make("run", "MAX_NEW_TOKENS=16")
     assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
     assert "int4 G=32" in r.stderr and "kernels: on" in r.stderr
+
+
+def changed_files(chapter: Path) -> list[str]:
+    """The engine files (*.py beside the README) that chapter N adds to N-1 or changes."""
+    previous = next((REPO / "chapters").glob(f"{int(chapter.name[:2]) - 1:02d}_*"))
+    return [
+        f.name
+        for f in sorted(chapter.glob("*.py"))
+        if not (previous / f.name).is_file() or (previous / f.name).read_bytes() != f.read_bytes()
+    ]
+
+
+@pytest.mark.parametrize("chapter", sorted((REPO / "chapters").glob("0[1-9]_*")), ids=lambda p: p.name)
+def test_the_readme_names_every_file_the_chapter_adds_or_changes(chapter):
+    # The root README promises a "What changed from chapter N-1" section with a line per file: a file
+    # that changed without a word there is a lesson the reader does not know to look for.
+    readme = (chapter / "README.md").read_text()
+    start = readme.index("## What changed from chapter")
+    end = readme.find("\n## ", start + 1)
+    section = readme[start : end if end > 0 else None]
+    missing = [name for name in changed_files(chapter) if f"`{name}`" not in section]
+    assert not missing, f"{chapter.name}/README.md's 'What changed' section does not name {missing}"
