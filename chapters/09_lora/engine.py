@@ -47,7 +47,6 @@ from common.errors import UserError
 from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
 from loading import load
-from lora import LoraWeights
 from lora_slots import AdapterSlots
 from memory import GiB
 from model import Model
@@ -56,7 +55,7 @@ from proposers import build_proposer, check_proposer_name
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
-from runner import ModelRunner, pool_size
+from runner import ModelRunner, lora_table_bytes, pool_size
 from sampling import SamplingParams, choice_seed, make_generator, sample
 from scheduler import Scheduler
 from sequence import Sequence
@@ -108,10 +107,10 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) | set(model.config.eos_token_ids)
         self.context = _context(model.config.max_position_embeddings, max_model_len)
         _at_least_one(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        lora_bytes = lora_table_bytes(model, max_loras, max_lora_rank) if max_loras else 0
         if num_blocks is None:
             most = max_num_seqs * -(-self.context // block_size)  # more could never be used at once
             # the default budget leaves room for the LoRA slot table, taken at the first load
-            lora_bytes = LoraWeights.table_bytes(model.config, max_loras, max_lora_rank, model.dtype)
             num_blocks = pool_size(model, block_size, most, kv_cache_bytes, lora_bytes)
         max_blocks = -(-self.context // block_size)
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, max_blocks, cuda_graphs)
@@ -364,8 +363,12 @@ def build_engine(
     )
     for name, path in (lora_modules or {}).items():
         engine.adapters.register(name, path)
-    named = model not in (None, "") and not Path(model).exists()
-    return engine, model if named else Path(model or model_dir).name
+    return engine, model_name(model) if model else model_dir.name
+
+
+def model_name(model: str) -> str:
+    """What build_engine calls a --model: a known name as given, a path by its last part."""
+    return Path(model).name if Path(model).exists() else model
 
 
 def _at_least_one(**sizes: int) -> None:

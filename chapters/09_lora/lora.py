@@ -53,6 +53,7 @@ GROUPS = {
 _MODULE = {p: ("self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for p in PROJECTIONS}
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # read into the model's dtype
 
 # PEFT features this engine does not compute: refused by name, never served as plain LoRA.
 # (config key, whether a value turns it on, what to say)
@@ -111,24 +112,38 @@ def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int, dtype: to
     """A PEFT LoRA directory checked against the base model's `config` and the rank limit.
     Raises UserError, one line naming the file and what is wrong, for anything it cannot serve
     exactly: a result computed without part of the adapter would be a wrong answer, not a worse one."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise UserError(f"LoRA adapter {path}: no such directory")
+    path = _directory(path)
     settings = _read_config(path)
     rank, targets = _check_config(path, settings, max_rank)
     alpha = settings.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise UserError(f"LoRA adapter {path / CONFIG}: lora_alpha must be a number, got {alpha!r}")
+    # Python's JSON reader takes NaN and Infinity; a scale that is not a finite float32 makes every
+    # logit of the adapter's rows NaN.
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise UserError(f"LoRA adapter {path / CONFIG}: lora_alpha must be a finite number, got {alpha!r}")
     scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    if abs(scale) > torch.finfo(torch.float32).max:
+        raise UserError(f"LoRA adapter {path / CONFIG}: lora_alpha {alpha!r} overflows float32 as a scale")
     tensors = _read_tensors(path)
     weights = _pair_up(path, tensors, config, rank, targets, dtype)
+    _check_delta(path, weights, scale)
     return Adapter(path, rank, float(scale), weights)
+
+
+def _directory(path: str | Path) -> Path:
+    """The adapter's folder, `~` expanded; UserError where it is not one."""
+    try:
+        path = Path(path).expanduser()
+        if path.is_dir():
+            return path
+    except (RuntimeError, OSError) as e:  # ~user with no home; a name too long for the file system
+        raise UserError(f"LoRA adapter {str(path)[:200]}: not a readable directory ({e})") from None
+    raise UserError(f"LoRA adapter {path}: no such directory")
 
 
 def config_rank(path: str | Path) -> int:
     """The rank a PEFT directory's adapter_config.json declares (UserError for a missing or bad
     config), for sizing a slot table before reading the adapter."""
-    path = Path(path).expanduser()
+    path = _directory(path)
     return _check_config(path, _read_config(path), max_rank=sys.maxsize)[0]
 
 
@@ -140,6 +155,8 @@ def _read_config(path: Path) -> dict:
         settings = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"LoRA adapter {file}: not valid JSON ({e})") from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise UserError(f"LoRA adapter {file}: not a PEFT config (JSON nested too deeply to read)") from None
     if not isinstance(settings, dict):
         raise UserError(f"LoRA adapter {file}: a JSON object expected, got {type(settings).__name__}")
     return settings
@@ -219,8 +236,16 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
                 f"LoRA adapter {file}: {key} is {list(t.shape)}, the base model needs {list(want)} "
                 f"(rank {rank}; {proj} is {n_out} x {n_in}): an adapter for another model?"
             )
-        if not t.is_floating_point() or not torch.isfinite(t).all():
-            raise UserError(f"LoRA adapter {file}: {key} is not finite floating-point numbers")
+        if t.dtype not in WEIGHT_DTYPES:
+            raise UserError(
+                f"LoRA adapter {file}: {key} is {str(t.dtype).removeprefix('torch.')}; "
+                "LoRA weights are read as float32, float16, bfloat16 or float64"
+            )
+        t = t.to(dtype)  # finite as stored is not enough: float32 values can overflow bfloat16
+        if not torch.isfinite(t).all():
+            raise UserError(
+                f"LoRA adapter {file}: {key} is not finite in {str(dtype).removeprefix('torch.')}, the model's dtype"
+            )
         found.setdefault((layer, proj), {})[which] = t
     for layer in range(config.num_hidden_layers):
         for proj in sorted(targets):
@@ -229,7 +254,22 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
                 which = "A" if "A" not in pair else "B"
                 missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{which}.weight"
                 raise UserError(f"LoRA adapter {file}: {missing} is missing (target_modules lists {proj})")
-    return {k: (v["A"].to(dtype).contiguous(), v["B"].to(dtype).contiguous()) for k, v in found.items()}
+    return {k: (v["A"].contiguous(), v["B"].contiguous()) for k, v in found.items()}
+
+
+def _check_delta(path: Path, weights: dict, scale: float) -> None:
+    """UserError where scale * B A could overflow float32, the kernels' accumulator: every entry
+    of it is at most |scale| (|B| |A|)[i, j], the bound computed here (in float32: a sum of
+    non-negative terms that overflows is over the limit anyway). Finite weights can still multiply
+    into inf, and an adapter served that way gives NaN logits."""
+    limit = torch.finfo(torch.float32).max
+    for (layer, proj), (a, b) in sorted(weights.items()):
+        bound = abs(scale) * float((b.float().abs() @ a.float().abs()).max())
+        if not bound < limit:
+            raise UserError(
+                f"LoRA adapter {path / WEIGHTS}: layer {layer}'s {proj} delta (scale * B A) reaches {bound:.3g}, "
+                "past float32's range"
+            )
 
 
 # --- the model's side: the resident slots, and a step's delta --------------------------------------

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import UserError
 from errors import APIError
+from lora_slots import AdapterNameError
 
 router = APIRouter()
 
@@ -48,7 +49,7 @@ async def load_lora_adapter(body: LoadLoraRequest, http: HTTPRequest):
     try:
         await state.worker.call(lambda engine: engine.adapters.register(name, body.lora_path))
     except UserError as e:
-        raise APIError(400, str(e), param="lora_path") from None
+        raise APIError(400, str(e), param="lora_name" if isinstance(e, AdapterNameError) else "lora_path") from None
     state.adapters[name] = body.lora_path
     return f"Success: LoRA adapter '{name}' added successfully."
 

@@ -33,6 +33,10 @@ from common.errors import UserError
 from lora import Adapter
 
 
+class AdapterNameError(UserError):
+    """The name given to an adapter cannot be used (the HTTP route says which field is wrong)."""
+
+
 class AdapterSlots:
     def __init__(
         self,
@@ -74,11 +78,15 @@ class AdapterSlots:
         """Reads and checks the adapter (UserError for a bad one); a name already loaded is refused."""
         if not self.n_slots:
             raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
-        if not isinstance(name, str) or not name:
-            raise UserError(f"a LoRA adapter needs a name, got {name!r}")
+        if not isinstance(name, str) or not name.strip() or not name.isprintable():
+            raise AdapterNameError(f"a LoRA adapter needs a name of printable characters, got {name!r}")
         if name in self.adapters:
-            why = " (it is being unloaded: its last requests are running)" if name in self.unloading else ""
-            raise UserError(f"LoRA adapter {name!r} is already loaded{why}; unload it first")
+            if name in self.unloading:
+                raise AdapterNameError(
+                    f"LoRA adapter {name!r} is being unloaded (its last requests are running); "
+                    "load it again when they end, or under another name now"
+                )
+            raise AdapterNameError(f"LoRA adapter {name!r} is already loaded; unload it first")
         adapter = self._read(Path(path))
         self.adapters[name], self.uid[name], self.users[name] = adapter, next(self._uids), 0
         self.source[name] = (Path(path), _stamp(Path(path)))
@@ -137,7 +145,13 @@ class AdapterSlots:
             evicted = self.holder[slot]
             if evicted is not None:
                 del self.slot_of[evicted]
-            self._write(slot, self.adapters[name])
+                self.holder[slot] = None
+            try:
+                self._write(slot, self.adapters[name])
+            except BaseException:  # the slot stays free (first in line), not lost to every later request
+                self.idle[slot] = None
+                self.idle.move_to_end(slot, last=False)
+                raise
             self.holder[slot], self.slot_of[name] = name, slot
             self.n_loads += 1
         else:

@@ -20,7 +20,7 @@ from batch import Work, build_step
 from common.errors import UserError
 from cuda_graphs import DecodeGraphs
 from lora import Adapter, LoraWeights, read_adapter
-from memory import check_fits, default_kv_bytes
+from memory import GiB, check_fits, default_kv_bytes, free_memory
 from model import Model, forward
 from paged_cache import PagedKVCache
 from sharding import shard_adapter
@@ -39,6 +39,21 @@ def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | No
     if kv_cache_bytes is not None:  # the default is a share of what is free
         check_fits(blocks * block_size * model.config.kv_bytes_per_token(model.dtype.itemsize), model.device)
     return blocks
+
+
+def lora_table_bytes(model: Model, n_slots: int, max_rank: int) -> int:
+    """The bytes of the LoRA slot table (taken at the first load); UserError where they are more
+    than the device has free: each load would fail, and with it a step of other requests."""
+    if max_rank < 1:
+        raise UserError(f"--max-lora-rank must be at least 1, got {max_rank}")
+    table = LoraWeights.table_bytes(model.config, n_slots, max_rank, model.dtype)
+    free = free_memory(model.device)
+    if free is not None and table > free:
+        raise UserError(
+            f"a LoRA slot table of {n_slots} slots of rank up to {max_rank} takes {table / GiB:.2f} GiB, more "
+            f"than the {free / GiB:.2f} GiB free on {model.device}: lower --max-loras or --max-lora-rank"
+        )
+    return table
 
 
 class ModelRunner:

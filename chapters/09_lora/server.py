@@ -49,7 +49,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from detokenizer import IncrementalDetokenizer, token_bytes
-from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request
+from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, model_name
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
@@ -725,20 +725,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default: all)",
     )
     args = ap.parse_args(argv)
-    args.lora_modules = lora_modules(ap, args.lora_modules)
+    args.lora_modules = lora_modules(ap, args.lora_modules, args.served_model_name or model_name(args.model))
     return args
 
 
-def lora_modules(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str]:
-    """--lora-modules NAME=PATH ... -> {name: path}; a malformed or repeated name is a usage error."""
+def lora_modules(ap: argparse.ArgumentParser, pairs: list[str], base: str) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... -> {name: path}; a malformed or repeated name, or the base
+    model's (`base`: a request naming it gets the base model), is a usage error."""
     modules = {}
     for pair in pairs:
         name, sep, path = pair.partition("=")
-        if not (sep and name and path):
+        if not (sep and name.strip() and path):
             ap.error(f"--lora-modules takes NAME=PATH pairs, got {pair!r}")
         if name in modules:
             ap.error(f"--lora-modules names {name!r} twice")
-        if not Path(path).expanduser().is_dir():  # before minutes of loading and a KV pool, not after
+        if name == base:
+            ap.error(f"--lora-modules {name}=...: {name!r} is the base model's name; give the adapter another")
+        try:  # before minutes of loading and a KV pool, not after
+            is_dir = Path(path).expanduser().is_dir()
+        except (RuntimeError, OSError):  # ~user with no home; a name too long for the file system
+            is_dir = False
+        if not is_dir:
             ap.error(f"--lora-modules {name}={path}: no such directory")
         modules[name] = path
     return modules

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from common.errors import UserError
 from engine import Request, build_engine
+from lora_slots import AdapterNameError, AdapterSlots
 from peft_adapters import make_adapter
 
 
@@ -44,6 +45,7 @@ def broken(good, tmp_path, config=None, tensors=None, remove=()):
 
 
 A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+B0 = A0.replace("lora_A", "lora_B")
 
 
 def replaced(key, value):
@@ -82,6 +84,22 @@ CASES = {
     ),
     "foreign tensor": (dict(tensors=lambda t: t | {"base_model.model.lm_head.weight": torch.zeros(2, 2)}), "is not a LoRA A or B"),
     "not finite": (dict(tensors=replaced(A0, torch.full((8, 256), float("nan")))), "not finite"),
+    # Python's JSON takes NaN and Infinity: a scale that is not a finite float32 makes every logit NaN
+    "alpha NaN": (dict(config={"lora_alpha": float("nan")}), "lora_alpha must be a finite number, got nan"),
+    "alpha infinite": (dict(config={"lora_alpha": float("inf")}), "lora_alpha must be a finite number, got inf"),
+    "alpha past float32": (dict(config={"lora_alpha": 1e300}), "lora_alpha 1e+300 overflows float32 as a scale"),
+    "finite only in float64": (
+        dict(tensors=replaced(A0, torch.full((8, 256), 1e300, dtype=torch.float64))),
+        f"{A0} is not finite in float32, the model's dtype",
+    ),
+    "float8 weights": (
+        dict(tensors=replaced(A0, torch.zeros(8, 256).to(torch.float8_e4m3fn))),
+        f"{A0} is float8_e4m3fn; LoRA weights are read as",
+    ),
+    "delta past float32": (
+        dict(tensors=lambda t: t | {A0: torch.full((8, 256), 1e30), B0: torch.full((256, 8), 1e30)}),
+        "layer 0's q_proj delta (scale * B A) reaches inf, past float32's range",
+    ),
 }
 
 
@@ -106,6 +124,15 @@ def test_unreadable_files_are_refused(engine, good, tmp_path):
         engine.adapters.register("bad", path)
     with pytest.raises(UserError, match="no such directory"):
         engine.adapters.register("bad", tmp_path / "nowhere")
+    path = broken(good, tmp_path / "3")
+    (path / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match="JSON nested too deeply"):
+        engine.adapters.register("bad", path)
+    with pytest.raises(UserError, match="not a readable directory"):
+        engine.adapters.register("bad", "~no-such-user-here/adapter")  # expanduser raises
+    with pytest.raises(UserError, match="not a readable directory"):
+        engine.adapters.register("bad", tmp_path / ("x" * 5000))  # the file system's name limit
+    assert engine.adapters.names() == ["good"]
 
 
 def test_names_are_checked(engine, good):
@@ -113,9 +140,52 @@ def test_names_are_checked(engine, good):
         engine.add(Request([1, 2, 3], adapter="nope"))
     with pytest.raises(UserError, match=r"no LoRA adapter named 'nope' is loaded \(loaded: good\)"):
         engine.adapters.unregister("nope")
-    with pytest.raises(UserError, match="'good' is already loaded; unload it first"):
+    with pytest.raises(AdapterNameError, match="'good' is already loaded; unload it first"):
         engine.adapters.register("good", good)
+    for name in ("", "   ", "a\x00b"):
+        with pytest.raises(AdapterNameError, match="needs a name of printable characters"):
+            engine.adapters.register(name, good)
     assert engine.adapters.names() == ["good"]
+
+
+def test_a_name_being_unloaded_cannot_be_loaded_again_until_its_requests_end(good):
+    eng, _ = build_engine("tiny-llama3", "cpu", "float32", max_loras=1, max_lora_rank=8, num_blocks=16)
+    eng.adapters.register("x", good)
+    eng.add(Request([1, 2, 3], max_tokens=4, adapter="x"))
+    eng.step()  # the request runs with x
+    eng.adapters.unregister("x")
+    with pytest.raises(AdapterNameError, match="'x' is being unloaded .*load it again when they end"):
+        eng.adapters.register("x", good)
+    while eng.has_work():
+        eng.step()
+    eng.adapters.register("x", good)  # its last request ended
+    assert eng.adapters.names() == ["x"]
+
+
+def test_a_slot_whose_write_fails_stays_free():
+    # A failed copy into a slot (out of memory, say) must not cost the slot: with every slot lost,
+    # every later request of an adapter would wait for ever.
+    adapters = {"a": object(), "b": object()}
+    failures = [MemoryError("no memory for the slot")]  # the first copy fails
+
+    def write(slot, adapter):
+        if adapter is not None and failures:
+            raise failures.pop()
+
+    slots = AdapterSlots(1, lambda path: adapters[path.name], write)
+    slots.register("a", "a")
+    slots.register("b", "b")
+    with pytest.raises(MemoryError):
+        slots.acquire("a")
+    assert slots.acquire("b") == 0  # the one slot, free again
+    slots.release(0)
+    assert slots.acquire("a") == 0  # and reused once b no longer runs
+
+
+def test_a_slot_table_larger_than_memory_is_refused_at_startup():
+    too_big = r"LoRA slot table of 2 slots of rank up to 1000000000 takes .* lower --max-loras or --max-lora-rank"
+    with pytest.raises(UserError, match=too_big):
+        build_engine("tiny-llama3", "cpu", "float32", max_loras=2, max_lora_rank=10**9)
 
 
 def test_an_engine_without_slots_serves_no_adapter(good):

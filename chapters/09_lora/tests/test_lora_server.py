@@ -179,6 +179,11 @@ def test_a_bad_adapter_at_startup_is_one_line(tmp_path):
     assert r.returncode == 2 and f"--lora-modules x={tmp_path / 'missing'}: no such directory" in r.stderr, r.stderr
     r = run_python(["server.py", "--model", MODEL, "--lora-modules", "no-equals-sign"], cwd=CHAPTER, timeout=300)
     assert r.returncode == 2 and "--lora-modules takes NAME=PATH pairs, got 'no-equals-sign'" in r.stderr
+    # The base model's name, as --model gives it or --served-model-name: a request naming it gets the base.
+    for flags, name in (([], MODEL), (["--served-model-name", "base"], "base")):
+        args = ["server.py", "--model", MODEL, *flags, "--lora-modules", f"{name}={tmp_path}"]
+        r = run_python(args, cwd=CHAPTER, timeout=300)
+        assert r.returncode == 2 and f"'{name}' is the base model's name; give the adapter another" in r.stderr
     # A directory that is no adapter: the engine's sentence, one line, no traceback.
     (tmp_path / "empty").mkdir()
     flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-gb", "0.01"]
