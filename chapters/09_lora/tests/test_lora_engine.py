@@ -6,6 +6,7 @@ while requests run."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine import Request, build_engine
 from proposers import Draft, NgramProposer
@@ -291,3 +292,58 @@ def test_an_engine_that_keeps_two_host_copies_gives_the_same_tokens(engine, path
     with pytest.raises(UserError, match="changed"):
         few.add(request(0, dropped))
     assert not few.requests and not few.has_work()
+
+
+def run_steps(eng, reqs, between=lambda step: None):
+    """reqs through eng.step() directly (generate() raises on the first failed request). ->
+    {index: token ids} for the requests that finished, {index: error} for those that failed."""
+    ids = {eng.add(r): i for i, r in enumerate(reqs)}
+    out, errors, step = {i: [] for i in range(len(reqs))}, {}, 0
+    while eng.has_work():
+        for rid, events, _ in eng.step():
+            if isinstance(events, Exception):
+                errors[ids[rid]] = events
+            else:
+                out[ids[rid]] += [t for ev in events for t in ev.token_ids]
+        step += 1
+        between(step)
+    return {i: t for i, t in out.items() if i not in errors}, errors
+
+
+@pytest.mark.parametrize("where", ["sampled row", "verify rows"])
+def test_an_adapter_whose_rows_go_nan_fails_its_request_alone(paths, monkeypatch, where):
+    """An adapter that passed every check at load can still give NaN logits (a delta that reaches inf
+    on some input): its request ends with an error that names it, and the requests that shared its
+    steps (the base model's, another adapter's) give what they give alone. Both places a row is
+    turned into tokens: the sampler (a prompt's last row) and speculation's verify rows."""
+    import speculative
+
+    eng, _ = build_engine(
+        "tiny-llama3",
+        "cpu",
+        "float32",
+        lora_modules={"good": paths["r4"], "bad": paths["r8"]},
+        max_loras=2,
+        num_blocks=128,
+        speculative="ngram",
+        num_speculative_tokens=4,
+        speculative_max_batch=8,
+    )
+    greedy = SamplingParams(temperature=0)
+    reqs = [Request(list(PROMPT), greedy, max_tokens=12, ignore_eos=True, adapter=n) for n in (None, "bad", "good")]
+    alone = {i: tokens(eng.generate([r]))[0] for i, r in enumerate(reqs)}  # both adapters now in their slots
+    eng.speculator.proposer = Oracle({r.adapter: PROMPT + alone[i] for i, r in enumerate(reqs)})  # drafts every step
+    through_verify, real = [], speculative.no_token_error
+    monkeypatch.setattr(speculative, "no_token_error", lambda seq: through_verify.append(seq.adapter) or real(seq))
+
+    @torch.inference_mode()  # the tables are inference tensors
+    def poison():  # the resident tables of "bad", as an overflow would leave its delta
+        eng.runner.model.lora.a["q_proj"][:, eng.adapters.slot_of["bad"]].fill_(float("nan"))
+
+    if where == "sampled row":
+        poison()
+    done, errors = run_steps(eng, reqs, between=lambda step: poison() if where == "verify rows" and step == 1 else None)
+    assert list(errors) == [1] and "(through LoRA adapter 'bad')" in str(errors[1])
+    assert done == {0: alone[0], 2: alone[2]}
+    assert through_verify == (["bad"] if where == "verify rows" else [])
+    assert not eng.has_work() and eng.blocks.num_used == 0  # its blocks went back too
