@@ -11,7 +11,7 @@ import sys
 
 from common.checkpoint import CheckpointError
 from common.config import ConfigError
-from common.errors import UserError
+from common.errors import RunError, UserError
 from common.models import DEFAULT_MODEL, ModelNotFoundError
 from common.tokenizer import Tokenizer, TokenizerError
 
@@ -51,12 +51,16 @@ def check_context(n_prompt: int, max_new_tokens: int, max_positions: int) -> Non
 
 
 def run_main(main) -> None:
-    """Runs main(); a user error becomes `error: message` on stderr and exit status 2."""
+    """Runs main(); a user error becomes `error: message` on stderr and exit status 2, a RunError
+    (a lost rank) `error: message` and exit status 1."""
     try:
         sys.exit(main())
     except USER_ERRORS as e:
         print(f"error: {e or type(e).__name__}", file=sys.stderr)  # MemoryError() has no text of its own
         sys.exit(2)
+    except RunError as e:  # the run's failure, said whole (a lost rank): no traceback, but not exit 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:  # `| head` closed the pipe: the reader has what it wanted

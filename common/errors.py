@@ -9,3 +9,9 @@ request, argparse calling a type function) still catches it.
 
 class UserError(ValueError):
     """Bad input, with a message that says what was wrong and what to do instead."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on, for a reason its message says whole (a rank of a tensor-parallel
+    group was lost): entry points print it as `error: ...` and exit 1, without a traceback, as a
+    failure of the run rather than of the user's input (exit 2)."""

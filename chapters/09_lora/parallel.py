@@ -31,6 +31,7 @@ command and every other rank becomes a worker at the top of `main` (`become_work
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import ctypes
 import itertools
@@ -49,7 +50,8 @@ import torch.distributed as dist
 
 from common.config import load_config
 from common.device import pick_device, pick_dtype
-from common.errors import UserError
+from common.cli import USER_ERRORS
+from common.errors import RunError, UserError
 from memory import default_kv_bytes
 from ops import KernelFlags
 from qmatmul import DEFAULT_PATH
@@ -64,21 +66,37 @@ NO_TIMEOUT = timedelta(days=20)  # the plan broadcast: workers wait as long as r
 # milliseconds in 32 bits: a year hung its connect)
 
 
-class RankLost(RuntimeError):
+class RankLost(RunError):
     """A rank died or a collective failed: the group cannot compute any more."""
+
+
+def ranks(text: str) -> int:
+    """--tensor-parallel-size: a whole number, at least 1 (0 is no size: it would mean 1 unseen)."""
+    size = int(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {size}")
+    return size
+
+
+def seconds(text: str) -> float:
+    """--tensor-parallel-timeout: positive, and at most NO_TIMEOUT (gloo counts milliseconds in 32 bits)."""
+    value = float(text)
+    if not 0 < value <= NO_TIMEOUT.total_seconds():  # NaN too
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {NO_TIMEOUT.total_seconds():.0f} seconds, got {text}")
+    return value
 
 
 def add_arguments(ap) -> None:
     g = ap.add_argument_group("tensor parallelism")
     g.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=ranks,
         default=None,
         help="split every layer across N processes (default: 1, or WORLD_SIZE under torchrun)",
     )
     g.add_argument(
         "--tensor-parallel-timeout",
-        type=float,
+        type=seconds,
         default=DEFAULT_TIMEOUT_S,
         help="seconds a step's collective may wait for the other ranks before the group is declared lost "
         "(default: %(default)s)",
@@ -88,7 +106,7 @@ def add_arguments(ap) -> None:
 def size_from(args) -> int:
     """--tensor-parallel-size, or torchrun's WORLD_SIZE; a mismatch between them is refused."""
     launched = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
-    size = args.tensor_parallel_size or launched or 1
+    size = args.tensor_parallel_size if args.tensor_parallel_size is not None else launched or 1
     if launched is not None and size != launched:
         raise UserError(f"--tensor-parallel-size {size} under torchrun with WORLD_SIZE {launched}: make them equal")
     if size < 1:
@@ -206,10 +224,15 @@ class Group:
             raise self.error()
         try:
             return fn(*args)
+        except KeyboardInterrupt:  # mid-step the workers wait inside a collective: stop them now
+            self.lost("interrupted")
+            raise
         except Exception as e:
             self._poll_children()  # a dead child names itself; else the collective's error does
             first = str(e).splitlines()[0] if str(e) else ""
             self.lost(f"a collective failed ({type(e).__name__}: {first})")
+            if isinstance(e, USER_ERRORS):  # rank 0's own (a bad checkpoint, a flag): as at size 1
+                raise
             raise self.error() from None
 
     def lost(self, reason: str) -> None:
@@ -358,11 +381,22 @@ def start(world: int, timeout_s: float) -> Group:
     group = Group(0, world, children)
     atexit.register(group.close)
     try:
+        _wait_for_workers(store, children)
         dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=NO_TIMEOUT)
     except Exception:
         group._kill_children()
         raise
     return group
+
+
+def _wait_for_workers(store, children: list[subprocess.Popen]) -> None:
+    """Until every spawned worker has reached the store: a worker that dies first (killed, out of
+    memory, an import that fails) would leave init_process_group waiting for it for NO_TIMEOUT."""
+    for rank, child in enumerate(children, start=1):
+        while not store.check([f"tp-alive-{rank}"]):  # (store.wait with a timeout logs each one it hits)
+            if child.poll() is not None:
+                raise RankLost(f"rank {rank} (pid {child.pid}) exited with status {child.returncode} before it joined")
+            time.sleep(0.02)
 
 
 def _join(world: int, rank: int) -> Group:
@@ -371,6 +405,7 @@ def _join(world: int, rank: int) -> Group:
     if "TP_SPAWNED" in os.environ:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=120))
+        store.set(f"tp-alive-{rank}", "1")  # rank 0 waits for this, watching that we still run
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=NO_TIMEOUT)
     else:
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=NO_TIMEOUT)

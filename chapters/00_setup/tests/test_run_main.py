@@ -1,9 +1,10 @@
-"""common.cli.run_main: a user's mistake is one line and exit status 2; a bug keeps its traceback."""
+"""common.cli.run_main: a user's mistake is one line and exit status 2; a run that cannot go on, said
+whole (a lost rank), one line and exit status 1; a bug keeps its traceback."""
 
 import pytest
 
 from common.cli import run_main
-from common.errors import UserError
+from common.errors import RunError, UserError
 from common.tools.warm_python import run_python
 
 
@@ -15,6 +16,16 @@ def test_a_user_error_is_one_line_and_exit_2(capsys):
         run_main(main)
     assert exited.value.code == 2
     assert capsys.readouterr().err == "error: --widgets must be at least 1, got 0\n"
+
+
+def test_a_run_error_is_one_line_and_exit_1(capsys):
+    def main():
+        raise RunError("rank 1 (pid 4242) exited with status -9")
+
+    with pytest.raises(SystemExit) as exited:
+        run_main(main)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "error: rank 1 (pid 4242) exited with status -9\n"
 
 
 def test_an_internal_value_error_keeps_its_traceback():

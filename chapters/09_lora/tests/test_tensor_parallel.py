@@ -155,6 +155,80 @@ def test_a_rendezvous_port_in_use_is_a_clear_error():
     assert f"cannot listen on 127.0.0.1:{env['MASTER_PORT']}" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value", [("--tensor-parallel-size", "0"), *[("--tensor-parallel-timeout", v) for v in ("0", "-1", "nan", "1e30")]]
+)
+def test_a_size_or_timeout_that_means_nothing_is_a_usage_error(flag, value):
+    # 0 ranks used to mean 1, unseen; a timeout of 0 or NaN reached gloo's rendezvous as a C++ stack
+    import argparse
+
+    import parallel
+
+    ap = argparse.ArgumentParser()
+    parallel.add_arguments(ap)
+    with pytest.raises(SystemExit):
+        ap.parse_args([flag, value])
+    assert ap.parse_args([flag, "2"]) is not None  # the parser itself is fine
+
+
+def test_a_rank_0_error_while_loading_is_its_own_one_line_error_as_at_size_1():
+    # --batch-invariant refuses float32 weights on every rank: the user's error, not "a collective failed"
+    flags = ["--model", "tiny-llama3", "--prompt", "hi", "--max-new-tokens", "2", "--batch-invariant"]
+    alone = generate_py(*flags)
+    r = generate_py(*flags, "--tensor-parallel-size", "2")
+    assert alone.returncode == r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == alone.stderr.strip().splitlines()[-1] and last.startswith("error: --batch-invariant"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_worker_dead_before_the_rendezvous_is_reported_not_waited_for():
+    """Rank 0 waits for each spawned worker's sign in the store while it watches the process: one
+    that died first (the OOM killer, an import that failed) ends the start with its exit status."""
+    import parallel
+
+    class Store:  # no worker ever signs in
+        def check(self, keys):
+            return False
+
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait()
+    t0 = time.monotonic()
+    with pytest.raises(parallel.RankLost, match=rf"rank 1 \(pid {dead.pid}\) exited with status 3 before it joined"):
+        parallel._wait_for_workers(Store(), [dead])
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_killed_worker_and_ctrl_c_end_generate_in_one_line_at_once():
+    # A lost rank: `error: ...` and exit 1, no traceback. Ctrl-C mid-step: the workers, waiting
+    # inside a collective, are stopped at once (10 s later before: close() asked them to stop first).
+    for how in ("kill the worker", "ctrl-c"):
+        args = ["generate.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2"]
+        args += ["--prompt", "The sky is", "--max-new-tokens", "100000"]
+        p = subprocess.Popen([sys.executable, *args], cwd=CHAPTER, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not [c for c in children_of(p.pid) if b"parallel.py" in Path(f"/proc/{c}/cmdline").read_bytes()]:
+                assert time.monotonic() < deadline and p.poll() is None
+                time.sleep(0.1)
+            time.sleep(3)  # loaded and generating
+            worker = children_of(p.pid)[0]
+            os.kill(worker if how == "kill the worker" else p.pid, signal.SIGKILL if how == "kill the worker" else signal.SIGINT)
+            t0 = time.monotonic()
+            err = p.communicate(timeout=60)[1].decode()
+            took = time.monotonic() - t0
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert "Traceback" not in err, err[-3000:]
+        if how == "kill the worker":
+            assert p.returncode == 1 and f"error: rank 1 (pid {worker}) exited with status -9" in err, err
+        else:
+            assert p.returncode == 130 and "tensor parallel: interrupted; stopping every rank" in err, err
+        assert took < 5, (how, took)
+        assert not group_of(p.pid)
+
+
 def test_engine_with_16_requests_and_speculation_equals_tp1():
     from engine import Request
     from parallel import build_engine
