@@ -52,7 +52,7 @@ from common.config import load_config
 from common.device import pick_device, pick_dtype
 from common.cli import USER_ERRORS
 from common.errors import RunError, UserError
-from memory import default_kv_bytes
+from memory import GiB, default_kv_bytes, free_memory
 from ops import KernelFlags
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
@@ -587,6 +587,16 @@ def build_engine(
             # N ranks on one host share its memory: each takes its part of the default budget.
             budget = default_kv_bytes(loaded.device)
             limits["kv_cache_bytes"] = None if budget is None else budget // tensor_parallel_size
+        elif limits.get("kv_cache_bytes") is not None and loaded.device.type == "cpu":
+            # --kv-cache-memory-gb is each rank's pool (as on GPUs, each its own memory); here they
+            # share one host's: all N of them must fit, which rank 0's own check would not see.
+            total = limits["kv_cache_bytes"] * tensor_parallel_size
+            free = free_memory(loaded.device)
+            if free is not None and total > free:
+                raise UserError(
+                    f"--kv-cache-memory-gb is each rank's: {tensor_parallel_size} ranks on this host take "
+                    f"{total / GiB:.2f} GiB, more than the {free / GiB:.2f} GiB free; lower it"
+                )
         if draft is not None and limits.get("num_blocks") is None:
             limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
         limits["cuda_graphs"] = False  # a captured step would hold collectives: not yet (see README)

@@ -171,6 +171,17 @@ def test_a_size_or_timeout_that_means_nothing_is_a_usage_error(flag, value):
     assert ap.parse_args([flag, "2"]) is not None  # the parser itself is fine
 
 
+def test_an_explicit_kv_budget_counts_once_per_rank_on_one_host():
+    # --kv-cache-memory-gb is each rank's pool: 2 ranks of 60 % of the free memory do not fit together
+    from memory import GiB, free_memory
+
+    each = 0.6 * free_memory(torch.device("cpu")) / GiB
+    args = ["server.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2"]
+    r = run_python([*args, "--kv-cache-memory-gb", f"{each:.2f}"], cwd=CHAPTER, timeout=300)
+    assert r.returncode == 2 and "--kv-cache-memory-gb is each rank's: 2 ranks on this host take" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_a_rank_0_error_while_loading_is_its_own_one_line_error_as_at_size_1():
     # --batch-invariant refuses float32 weights on every rank: the user's error, not "a collective failed"
     flags = ["--model", "tiny-llama3", "--prompt", "hi", "--max-new-tokens", "2", "--batch-invariant"]
