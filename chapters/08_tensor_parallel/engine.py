@@ -45,7 +45,7 @@ from loading import load
 from memory import GiB
 from model import Model
 from ops import KernelFlags
-from proposers import build_proposer, check_proposer_name
+from proposers import DRAFT_DEFAULT, build_proposer, check_proposer_name
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
@@ -305,7 +305,7 @@ def build_engine(
     kernels: KernelFlags | str = KernelFlags(),
     speculative: str = "off",  # a proposer by its --speculative name (proposers.build_proposer)
     draft_model: str | None = None,
-    draft_quant: QuantSpec | None = QuantSpec(4, 32),
+    draft_quant: QuantSpec | str | None = DRAFT_DEFAULT,
     **limits,
 ) -> tuple[Engine, str]:
     """Loads a model (a known name, a checkpoint directory, quantized or not, or a .gguf file),

@@ -54,6 +54,7 @@ from common.cli import USER_ERRORS
 from common.errors import RunError, UserError
 from memory import GiB, default_kv_bytes, free_memory
 from ops import KernelFlags
+from proposers import DRAFT_DEFAULT
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from runner import ModelRunner
@@ -520,7 +521,7 @@ def build_engine(
     kernels: KernelFlags | str = KernelFlags(),
     speculative: str = "off",
     draft_model: str | None = None,
-    draft_quant: QuantSpec | None = QuantSpec(4, 32),
+    draft_quant: QuantSpec | str | None = DRAFT_DEFAULT,
     tensor_parallel_size: int = 1,
     tensor_parallel_timeout: float = DEFAULT_TIMEOUT_S,
     **limits,

@@ -51,7 +51,7 @@ from lora_slots import AdapterSlots
 from memory import GiB
 from model import Model
 from ops import KernelFlags
-from proposers import build_proposer, check_proposer_name
+from proposers import DRAFT_DEFAULT, build_proposer, check_proposer_name
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from request import (
@@ -363,7 +363,7 @@ def build_engine(
     kernels: KernelFlags | str = KernelFlags(),
     speculative: str = "off",
     draft_model: str | None = None,
-    draft_quant: QuantSpec | None = QuantSpec(4, 32),
+    draft_quant: QuantSpec | str | None = DRAFT_DEFAULT,
     lora_modules: dict[str, str | Path] | None = None,
     max_loras: int = 4,
     max_lora_rank: int = 16,

@@ -30,14 +30,15 @@ from batch import Work
 from block_manager import BlockManager
 from common.errors import UserError
 from common.tokenizer import Tokenizer
-from loading import load
+from loading import load, resolve
 from memory import default_kv_bytes
 from model import Model
 from quant import QuantSpec
 from runner import ModelRunner
-from sampling import GREEDY_BELOW, draw
+from sampling import GREEDY_BELOW, draw, finite_logits
 from scheduler import chunk_limit
 from sequence import Sequence
+from weights import spec_of
 from speculative import target_probs
 
 
@@ -179,7 +180,10 @@ class DraftModelProposer:
             next_pending, next_work = [], []
             for (i, seq, k), w, row in zip(pending, work, logits):
                 seq.draft_computed = w.start + len(w.tokens)
-                token, q = self._pick(row, seq)
+                picked = self._pick(row, seq)
+                if picked is None:  # the draft's row gave no token: its guesses end here
+                    continue
+                token, q = picked
                 drafts[i].tokens.append(token)
                 rows[i].append(q)
                 if len(drafts[i].tokens) < k:
@@ -187,13 +191,19 @@ class DraftModelProposer:
                     next_work.append(Work([token], seq.draft_computed, seq.block_table))
             pending, work = next_pending, next_work
         for i, seq, _ in live:
-            if seq.params.temperature >= GREEDY_BELOW:
+            if seq.params.temperature >= GREEDY_BELOW and rows[i]:
                 drafts[i].probs = torch.stack(rows[i])
         return drafts
 
-    def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
-        """The draft's next token from its logits ([vocab]), and q when the request samples."""
+    def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None] | None:
+        """The draft's next token from its logits ([vocab]), and q when the request samples; None
+        where they give no token (a draft model gone to inf or NaN: its guess would be noise, and
+        a draw from NaN probabilities an error that fails the whole step)."""
         x = logits.float()
+        if not bool(torch.isfinite(x.max())):  # NaN or inf somewhere: as sample() takes them
+            x = finite_logits(x)
+            if not bool((x > float("-inf")).any()):
+                return None
         if seq.params.temperature < GREEDY_BELOW:
             return int(x.argmax()), None
         q = target_probs(x[None], seq.params)[0]  # [vocab]
@@ -201,6 +211,7 @@ class DraftModelProposer:
 
 
 PROPOSERS = ("off", "ngram", "draft")
+DRAFT_DEFAULT = "default"  # load_draft's quant when --draft-quant is left out
 
 
 def check_proposer_name(name: str) -> str:
@@ -237,7 +248,16 @@ def build_proposer(
 
 def load_draft(name: str, target: Model, target_tokenizer: Tokenizer, device, dtype, quant, matmul, kernels) -> DraftModelProposer:
     """The draft model `name` loaded like any model (loading.load, quantized with `quant`), checked
-    against the target's vocabulary, as a proposer."""
+    against the target's vocabulary, as a proposer. `quant` DRAFT_DEFAULT: a checkpoint stored
+    quantized (a quantized directory, a GGUF) as it is, a plain one as int4 G=32 (int8 head)."""
+    stored = spec_of(resolve(name))
+    if quant == DRAFT_DEFAULT:
+        quant = None if stored is not None else QuantSpec(4, 32, head_bits=8)
+    elif quant is not None and stored is not None and quant != stored:
+        raise UserError(
+            f"the draft model {name} is stored quantized ({stored.name}); --draft-quant re-quantizes only a plain "
+            "checkpoint: leave it out to read the draft as stored"
+        )
     draft, draft_dir = load(name, device, dtype, quant, matmul, kernels)
     check_draft(draft, target, Tokenizer(draft_dir), target_tokenizer)
     return DraftModelProposer(draft, Path(draft_dir).name)
@@ -280,8 +300,9 @@ def add_speculative_args(ap, default: str = "ngram") -> None:
     group.add_argument(
         "--draft-quant",
         choices=["int4", "int8", "none"],
-        default="int4",
-        help="with --speculative draft: the draft's weights, quantized on load (default: %(default)s)",
+        default=None,
+        help="with --speculative draft: the draft's weights, quantized on load (default: int4, or as stored "
+        "for a checkpoint stored quantized or a GGUF)",
     )
     group.add_argument(
         "--num-speculative-tokens",
@@ -299,13 +320,14 @@ def add_speculative_args(ap, default: str = "ngram") -> None:
 
 def speculative_args(args) -> dict:
     """build_engine's keyword arguments from those flags."""
-    if args.draft_model and args.speculative != "draft":
-        raise UserError("--draft-model needs --speculative draft")
-    bits = {"int4": 4, "int8": 8, "none": None}[args.draft_quant]
+    for flag, value in (("--draft-model", args.draft_model), ("--draft-quant", args.draft_quant)):
+        if value is not None and args.speculative != "draft":
+            raise UserError(f"{flag} needs --speculative draft")
+    bits = {None: DRAFT_DEFAULT, "int4": 4, "int8": 8, "none": None}[args.draft_quant]
     return {
         "speculative": args.speculative,
         "draft_model": args.draft_model,
-        "draft_quant": None if bits is None else QuantSpec(bits, 32, head_bits=8),
+        "draft_quant": bits if bits is None or bits == DRAFT_DEFAULT else QuantSpec(bits, 32, head_bits=8),
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch": args.speculative_max_batch,
     }

@@ -438,3 +438,58 @@ def test_a_draft_model_shares_the_kv_budget():
     assert draft == target  # the same model's K/V per token, in the same dtype
     assert 0.9 * budget <= target + draft <= budget
     assert engine.speculator.proposer.blocks is engine.blocks
+
+
+@pytest.mark.parametrize("broken", ["inf", "nan"])
+def test_a_draft_model_gone_to_inf_or_nan_only_loses_its_guesses(broken):
+    """A draft whose logits are inf or NaN (a broken or overflowing draft model): its guesses are
+    taken as sample() takes logits (+inf the largest float, NaN no candidate), none where no token
+    is left, and the requests go on, a sampled one too, where a draw from NaN probabilities used to
+    fail every request of the step."""
+    target, _ = build_engine("tiny-llama3", "cpu", "float32", num_blocks=64)
+    draft, _ = load("tiny-llama3", "cpu", "float32")
+    draft.norm.mul_(1e38) if broken == "inf" else draft.norm.fill_(float("nan"))  # the final norm's weights
+    engine = Engine(
+        target.model,
+        target.tokenizer,
+        {},
+        num_blocks=64,
+        proposer=DraftModelProposer(draft, "broken"),
+        speculative_max_batch=4,
+    )
+    prompt = [1, 300, 500, 700, 900]
+    greedy = Request(prompt, SamplingParams(temperature=0), max_tokens=12, ignore_eos=True)
+    sampled = Request(prompt, SamplingParams(temperature=1.0), max_tokens=12, ignore_eos=True)
+    outs = engine.generate([greedy, sampled])
+    assert outs[0][0].token_ids == target.generate([greedy])[0][0].token_ids
+    assert len(outs[1][0].token_ids) == 12
+    stats = engine.speculator.stats
+    assert stats.verifies > 0 if broken == "inf" else stats.drafted == 0  # NaN everywhere: no guess at all
+
+
+def test_a_draft_stored_quantized_is_read_as_stored_unless_draft_quant_asks_otherwise(tmp_path):
+    # --draft-quant's default (int4) used to re-quantize every draft, and refuse one stored quantized
+    # (a quantized directory, the model drafting for itself) with a message about --quant.
+    from argparse import Namespace
+    from pathlib import Path
+
+    from common.errors import UserError
+    from common.tools.warm_python import run_python
+    from proposers import speculative_args
+
+    stored = tmp_path / "tiny-int8"
+    quantize = ["quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(stored)]
+    r = run_python(quantize, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert r.returncode == 0, r.stderr
+
+    def engine(model, **flags):
+        given = dict(speculative="draft", draft_model=None, draft_quant=None, num_speculative_tokens=4, speculative_max_batch=2)
+        return build_engine(model, "cpu", "float32", num_blocks=64, **speculative_args(Namespace(**given | flags)))[0]
+
+    assert engine("tiny-llama3", draft_model=str(stored)).speculator.proposer.model.quant.name == "int8"
+    assert engine(str(stored)).speculator.proposer.model.quant.name == "int8"  # drafting for itself
+    assert engine("tiny-llama3").speculator.proposer.model.quant.name.startswith("int4")  # a plain draft
+    with pytest.raises(UserError, match=r"stored quantized \(int8\); --draft-quant re-quantizes only a plain checkpoint"):
+        engine("tiny-llama3", draft_model=str(stored), draft_quant="int4")
+    with pytest.raises(UserError, match="--draft-quant needs --speculative draft"):
+        engine("tiny-llama3", speculative="ngram", draft_quant="int8")
