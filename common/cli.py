@@ -7,6 +7,7 @@ on stderr, and a one-line `error: ...` (exit 2) instead of a traceback for bad i
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from common.checkpoint import CheckpointError
@@ -33,6 +34,22 @@ def base_parser(description: str, batch: bool = False) -> argparse.ArgumentParse
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return ap
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (0 would read as "not given" in `x or default`)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (float() takes "nan" and "inf")."""
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:

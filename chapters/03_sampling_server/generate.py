@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main
+from common.cli import DEFAULT_PROMPT, base_parser, check_context, positive_int, prompt_ids, run_main
 from common.device import pick_device, pick_dtype, synchronize
 from common.errors import UserError
 from common.models import resolve_model
@@ -81,7 +81,7 @@ def main() -> int:
         help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16 (default: $DTYPE, else auto)",
     )
     ap.add_argument(
-        "--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
+        "--max-seq", type=positive_int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
     )
     args = ap.parse_args()
     device = pick_device(args.device)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.cli import DEFAULT_PROMPT, base_parser, check_context, prompt_ids, run_main
+from common.cli import DEFAULT_PROMPT, base_parser, check_context, positive_int, prompt_ids, run_main
 from common.device import synchronize
 from common.errors import UserError
 from common.tokenizer import Tokenizer
@@ -96,7 +96,7 @@ def main() -> int:
         "float32, bfloat16, float16 (default: $DTYPE, else auto)",
     )
     ap.add_argument(
-        "--max-seq", type=int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
+        "--max-seq", type=positive_int, default=None, help="KV cache slots (default: longest prompt + max new tokens)"
     )
     add_quant_args(ap)
     args = ap.parse_args()

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from common.config import load_config
 from common.device import pick_device, pick_dtype
-from common.cli import USER_ERRORS
+from common.cli import USER_ERRORS, positive_int
 from common.errors import RunError, UserError
 from memory import GiB, default_kv_bytes, free_memory
 from ops import KernelFlags
@@ -71,14 +71,6 @@ class RankLost(RunError):
     """A rank died or a collective failed: the group cannot compute any more."""
 
 
-def ranks(text: str) -> int:
-    """--tensor-parallel-size: a whole number, at least 1 (0 is no size: it would mean 1 unseen)."""
-    size = int(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {size}")
-    return size
-
-
 def seconds(text: str) -> float:
     """--tensor-parallel-timeout: positive, and at most NO_TIMEOUT (gloo counts milliseconds in 32 bits)."""
     value = float(text)
@@ -91,7 +83,7 @@ def add_arguments(ap) -> None:
     g = ap.add_argument_group("tensor parallelism")
     g.add_argument(
         "--tensor-parallel-size",
-        type=ranks,
+        type=positive_int,  # 0 would read as "not given": size 1, unseen
         default=None,
         help="split every layer across N processes (default: 1, or WORLD_SIZE under torchrun)",
     )

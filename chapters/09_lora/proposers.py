@@ -28,6 +28,7 @@ import torch
 
 from batch import Work
 from block_manager import BlockManager
+from common.cli import positive_int
 from common.errors import UserError
 from common.tokenizer import Tokenizer
 from loading import load, resolve
@@ -306,13 +307,13 @@ def add_speculative_args(ap, default: str = "ngram") -> None:
     )
     group.add_argument(
         "--num-speculative-tokens",
-        type=int,
+        type=positive_int,
         default=6,
         help="draft tokens per sequence and step at most; each sequence adapts below it (default: %(default)s)",
     )
     group.add_argument(
         "--speculative-max-batch",
-        type=int,
+        type=positive_int,
         default=2,
         help="nobody speculates while more sequences than this run (default: %(default)s)",
     )

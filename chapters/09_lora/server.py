@@ -48,6 +48,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from common.cli import positive_float
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, model_name
 from errors import APIError, ErrorResponse, internal_error
@@ -677,7 +678,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     batching = ap.add_argument_group("continuous batching")
     batching.add_argument(
         "--kv-cache-memory-gb",
-        type=float,
+        type=positive_float,
         default=None,
         help="the KV block pool; a request that could never fit it gets a 400 (default: a quarter "
         "of the memory free on the device after loading the model, at most max-num-seqs "

@@ -34,3 +34,19 @@ def test_an_internal_value_error_keeps_its_traceback():
     r = run_python(["-c", code], timeout=60)
     assert r.returncode == 1 and "Traceback" in r.stderr and "ValueError: shape mismatch" in r.stderr, r.stderr
     assert "error: shape mismatch" not in r.stderr
+
+
+def test_the_positive_argument_types_refuse_what_would_read_as_not_given_or_nan():
+    # `x or default` reads 0 as "not given"; float() takes "nan" and "inf": each is refused when the
+    # flags are read, with the flag's name (argparse adds it), not deep in a run.
+    import argparse
+
+    from common.cli import positive_float, positive_int
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=positive_int)
+    ap.add_argument("--gb", type=positive_float)
+    assert ap.parse_args(["--n", "3", "--gb", "0.5"]) == argparse.Namespace(n=3, gb=0.5)
+    for flags in (["--n", "0"], ["--n", "-2"], ["--gb", "0"], ["--gb", "nan"], ["--gb", "inf"], ["--gb", "-1"]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(flags)
