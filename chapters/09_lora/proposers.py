@@ -32,7 +32,7 @@ from common.cli import positive_int
 from common.errors import UserError
 from common.tokenizer import Tokenizer
 from loading import load, resolve
-from memory import default_kv_bytes
+from memory import check_fits, default_kv_bytes
 from model import Model
 from quant import QuantSpec
 from runner import ModelRunner
@@ -243,6 +243,8 @@ def build_proposer(
     if check_proposer_name(name) == "draft":
         draft = load_draft(draft_model, target, tokenizer, device, dtype, quant, matmul, kernels)
         if limits.get("num_blocks") is None:
+            if limits.get("kv_cache_bytes") is not None:  # both pools come out of it: all of it must fit
+                check_fits(limits["kv_cache_bytes"], target.device)
             limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), target)
     return make_proposer(name, draft)
 

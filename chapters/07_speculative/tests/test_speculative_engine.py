@@ -493,3 +493,12 @@ def test_a_draft_stored_quantized_is_read_as_stored_unless_draft_quant_asks_othe
         engine("tiny-llama3", draft_model=str(stored), draft_quant="int4")
     with pytest.raises(UserError, match="--draft-quant needs --speculative draft"):
         engine("tiny-llama3", speculative="ngram", draft_quant="int8")
+
+
+def test_a_kv_budget_over_the_free_memory_is_refused_with_a_draft_model_too():
+    # The target's share alone was checked: a draft's pool, most of the budget, went unchecked.
+    from memory import free_memory
+
+    too_much = int(1.5 * free_memory(torch.device("cpu")))
+    with pytest.raises(MemoryError, match="lower --kv-cache-memory-gb"):
+        build_engine("tiny-llama3", "cpu", "float32", speculative="draft", kv_cache_bytes=too_much)
