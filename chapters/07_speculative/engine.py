@@ -116,7 +116,10 @@ class Engine:
         self._ids = itertools.count()
         self.n_steps = 0
         self.last_plan = None
-        self.speculator = Speculator(proposer, self.blocks, num_speculative_tokens, speculative_max_batch)
+        # A draft is k + 1 rows of one step: past the step's token budget the scheduler would cut what a
+        # draft model spent k sequential steps guessing.
+        max_k = min(num_speculative_tokens, max(1, self.scheduler.max_num_batched_tokens - 1))
+        self.speculator = Speculator(proposer, self.blocks, max_k, speculative_max_batch)
 
     @staticmethod
     def read_generation_config(model_dir: str | Path) -> dict:

@@ -502,3 +502,13 @@ def test_a_kv_budget_over_the_free_memory_is_refused_with_a_draft_model_too():
     too_much = int(1.5 * free_memory(torch.device("cpu")))
     with pytest.raises(MemoryError, match="lower --kv-cache-memory-gb"):
         build_engine("tiny-llama3", "cpu", "float32", speculative="draft", kv_cache_bytes=too_much)
+
+
+def test_drafts_never_ask_for_more_than_a_step_can_verify():
+    # k guesses and the pending token are k + 1 rows of one step: a k past the step's token budget
+    # only had the draft model run steps whose guesses the scheduler then cut.
+    engine, _ = build_engine(
+        "tiny-llama3", "cpu", "float32", num_blocks=64, speculative="draft", num_speculative_tokens=1000,
+        max_num_batched_tokens=64,
+    )
+    assert engine.speculator.max_k == 63 and "up to 63 draft tokens" in engine.speculator.describe()
