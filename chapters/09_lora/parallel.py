@@ -345,7 +345,10 @@ def _die_with_parent() -> None:
 def _store(world: int, timeout: timedelta):
     """Rank 0's rendezvous store on MASTER_ADDR:MASTER_PORT (default: 127.0.0.1, a free port)."""
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "0"))
+    port = os.environ.get("MASTER_PORT", "0")
+    if not (port.isdigit() and int(port) < 65536):
+        raise UserError(f"MASTER_PORT={port!r} is not a port number (0-65535; 0 or unset: a free one)")
+    port = int(port)
     try:
         return addr, dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:
@@ -414,7 +417,8 @@ def _load(group: Group, a: LoadArgs):
     backend = "nccl" if device.type == "cuda" else "gloo"
     group.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=a.timeout_s))
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads_per_rank(group.world))
+        # the ranks that share this host's cores: torchrun's LOCAL_WORLD_SIZE over several nodes
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", group.world))))
     if a.shm_path is not None:
         group.shm = ShmChannel(a.shm_path, group.rank, group.world, a.timeout_s, group.raise_if_lost)
         dist.barrier()  # every rank has it mapped: rank 0 unlinks the file below

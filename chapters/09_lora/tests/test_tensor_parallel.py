@@ -240,6 +240,12 @@ def test_a_killed_worker_and_ctrl_c_end_generate_in_one_line_at_once():
         assert not group_of(p.pid)
 
 
+def test_a_master_port_that_is_no_port_is_a_usage_error():
+    for port in ("abc", "99999", "-5"):
+        r = generate_py("--model", "tiny-llama3", "--prompt", "hi", "--tensor-parallel-size", "2", env={"MASTER_PORT": port})
+        assert r.returncode == 2 and f"error: MASTER_PORT='{port}' is not a port number" in r.stderr, r.stderr
+
+
 def test_engine_with_16_requests_and_speculation_equals_tp1():
     from engine import Request
     from parallel import build_engine
