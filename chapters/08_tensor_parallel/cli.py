@@ -13,7 +13,9 @@ In the chat: /reset forgets the history, /quit (or Ctrl-D) leaves. Statistics go
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 
 from common.cli import base_parser, run_main
@@ -148,7 +150,20 @@ def main() -> int:
     )
     request_params(args, engine).validate(engine.model.config.vocab_size)  # bad flags fail before any prompt
     if args.prompt is None:
-        chat_loop(engine, args)
+        group = getattr(engine, "tensor_parallel", None)
+        if group is not None:  # a rank lost while the chat waits for a line ends the chat then, not at its next line
+
+            def wake_the_chat(reason: str) -> None:  # from the watch thread: SIGINT interrupts input()'s read
+                if threading.current_thread() is not threading.main_thread():
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+            group.on_lost.append(wake_the_chat)
+        try:
+            chat_loop(engine, args)
+        except KeyboardInterrupt:
+            if group is not None and group.lost_reason is not None:
+                raise group.error() from None  # one line, exit status 1 (common.cli.run_main)
+            raise
         return 0
     if args.raw:
         prompt_ids = engine.tokenizer.encode(args.prompt)

@@ -240,6 +240,26 @@ def test_a_killed_worker_and_ctrl_c_end_generate_in_one_line_at_once():
         assert not group_of(p.pid)
 
 
+def test_a_rank_lost_while_the_chat_waits_for_a_line_ends_the_chat_at_once(tmp_path):
+    args = ["cli.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2", "--max-new-tokens", "4"]
+    err = tmp_path / "err"
+    with open(err, "w") as e:
+        p = subprocess.Popen([sys.executable, *args], cwd=CHAPTER, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=e)
+    try:
+        deadline = time.monotonic() + 120
+        while "chat with the model" not in err.read_text():
+            assert time.monotonic() < deadline and p.poll() is None, err.read_text()
+            time.sleep(0.1)
+        worker = children_of(p.pid)[0]
+        os.kill(worker, signal.SIGKILL)  # no line typed: the chat waits in input()
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1 and f"error: rank 1 (pid {worker}) exited with status -9" in err.read_text()
+    assert "Traceback" not in err.read_text()
+
+
 def test_a_master_port_that_is_no_port_is_a_usage_error():
     for port in ("abc", "99999", "-5"):
         r = generate_py("--model", "tiny-llama3", "--prompt", "hi", "--tensor-parallel-size", "2", env={"MASTER_PORT": port})
