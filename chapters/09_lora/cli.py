@@ -171,17 +171,16 @@ def main() -> int:
         group = getattr(engine, "tensor_parallel", None)
         if group is not None:  # a rank lost while the chat waits for a line ends the chat then, not at its next line
 
-            def wake_the_chat(reason: str) -> None:  # from the watch thread: SIGINT interrupts input()'s read
-                if threading.current_thread() is not threading.main_thread():
-                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            def lost_while_waiting(signum, frame):
+                raise group.error()  # out of input(): one line, exit status 1 (common.cli.run_main)
 
+            def wake_the_chat(reason: str) -> None:  # from the watch thread: a signal interrupts input()'s read
+                if threading.current_thread() is not threading.main_thread():
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+            signal.signal(signal.SIGUSR1, lost_while_waiting)  # its own signal: SIGINT may be ignored (a background job)
             group.on_lost.append(wake_the_chat)
-        try:
-            chat_loop(engine, args)
-        except KeyboardInterrupt:
-            if group is not None and group.lost_reason is not None:
-                raise group.error() from None  # one line, exit status 1 (common.cli.run_main)
-            raise
+        chat_loop(engine, args)
         return 0
     if args.raw:
         prompt_ids = engine.tokenizer.encode(args.prompt)

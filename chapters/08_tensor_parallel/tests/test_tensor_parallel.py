@@ -210,47 +210,57 @@ def test_a_worker_dead_before_the_rendezvous_is_reported_not_waited_for():
     assert time.monotonic() - t0 < 5
 
 
-def test_a_killed_worker_and_ctrl_c_end_generate_in_one_line_at_once():
+def started_tp2(args: list[str], err: Path, ready: str, **popen) -> tuple[subprocess.Popen, int]:
+    """A script at --tensor-parallel-size 2, once `ready` is on its stderr (written to `err`) ->
+    (the process, its worker's pid). SIGINT as a terminal gives it: a job started in the
+    background (make test's suites) inherits it ignored."""
+    with open(err, "w") as e:
+        p = subprocess.Popen(
+            [sys.executable, *args, "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2"],
+            cwd=CHAPTER,
+            stderr=e,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            **popen,
+        )
+    deadline = time.monotonic() + 180
+    while ready not in err.read_text():
+        assert time.monotonic() < deadline and p.poll() is None, err.read_text()
+        time.sleep(0.1)
+    workers = [c for c in children_of(p.pid) if b"parallel.py" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return p, workers[0]
+
+
+def test_a_killed_worker_and_ctrl_c_end_generate_in_one_line_at_once(tmp_path):
     # A lost rank: `error: ...` and exit 1, no traceback. Ctrl-C mid-step: the workers, waiting
     # inside a collective, are stopped at once (10 s later before: close() asked them to stop first).
     for how in ("kill the worker", "ctrl-c"):
-        args = ["generate.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2"]
-        args += ["--prompt", "The sky is", "--max-new-tokens", "100000"]
-        p = subprocess.Popen([sys.executable, *args], cwd=CHAPTER, stderr=subprocess.PIPE, start_new_session=True)
+        err = tmp_path / f"{how}.err"
+        args = ["generate.py", "--prompt", "The sky is", "--max-new-tokens", "100000"]
+        p, worker = started_tp2(args, err, "tensor parallel: 2 ranks", stdout=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 120
-            while not [c for c in children_of(p.pid) if b"parallel.py" in Path(f"/proc/{c}/cmdline").read_bytes()]:
-                assert time.monotonic() < deadline and p.poll() is None
-                time.sleep(0.1)
-            time.sleep(3)  # loaded and generating
-            worker = children_of(p.pid)[0]
+            time.sleep(1)  # generating
             os.kill(worker if how == "kill the worker" else p.pid, signal.SIGKILL if how == "kill the worker" else signal.SIGINT)
             t0 = time.monotonic()
-            err = p.communicate(timeout=60)[1].decode()
+            p.wait(timeout=60)
             took = time.monotonic() - t0
         finally:
             if p.poll() is None:
                 p.kill()
-        assert "Traceback" not in err, err[-3000:]
+        text = err.read_text()
+        assert "Traceback" not in text, text[-3000:]
         if how == "kill the worker":
-            assert p.returncode == 1 and f"error: rank 1 (pid {worker}) exited with status -9" in err, err
+            assert p.returncode == 1 and f"error: rank 1 (pid {worker}) exited with status -9" in text, text
         else:
-            assert p.returncode == 130 and "tensor parallel: interrupted; stopping every rank" in err, err
+            assert p.returncode == 130 and "tensor parallel: interrupted; stopping every rank" in text, text
         assert took < 5, (how, took)
         assert not group_of(p.pid)
 
 
 def test_a_rank_lost_while_the_chat_waits_for_a_line_ends_the_chat_at_once(tmp_path):
-    args = ["cli.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2", "--max-new-tokens", "4"]
     err = tmp_path / "err"
-    with open(err, "w") as e:
-        p = subprocess.Popen([sys.executable, *args], cwd=CHAPTER, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=e)
+    p, worker = started_tp2(["cli.py", "--max-new-tokens", "4"], err, "chat with the model", stdin=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while "chat with the model" not in err.read_text():
-            assert time.monotonic() < deadline and p.poll() is None, err.read_text()
-            time.sleep(0.1)
-        worker = children_of(p.pid)[0]
         os.kill(worker, signal.SIGKILL)  # no line typed: the chat waits in input()
         p.wait(timeout=30)
     finally:
