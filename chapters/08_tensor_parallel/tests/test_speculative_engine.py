@@ -467,6 +467,7 @@ def test_a_draft_model_gone_to_inf_or_nan_only_loses_its_guesses(broken):
     assert stats.verifies > 0 if broken == "inf" else stats.drafted == 0  # NaN everywhere: no guess at all
 
 
+@pytest.mark.reaches("quantize.py")
 def test_a_draft_stored_quantized_is_read_as_stored_unless_draft_quant_asks_otherwise(tmp_path):
     # --draft-quant's default (int4) used to re-quantize every draft, and refuse one stored quantized
     # (a quantized directory, the model drafting for itself) with a message about --quant.
