@@ -8,24 +8,19 @@ from common.errors import RunError, UserError
 from common.tools.warm_python import run_python
 
 
-def test_a_user_error_is_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize(
+    "error, status",
+    [(UserError("--widgets must be at least 1, got 0"), 2), (RunError("rank 1 (pid 4242) exited with status -9"), 1)],
+    ids=["user error: exit 2", "run error: exit 1"],
+)
+def test_a_user_error_or_a_run_error_is_one_line(capsys, error, status):
     def main():
-        raise UserError("--widgets must be at least 1, got 0")
+        raise error
 
     with pytest.raises(SystemExit) as exited:
         run_main(main)
-    assert exited.value.code == 2
-    assert capsys.readouterr().err == "error: --widgets must be at least 1, got 0\n"
-
-
-def test_a_run_error_is_one_line_and_exit_1(capsys):
-    def main():
-        raise RunError("rank 1 (pid 4242) exited with status -9")
-
-    with pytest.raises(SystemExit) as exited:
-        run_main(main)
-    assert exited.value.code == 1
-    assert capsys.readouterr().err == "error: rank 1 (pid 4242) exited with status -9\n"
+    assert exited.value.code == status
+    assert capsys.readouterr().err == f"error: {error}\n"
 
 
 def test_an_internal_value_error_keeps_its_traceback():
