@@ -36,7 +36,7 @@ from memory import check_fits, default_kv_bytes
 from model import Model
 from quant import QuantSpec
 from runner import ModelRunner
-from sampling import GREEDY_BELOW, draw, finite_logits
+from sampling import GREEDY_BELOW, draw, finite_logits, row_max
 from scheduler import chunk_limit
 from sequence import Sequence
 from weights import spec_of
@@ -201,12 +201,14 @@ class DraftModelProposer:
         where they give no token (a draft model gone to inf or NaN: its guess would be noise, and
         a draw from NaN probabilities an error that fails the whole step)."""
         x = logits.float()
-        if not bool(torch.isfinite(x.max())):  # NaN or inf somewhere: as sample() takes them
+        best, token = row_max(x[None])  # one pass: the greedy pick, and whether the row is finite
+        if not bool(torch.isfinite(best)):  # NaN or inf somewhere: as sample() takes them
             x = finite_logits(x)
-            if not bool((x > float("-inf")).any()):
+            best, token = row_max(x[None])
+            if best.item() == float("-inf"):
                 return None
         if seq.params.temperature < GREEDY_BELOW:
-            return int(x.argmax()), None
+            return int(token), None
         q = target_probs(x[None], seq.params)[0]  # [vocab]
         return int(draw(q[None], [seq.generator])[0]), q
 
@@ -326,11 +328,11 @@ def speculative_args(args) -> dict:
     for flag, value in (("--draft-model", args.draft_model), ("--draft-quant", args.draft_quant)):
         if value is not None and args.speculative != "draft":
             raise UserError(f"{flag} needs --speculative draft")
-    bits = {None: DRAFT_DEFAULT, "int4": 4, "int8": 8, "none": None}[args.draft_quant]
+    quants = {None: DRAFT_DEFAULT, "none": None, "int4": QuantSpec(4, 32, head_bits=8), "int8": QuantSpec(8, 32, head_bits=8)}
     return {
         "speculative": args.speculative,
         "draft_model": args.draft_model,
-        "draft_quant": bits if bits is None or bits == DRAFT_DEFAULT else QuantSpec(bits, 32, head_bits=8),
+        "draft_quant": quants[args.draft_quant],
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch": args.speculative_max_batch,
     }

@@ -112,7 +112,7 @@ def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int, dtype: to
     """A PEFT LoRA directory checked against the base model's `config` and the rank limit.
     Raises UserError, one line naming the file and what is wrong, for anything it cannot serve
     exactly: a result computed without part of the adapter would be a wrong answer, not a worse one."""
-    path = _directory(path)
+    path = adapter_directory(path)
     settings = _read_config(path)
     rank, targets = _check_config(path, settings, max_rank)
     alpha = settings.get("lora_alpha", 8)
@@ -129,7 +129,7 @@ def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int, dtype: to
     return Adapter(path, rank, float(scale), weights)
 
 
-def _directory(path: str | Path) -> Path:
+def adapter_directory(path: str | Path) -> Path:
     """The adapter's folder, `~` expanded; UserError where it is not one."""
     try:
         path = Path(path).expanduser()
@@ -143,7 +143,7 @@ def _directory(path: str | Path) -> Path:
 def config_rank(path: str | Path) -> int:
     """The rank a PEFT directory's adapter_config.json declares (UserError for a missing or bad
     config), for sizing a slot table before reading the adapter."""
-    path = _directory(path)
+    path = adapter_directory(path)
     return _check_config(path, _read_config(path), max_rank=sys.maxsize)[0]
 
 

@@ -44,8 +44,6 @@ def pool_size(model: Model, block_size: int, most: int, kv_cache_bytes: int | No
 def lora_table_bytes(model: Model, n_slots: int, max_rank: int) -> int:
     """The bytes of the LoRA slot table (taken at the first load); UserError where they are more
     than the device has free: each load would fail, and with it a step of other requests."""
-    if max_rank < 1:
-        raise UserError(f"--max-lora-rank must be at least 1, got {max_rank}")
     table = LoraWeights.table_bytes(model.config, n_slots, max_rank, model.dtype)
     free = free_memory(model.device)
     if free is not None and table > free:

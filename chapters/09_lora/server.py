@@ -49,12 +49,13 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.cli import positive_float
+from common.errors import UserError
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, model_name
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
-from lora import LoraWeights
+from lora import LoraWeights, adapter_directory
 import lora_routes
 from memory import GiB
 import ops
@@ -743,10 +744,8 @@ def lora_modules(ap: argparse.ArgumentParser, pairs: list[str], base: str) -> di
         if name == base:
             ap.error(f"--lora-modules {name}=...: {name!r} is the base model's name; give the adapter another")
         try:  # before minutes of loading and a KV pool, not after
-            is_dir = Path(path).expanduser().is_dir()
-        except (RuntimeError, OSError):  # ~user with no home; a name too long for the file system
-            is_dir = False
-        if not is_dir:
+            adapter_directory(path)
+        except UserError:
             ap.error(f"--lora-modules {name}={path}: no such directory")
         modules[name] = path
     return modules
