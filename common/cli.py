@@ -31,7 +31,7 @@ def base_parser(description: str, batch: bool = False) -> argparse.ArgumentParse
         ap.add_argument("--prompt", action="append", help="repeat for a batch of prompts")
     else:
         ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return ap
 

@@ -33,7 +33,7 @@ def test_parity_cli_prints_the_table():
     [
         (["--model", "/no/such/model"], "no such directory"),
         (["--model", "tiny-llama3", "--prompt", ""], "the prompt is empty"),
-        (["--model", "tiny-llama3", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--model", "tiny-llama3", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, message):

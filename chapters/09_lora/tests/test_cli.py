@@ -56,6 +56,7 @@ def test_raw_completion_and_stop_string():
     [
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "2"], "top_p"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
         (["--model", "/nope"], "no such directory"),
     ],
 )
