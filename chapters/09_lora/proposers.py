@@ -263,7 +263,10 @@ def load_draft(name: str, target: Model, target_tokenizer: Tokenizer, device, dt
             f"the draft model {name} is stored quantized ({stored.name}); --draft-quant re-quantizes only a plain "
             "checkpoint: leave it out to read the draft as stored"
         )
-    draft, draft_dir = load(name, device, dtype, quant, matmul, kernels)
+    try:
+        draft, draft_dir = load(name, device, dtype, quant, matmul, kernels)
+    except UserError as e:  # a load error names the target's flags; the draft's own are --draft-*
+        raise UserError(f"the draft model {name}: {str(e).replace('--quant ', '--draft-quant ')}") from None
     check_draft(draft, target, Tokenizer(draft_dir), target_tokenizer)
     return DraftModelProposer(draft, Path(draft_dir).name)
 

@@ -496,6 +496,17 @@ def test_a_draft_stored_quantized_is_read_as_stored_unless_draft_quant_asks_othe
         engine("tiny-llama3", speculative="ngram", draft_quant="int8")
 
 
+def test_a_draft_load_error_names_the_draft_and_its_own_flags():
+    # --batch-invariant refuses float32 weights; for a float32 draft of an int4 target the refusal
+    # told the user to give --quant int4/int8, which they had: the draft's flag is --draft-quant.
+    from common.errors import UserError
+    from ops import KernelFlags
+
+    kernels = KernelFlags(batch_invariant=True)
+    with pytest.raises(UserError, match=r"^the draft model tiny-llama3: --batch-invariant: float32 .* --draft-quant int4/int8$"):
+        build_engine("tiny-llama3", "cpu", "float32", QuantSpec(4, 32), kernels=kernels, speculative="draft", draft_quant=None)
+
+
 def test_a_kv_budget_over_the_free_memory_is_refused_with_a_draft_model_too():
     # The target's share alone was checked: a draft's pool, most of the budget, went unchecked.
     from memory import free_memory
