@@ -11,7 +11,11 @@ sequence of a new adapter waits, counted in `n_waits`: more adapters than slots 
 swapping, never refused.
 
 Unloading (`unregister`) stops new requests at once; sequences already added keep their adapter,
-which is dropped with the last of them (`users` counts them, waiting or running).
+which is dropped with the last of them (`users` counts them, waiting or running). Loading a name in
+place (`register(..., replace=True)`, vLLM's `load_inplace`) is the same: new requests get the new
+weights at once, running ones finish with the weights they started with. So the bookkeeping is by
+registration (its uid), and a name is only what new requests ask for (`current`): while the old
+weights drain, the name is free to load again.
 
 With `max_cpu` (--max-cpu-loras), at most that many registered adapters keep their weights on the
 host while no sequence uses them: the least recently used beyond it drop theirs, and are read again
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +40,18 @@ from lora import Adapter
 
 class AdapterNameError(UserError):
     """The name given to an adapter cannot be used (the HTTP route says which field is wrong)."""
+
+
+@dataclass
+class Registration:
+    """One load of an adapter: what a sequence that names it when it is added keeps to its end."""
+
+    name: str
+    path: Path
+    stamp: tuple  # its files' sizes and times when it was read (a later read must find the same)
+    adapter: Adapter | None  # None: its host copy was dropped (read again when a request needs it)
+    users: int = 0  # sequences added and not finished, waiting or running
+    retired: bool = False  # unloaded or replaced: dropped once no sequence uses it
 
 
 class AdapterSlots:
@@ -53,15 +70,12 @@ class AdapterSlots:
         if max_cpu is not None and max_cpu < max(n_slots, 1):
             raise UserError(f"--max-cpu-loras must be at least --max-loras ({max(n_slots, 1)}), got {max_cpu}")
         self.n_slots, self._read, self._write, self.max_cpu = n_slots, read, write, max_cpu
-        self.adapters: dict[str, Adapter | None] = {}  # registered, by name (None: not on the host now)
-        self.source: dict[str, tuple[Path, tuple]] = {}  # name -> (its folder, its files' sizes and times)
-        self.on_host: OrderedDict[str, None] = OrderedDict()  # names with a host copy, least recent first
+        self.current: dict[str, int] = {}  # name -> the uid a new request of it gets
+        self.loads: dict[int, Registration] = {}  # uid -> its registration, current or draining
+        self.on_host: OrderedDict[int, None] = OrderedDict()  # uids with a host copy, least recent first
         self.n_reads = 0  # host copies read again from their folder
-        self.uid: dict[str, int] = {}
-        self.unloading: set[str] = set()
-        self.users: dict[str, int] = {}  # sequences added and not finished, per adapter
-        self.slot_of: dict[str, int] = {}  # resident adapters
-        self.holder: list[str | None] = [None] * n_slots  # slot -> its adapter
+        self.slot_of: dict[int, int] = {}  # resident registrations
+        self.holder: list[int | None] = [None] * n_slots  # slot -> its registration's uid
         self.running: list[int] = [0] * n_slots  # slot -> running sequences using it
         self.idle: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n_slots))  # least recent first
         self._uids = itertools.count(1)
@@ -71,73 +85,74 @@ class AdapterSlots:
     # --- names ----------------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        """The adapters a request may name (loaded and not being unloaded)."""
-        return [n for n in self.adapters if n not in self.unloading]
+        """The adapters a request may name."""
+        return list(self.current)
 
-    def register(self, name: str, path: str | Path) -> None:
-        """Reads and checks the adapter (UserError for a bad one); a name already loaded is refused."""
+    def register(self, name: str, path: str | Path, replace: bool = False) -> None:
+        """Reads and checks the adapter (UserError for a bad one). A name already loaded is refused,
+        or with `replace` given the new weights: its running sequences finish with the old ones."""
         if not self.n_slots:
             raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
             raise AdapterNameError(f"a LoRA adapter needs a name of printable characters, got {name!r}")
-        if name in self.adapters:
-            if name in self.unloading:
-                raise AdapterNameError(
-                    f"LoRA adapter {name!r} is being unloaded (its last requests are running); "
-                    "load it again when they end, or under another name now"
-                )
-            raise AdapterNameError(f"LoRA adapter {name!r} is already loaded; unload it first")
-        adapter = self._read(Path(path))
-        self.adapters[name], self.uid[name], self.users[name] = adapter, next(self._uids), 0
-        self.source[name] = (Path(path), _stamp(Path(path)))
-        self._keep_on_host(name)
+        if name in self.current and not replace:
+            raise AdapterNameError(f"LoRA adapter {name!r} is already loaded; unload it first, or load it in place")
+        adapter = self._read(Path(path))  # a bad adapter is refused here, the loaded one untouched
+        if name in self.current:
+            self._retire(self.current[name])
+        uid = next(self._uids)
+        self.loads[uid] = Registration(name, Path(path), _stamp(Path(path)), adapter)
+        self.current[name] = uid
+        self._keep_on_host(uid)
 
     def unregister(self, name: str) -> None:
-        """No new request may use `name`; it is dropped now, or when its last sequence ends."""
-        if name not in self.adapters or name in self.unloading:
+        """No new request may use `name`; its weights are dropped now, or when its last sequence ends."""
+        if name not in self.current:
             loaded = ", ".join(self.names()) or "none"
             raise UserError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
-        self.unloading.add(name)
-        self._drop_if_unused(name)
+        self._retire(self.current.pop(name))
 
     def check(self, name: str | None) -> None:
         """A request's adapter: None (the base model) or a loaded name, else UserError. Reads only:
         a server's threads call it too."""
         if name is not None and not self.n_slots:
             raise UserError(f"LoRA adapter {name!r}: this engine serves no adapters (max_loras is 0)")
-        if name is not None and (name not in self.adapters or name in self.unloading):
+        if name is not None and name not in self.current:
             loaded = ", ".join(self.names()) or "none"
             raise UserError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
 
-    # --- sequences ------------------------------------------------------------------------------
+    # --- sequences: by the uid `enter` gave them -------------------------------------------------
 
     def enter(self, name: str | None) -> int | None:
         """A sequence of `name` is being added (on the engine's thread): its host copy is read again
         if it was dropped (UserError if its files changed, before anything is counted). -> the
-        adapter's uid (its prefix-cache identity)."""
+        registration's uid: what the sequence gives `acquire` and `leave`, and its prefix-cache
+        identity (K/V computed with one registration never serve another)."""
         if name is None:
             return None
         self.check(name)
-        if self.adapters[name] is None:
-            self.adapters[name] = self._read_again(name)
-        self.users[name] += 1
-        self._keep_on_host(name)
-        return self.uid[name]
+        uid = self.current[name]
+        load = self.loads[uid]
+        if load.adapter is None:
+            load.adapter = self._read_again(load)
+        load.users += 1
+        self._keep_on_host(uid)
+        return uid
 
-    def leave(self, name: str | None) -> None:
-        """A sequence of `name` is finished (it released any slot first)."""
-        if name is not None:
-            self.users[name] -= 1
-            self._drop_if_unused(name)
+    def leave(self, uid: int | None) -> None:
+        """A sequence of registration `uid` is finished (it released any slot first)."""
+        if uid is not None:
+            self.loads[uid].users -= 1
+            self._drop_if_unused(uid)
             self._trim_host()
 
-    def acquire(self, name: str | None) -> int | None:
-        """A slot for a sequence about to run: -1 for the base model, the adapter's slot (copied
-        in now if it was not resident, into a free or the least recently used idle slot), or
-        None when every slot is busy with other adapters: the sequence waits."""
-        if name is None:
+    def acquire(self, uid: int | None) -> int | None:
+        """A slot for a sequence about to run: -1 for the base model (None), the registration's slot
+        (copied in now if it was not resident, into a free or the least recently used idle slot),
+        or None when every slot is busy with other adapters: the sequence waits."""
+        if uid is None:
             return -1
-        slot = self.slot_of.get(name)
+        slot = self.slot_of.get(uid)
         if slot is None:
             if not self.idle:
                 return None
@@ -147,12 +162,12 @@ class AdapterSlots:
                 del self.slot_of[evicted]
                 self.holder[slot] = None
             try:
-                self._write(slot, self.adapters[name])
+                self._write(slot, self.loads[uid].adapter)
             except BaseException:  # the slot stays free (first in line), not lost to every later request
                 self.idle[slot] = None
                 self.idle.move_to_end(slot, last=False)
                 raise
-            self.holder[slot], self.slot_of[name] = name, slot
+            self.holder[slot], self.slot_of[uid] = uid, slot
             self.n_loads += 1
         else:
             self.idle.pop(slot, None)
@@ -171,53 +186,56 @@ class AdapterSlots:
     def count_wait(self) -> None:
         self.n_waits += 1
 
-    def _drop_if_unused(self, name: str) -> None:
-        if name in self.unloading and self.users.get(name, 0) == 0:
-            slot = self.slot_of.pop(name, None)
+    def _retire(self, uid: int) -> None:
+        self.loads[uid].retired = True
+        self._drop_if_unused(uid)
+
+    def _drop_if_unused(self, uid: int) -> None:
+        load = self.loads[uid]
+        if load.retired and load.users == 0:
+            slot = self.slot_of.pop(uid, None)
             if slot is not None:
                 self.holder[slot] = None
                 self._write(slot, None)
                 self.idle.pop(slot, None)
                 self.idle[slot] = None
                 self.idle.move_to_end(slot, last=False)  # an empty slot is the first to fill
-            del self.adapters[name], self.uid[name], self.users[name], self.source[name]
-            self.on_host.pop(name, None)
-            self.unloading.discard(name)
+            del self.loads[uid]
+            self.on_host.pop(uid, None)
 
     # --- host copies ------------------------------------------------------------------------------
 
-    def _keep_on_host(self, name: str) -> None:
-        self.on_host.pop(name, None)
-        self.on_host[name] = None  # most recently used
-        self._trim_host(keep=name)
+    def _keep_on_host(self, uid: int) -> None:
+        self.on_host.pop(uid, None)
+        self.on_host[uid] = None  # most recently used
+        self._trim_host(keep=uid)
 
-    def _trim_host(self, keep: str | None = None) -> None:
-        """Drops the least recently used host copies beyond max_cpu, of adapters no sequence uses
-        (a slot that holds one keeps its weights there), never `keep`'s, just asked for."""
+    def _trim_host(self, keep: int | None = None) -> None:
+        """Drops the least recently used host copies beyond max_cpu, of registrations no sequence
+        uses (a slot that holds one keeps its weights there), never `keep`'s, just asked for."""
         if self.max_cpu is None:
             return
-        for name in list(self.on_host):
+        for uid in list(self.on_host):
             if len(self.on_host) <= self.max_cpu:
                 return
-            if self.users.get(name, 0) == 0 and name != keep:
-                del self.on_host[name]
-                self.adapters[name] = None
+            if self.loads[uid].users == 0 and uid != keep:
+                del self.on_host[uid]
+                self.loads[uid].adapter = None
 
-    def _read_again(self, name: str) -> Adapter:
-        path, stamp = self.source[name]
-        if _stamp(path) != stamp:
+    def _read_again(self, load: Registration) -> Adapter:
+        if _stamp(load.path) != load.stamp:
             raise UserError(
-                f"LoRA adapter {name!r}: its files in {path} changed (or went) since it was loaded; "
+                f"LoRA adapter {load.name!r}: its files in {load.path} changed (or went) since it was loaded; "
                 "unload it and load it again"
             )
         self.n_reads += 1
-        return self._read(path)
+        return self._read(load.path)
 
     def stats(self) -> dict:
         if not self.n_slots:
             return {}
         return {
-            "lora_adapters": len(self.names()),
+            "lora_adapters": len(self.current),
             "lora_slots": self.n_slots,
             "lora_resident": len(self.slot_of),
             "lora_loads": self.n_loads,

@@ -98,7 +98,7 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         self._release_slot(seq)
         if seq.adapter is not None and seq.status is not Status.FINISHED:  # (an abort after a choice ended)
-            self.adapters.leave(seq.adapter)
+            self.adapters.leave(seq.adapter_uid)
         seq.status = Status.FINISHED
 
     def schedule(self) -> Scheduled:
@@ -150,7 +150,7 @@ class Scheduler:
         is busy with other adapters; the wait is counted once per sequence."""
         if seq.adapter is None:
             return True
-        slot = self.adapters.acquire(seq.adapter)
+        slot = self.adapters.acquire(seq.adapter_uid)
         if slot is None:
             if not seq.waited_for_slot:
                 seq.waited_for_slot = True

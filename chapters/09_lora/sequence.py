@@ -53,8 +53,9 @@ class Sequence:
     draft_probs: torch.Tensor | None = None  # [len(draft), vocab]: the proposer's q, if it drew them
     spec_k: int = 0  # 0: not asked yet (the Speculator starts it at num_speculative_tokens)
     draft_computed: int = 0  # tokens whose K/V a draft model has in its own pool (proposers.py)
-    # LoRA (lora_slots.py): the adapter by name (None: the base model), its registration's uid (what
-    # the prefix cache keys blocks by), and the slot it holds while running (-1: none, or the base).
+    # LoRA (lora_slots.py): the adapter by name (None: the base model), the uid of the registration
+    # it got when added (what it runs with to its end, even if the name is loaded again or unloaded;
+    # what the prefix cache keys blocks by), and the slot it holds while running (-1: none, or the base).
     adapter: str | None = None
     adapter_uid: int | None = None
     lora_slot: int = -1

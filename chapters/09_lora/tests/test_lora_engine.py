@@ -155,26 +155,38 @@ def test_load_and_unload_while_requests_run(engine, paths):
     eng = engine
     eng.adapters.register("late", paths["r4"])  # the same files under a second name
     assert "late" in eng.adapters.names()
-    want = tokens(eng.generate([request(5, "r4", 10)]))[0]
-    rid = eng.add(request(5, "late", 10))
-    got = []
-    while rid in eng.requests:
+    want = {name: tokens(eng.generate([request(5, name, 10)]))[0] for name in ("r4", "r2", "r8")}
+    got: dict[str, list[int]] = {}
+
+    def step():
         for r, events, _ in eng.step():
-            got += [t for e in events for t in e.token_ids]
-        if got and "late" in eng.adapters.names():
-            eng.adapters.unregister("late")  # in use: new requests are refused at once, this one finishes
-            with pytest.raises(ValueError, match="unknown LoRA adapter 'late'"):
-                eng.add(request(1, "late"))
-    assert got == want  # its stream went on to its end, through the adapter
-    assert "late" not in eng.adapters.adapters and "late" not in eng.adapters.slot_of  # dropped with it
-    eng.adapters.register("late", paths["r2"])  # the name is free again; a new uid for the prefix cache
+            got.setdefault(r, []).extend(t for e in events for t in e.token_ids)
+
+    first = eng.add(request(5, "late", 10))
+    old = eng.requests[first].seqs[0].adapter_uid
+    while not got.get(first):
+        step()
+    eng.adapters.unregister("late")  # in use: new requests are refused at once, this one finishes
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'late'"):
+        eng.add(request(1, "late"))
+    eng.adapters.register("late", paths["r2"])  # the name is free at once, for other weights
+    second = eng.add(request(5, "late", 10))
+    step()
+    eng.adapters.register("late", paths["r8"], replace=True)  # in place, while both run
+    third = eng.add(request(5, "late", 10))
+    while eng.has_work():
+        step()
+    # each ran to its end with the weights it started with; new requests got the newest
+    assert [got[first], got[second], got[third]] == [want["r4"], want["r2"], want["r8"]]
+    assert old not in eng.adapters.loads and old not in eng.adapters.slot_of  # dropped with its last request
+    assert len(eng.adapters.loads) == len(ADAPTERS) + 1  # the four, and late's newest weights alone
     seq = eng.requests[eng.add(request(2, "late", 2))].seqs[0]
     while eng.has_work():
         eng.step()
     eng.scheduler.finish(seq)  # finished already (an abort of a request whose choice ended): no second leave
-    assert eng.adapters.users["late"] == 0
+    assert eng.adapters.loads[seq.adapter_uid].users == 0
     eng.adapters.unregister("late")
-    assert "late" not in eng.adapters.adapters
+    assert seq.adapter_uid not in eng.adapters.loads and "late" not in eng.adapters.names()
 
 
 def test_a_hash_collision_across_adapters_is_a_miss(monkeypatch):
@@ -201,22 +213,23 @@ def test_slots_swap_least_recently_used_idle_first_and_never_a_running_one():
     slots = AdapterSlots(2, read=lambda path: SimpleNamespace(path=path), write=lambda s, a: writes.append((s, a and a.path.name)))
     for name in "abc":
         slots.register(name, f"/x/{name}")
-    a, b = slots.acquire("a"), slots.acquire("b")
+    ua, ub, uc = (slots.current[name] for name in "abc")  # a sequence holds its registration's uid
+    a, b = slots.acquire(ua), slots.acquire(ub)
     assert (a, b) == (0, 1) and writes == [(0, "a"), (1, "b")]
-    assert slots.acquire("c") is None  # both running: c waits
+    assert slots.acquire(uc) is None  # both running: c waits
     slots.release(b)
     slots.release(a)  # a used last: b is the least recently used idle slot
-    assert slots.acquire("c") == 1 and writes[-1] == (1, "c") and "b" not in slots.slot_of
-    assert slots.acquire("a") == 0 and len(writes) == 3  # still resident: no copy
+    assert slots.acquire(uc) == 1 and writes[-1] == (1, "c") and ub not in slots.slot_of
+    assert slots.acquire(ua) == 0 and len(writes) == 3  # still resident: no copy
     slots.release(0)
     slots.release(1)
-    slots.enter("a")
+    assert slots.enter("a") == ua
     slots.unregister("a")  # a request of it is still queued: kept until it leaves
-    assert "a" in slots.slot_of and slots.names() == ["b", "c"]
-    slots.leave("a")
-    assert "a" not in slots.adapters and writes[-1] == (0, None)  # dropped, its slot emptied
-    assert slots.acquire("b") == 0  # the emptied slot is filled first, c stays resident
-    assert slots.slot_of == {"b": 0, "c": 1}
+    assert ua in slots.slot_of and slots.names() == ["b", "c"]
+    slots.leave(ua)
+    assert ua not in slots.loads and writes[-1] == (0, None)  # dropped, its slot emptied
+    assert slots.acquire(ub) == 0  # the emptied slot is filled first, c stays resident
+    assert slots.slot_of == {ub: 0, uc: 1}
 
 
 def test_the_default_pool_leaves_room_for_the_slot_table(engine, paths, monkeypatch):
@@ -260,19 +273,26 @@ def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
     slots = AdapterSlots(1, read, lambda s, a: None, max_cpu=1)
     for name in "abc":
         slots.register(name, folders[name])
-    assert list(slots.on_host) == ["c"] and slots.adapters["a"] is None and reads == ["a", "b", "c"]
+
+    def held(name):  # its host copy, or None
+        return slots.loads[slots.current[name]].adapter
+
+    def on_host():
+        return [slots.loads[uid].name for uid in slots.on_host]
+
+    assert on_host() == ["c"] and held("a") is None and reads == ["a", "b", "c"]
     slots.enter("a")  # named again: read from its folder, and kept while a sequence uses it
-    assert reads[-1] == "a" and slots.adapters["a"] is not None and slots.adapters["c"] is None
+    assert reads[-1] == "a" and held("a") is not None and held("c") is None
     slots.check("b")  # a check reads nothing (a server's threads call it)
-    assert slots.adapters["b"] is None
+    assert held("b") is None
     slots.enter("b")  # b read again; a is in use, so both stay (over the limit while in use)
-    assert list(slots.on_host) == ["a", "b"]
-    slots.leave("a")  # no longer in use: the least recently used copy goes
-    assert list(slots.on_host) == ["b"] and slots.adapters["a"] is None
+    assert on_host() == ["a", "b"]
+    slots.leave(slots.current["a"])  # no longer in use: the least recently used copy goes
+    assert on_host() == ["b"] and held("a") is None
     (folders["c"] / "adapter_config.json").write_text('{"r": 4}')  # changed since it was registered
     with pytest.raises(UserError, match="'c': its files in .* changed"):
         slots.enter("c")
-    assert slots.users["c"] == 0  # refused before anything was counted
+    assert slots.loads[slots.current["c"]].users == 0  # refused before anything was counted
     assert slots.stats()["lora_reads"] == 2 and slots.stats()["lora_host_copies"] == 1
 
 
@@ -287,7 +307,7 @@ def test_an_engine_that_keeps_two_host_copies_gives_the_same_tokens(engine, path
     assert got == [o[0].token_ids for o in engine.generate(reqs)]
     assert few.stats()["lora_reads"] > 0 and few.stats()["lora_host_copies"] <= 2
     # an adapter whose files changed while its host copy was dropped: the request is refused whole
-    dropped = next(name for name, adapter in few.adapters.adapters.items() if adapter is None)
+    dropped = next(load.name for load in few.adapters.loads.values() if load.adapter is None)
     (paths[dropped] / "adapter_config.json").touch()
     with pytest.raises(UserError, match="changed"):
         few.add(request(0, dropped))
@@ -338,7 +358,7 @@ def test_an_adapter_whose_rows_go_nan_fails_its_request_alone(paths, monkeypatch
 
     @torch.inference_mode()  # the tables are inference tensors
     def poison():  # the resident tables of "bad", as an overflow would leave its delta
-        eng.runner.model.lora.a["q_proj"][:, eng.adapters.slot_of["bad"]].fill_(float("nan"))
+        eng.runner.model.lora.a["q_proj"][:, eng.adapters.slot_of[eng.adapters.current["bad"]]].fill_(float("nan"))
 
     if where == "sampled row":
         poison()

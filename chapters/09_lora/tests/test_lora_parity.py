@@ -66,7 +66,7 @@ def test_greedy_tokens_equal_peft_in_one_batch(engine, references):
 
 def test_every_layer_within_float32_rounding(engine, references):
     for name in SPECS:
-        slot = engine.adapters.acquire(name)
+        slot = engine.adapters.acquire(engine.adapters.current[name])
         try:
             ours = {}
             with torch.inference_mode():
@@ -81,7 +81,7 @@ def test_base_rows_of_a_mixed_step_are_the_base_models_bit_for_bit(engine):
     base = load_model(resolve_model("tiny-llama3"), "cpu", torch.float32, ops=engine.model.ops)
     with torch.inference_mode():
         want = forward_sequence(base, PROMPT)
-        slot = engine.adapters.acquire("every-r8")
+        slot = engine.adapters.acquire(engine.adapters.current["every-r8"])
         try:
             from batch import Work, build_step
             from paged_cache import PagedKVCache
@@ -121,7 +121,7 @@ def test_int4_base_with_an_adapter_equals_peft_on_the_dequantized_base(adapters)
     ref = hf_with_adapter(adapters["every-r8"], int4_dequantized_hf(spec))
     tokens = eng.generate([greedy("a")])[0][0].token_ids
     assert tokens == hf_greedy(ref, PROMPT, N_NEW)
-    slot = eng.adapters.acquire("a")
+    slot = eng.adapters.acquire(eng.adapters.current["a"])
     ours = {}
     with torch.inference_mode():
         ours["logits"] = forward_sequence(eng.model, PROMPT, ours, lora_slot=slot).float().numpy()

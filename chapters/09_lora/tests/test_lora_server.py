@@ -141,6 +141,29 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, exp
     assert complete(url, "b").status_code == 404
 
 
+def test_load_inplace_gives_new_requests_the_new_weights_while_a_running_one_keeps_the_old(server, paths, expected):
+    # vLLM's `load_inplace` (its clients send it): refused as an unknown field before
+    url, _ = server  # ("a": the test before this one unloads "b")
+    result = {}
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    started = threading.Event()
+
+    def run():
+        result["text"], result["n"] = stream_text(url, body, started.set)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(60)
+    load = {"lora_name": "a", "lora_path": str(paths["late"]), "load_inplace": True}
+    r = http.post(url + "/v1/load_lora_adapter", json=load, timeout=60)
+    assert r.status_code == 200, r.text
+    assert text_of(complete(url, "a").json()) == expected["late"]  # the new weights, under the old name
+    t.join(timeout=120)
+    assert result["n"] == 64 and result["text"].startswith(expected["a"])  # the old ones to its end
+    r = http.post(url + "/v1/load_lora_adapter", json=load | {"lora_path": str(paths["a"])}, timeout=60)
+    assert r.status_code == 200 and text_of(complete(url, "a").json()) == expected["a"]
+
+
 @pytest.mark.parametrize(
     "path, body, status, message",
     [
