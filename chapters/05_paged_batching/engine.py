@@ -40,9 +40,18 @@ from memory import GiB
 from model import Model
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
-from request import DEFAULT_MAX_TOKENS, Event, Output, Request, RequestLimits, RequestState, append_tokens
+from request import (
+    DEFAULT_MAX_TOKENS,
+    Event,
+    Output,
+    Request,
+    RequestLimits,
+    RequestState,
+    append_tokens,
+    no_token_error,
+)
 from runner import ModelRunner, pool_size
-from sampling import SamplingParams, choice_seed, make_generator, sample
+from sampling import NoTokenError, SamplingParams, choice_seed, finite_logits, make_generator, sample
 from scheduler import Scheduler
 from sequence import Sequence
 from stopping import StopStringMatcher
@@ -161,9 +170,10 @@ class Engine:
         return self.scheduler.has_work()
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[str, list[Event], bool]]:
+    def step(self) -> list[tuple[str, list[Event] | Exception, bool]]:
         """schedule -> run -> sample -> update. -> per request with news: (request id, its events,
-        whether it is finished)."""
+        whether it is finished); for a request whose logits had no token to give (NaN logits: an
+        overflow, float16's on a GPU say), (request id, the error that ends it, True), the others unharmed."""
         plan = self.scheduler.schedule()
         self.runner.copy_blocks(plan.copies)
         if not plan.work:
@@ -173,7 +183,9 @@ class Engine:
         work = [Work(seq.tokens[seq.n_computed : seq.n_computed + n], seq.n_computed, seq.block_table) for seq, n in plan.work]
         logits = self.runner.run(work)  # [rows, vocab]
         ready = [(row, seq) for row, (seq, n) in enumerate(plan.work) if self._computed(seq, n)]
-        return self._emit(self._sample(logits, ready))
+        failed: dict[str, Exception] = {}  # request id -> what ends it, this step
+        new_tokens = [t for t in self._sample(logits, ready, failed) if t[0].request_id not in failed]
+        return self._emit(new_tokens) + self._end_failed(failed)
 
     def _computed(self, seq: Sequence, n: int) -> bool:
         """`seq`'s n tokens of this step have K/V now. -> whether it samples its next token."""
@@ -182,8 +194,9 @@ class Engine:
             self.blocks.register(seq.block_table, seq.tokens, seq.n_computed)  # a block filled up: share it
         return seq.n_uncomputed == 0
 
-    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> list[NewTokens]:
-        """One token for each ready sequence, from its logits row."""
+    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]], failed: dict) -> list[NewTokens]:
+        """One token for each ready sequence, from its logits row; a row with none to give fails its
+        request (into `failed`) and the others are sampled without it."""
         if not ready:
             return []
         rows = [row for row, _ in ready]
@@ -198,10 +211,24 @@ class Engine:
             state = self.requests[seq.request_id]
             if state.too_early_to_stop(seq):  # min_tokens: make the stop tokens impossible for now
                 x[i].masked_fill_(state.stop_mask(x.shape[-1], x.device), float("-inf"))
-        tokens, logprobs = sample(
-            x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
-        )
+        try:
+            tokens, logprobs = sample(
+                x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
+            )
+        except NoTokenError:  # raised before any draw: the other rows' generators are untouched
+            possible = (finite_logits(x.float()) > float("-inf")).any(dim=-1).tolist()
+            for seq, ok in zip(seqs, possible):
+                if not ok:
+                    failed[seq.request_id] = no_token_error(seq)
+            keep = [i for i, ok in enumerate(possible) if ok]
+            return self._sample(logits, [ready[i] for i in keep], failed) if keep else []
         return [(seq, [token], [logprob]) for seq, token, logprob in zip(seqs, tokens, logprobs)]
+
+    def _end_failed(self, failed: dict[str, Exception]) -> list[tuple[str, Exception, bool]]:
+        """The failed requests leave (their blocks freed), each with its error as its news."""
+        for rid in failed:
+            self.abort(rid)
+        return [(rid, error, True) for rid, error in failed.items()]
 
     def _emit(self, new_tokens: list[NewTokens]) -> list[tuple[str, list[Event], bool]]:
         """Each sequence's new tokens through the stop rules (request.append_tokens: one Event per
@@ -234,6 +261,8 @@ class Engine:
                     return
                 for r, events, _ in self.step():
                     if r == rid:
+                        if isinstance(events, Exception):
+                            raise events
                         yield events
         finally:
             self.abort(rid)
@@ -251,6 +280,8 @@ class Engine:
                 i = pending.pop(0)
                 ids[self.add(requests[i])] = i
             for rid, events, _ in self.step():
+                if isinstance(events, Exception):
+                    raise events
                 for ev in events:
                     outputs[ids[rid]][ev.index].add(ev)
             step += 1

@@ -22,7 +22,7 @@ import torch
 from block_manager import BlockManager
 from common.errors import UserError
 from detokenizer import IncrementalDetokenizer
-from sampling import SamplingParams, TokenLogprob
+from sampling import NoTokenError, SamplingParams, TokenLogprob
 from sequence import Sequence
 from stopping import MAX_STOP_CHARS, StopStringMatcher
 
@@ -206,6 +206,13 @@ def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, stop_ids: se
         if event.finish_reason is not None:
             break
     return step
+
+
+def no_token_error(seq: Sequence) -> NoTokenError:
+    """What ends a request whose logits row had no finite logit (a row sample() cannot draw from: an
+    overflow, float16's on a GPU say). Its request alone fails; a step's other rows are computed row
+    by row, and go on."""
+    return NoTokenError("the model gave this request no finite logit: nothing can be sampled")
 
 
 def _remaining_text(detok: IncrementalDetokenizer, matcher: StopStringMatcher) -> str:

@@ -36,9 +36,10 @@ import torch
 from batch import Work
 from block_manager import BlockManager
 from common.errors import UserError
-from request import RequestState
+from request import RequestState, no_token_error
 from sampling import (
     GREEDY_BELOW,
+    NoTokenError,
     SamplingParams,
     apply_penalties,
     check_some_token_possible,
@@ -231,9 +232,12 @@ class Speculator:
             rows += [Work([t], seq.n_computed + j, seq.block_table) for j, t in enumerate(tokens)]
         return rows
 
-    def verify(self, logits: torch.Tensor, seqs: list[Sequence], requests: dict[str, RequestState]) -> list[tuple]:
+    def verify(
+        self, logits: torch.Tensor, seqs: list[Sequence], requests: dict[str, RequestState], failed: dict
+    ) -> list[tuple]:
         """logits: [rows, vocab], verify_rows' rows; requests: the engine's, by id. For each sequence, the drafts the target keeps
-        and one token of its own; the K/V of the rest is given up, and its k adapts.
+        and one token of its own; the K/V of the rest is given up, and its k adapts. A sequence whose
+        rows have no token to give fails its request (into `failed`: request id -> error).
         -> (sequence, new tokens, their logprobs or Nones) each"""
         out, row = [], 0
         bs = self.blocks.block_size
@@ -247,7 +251,11 @@ class Speculator:
             if too_early > 0:
                 banned = state.stop_mask(rows.shape[-1], rows.device).expand(k + 1, -1).clone()
                 banned[too_early:] = False
-            x = target_logits(rows, seq.params, seq.prompt, seq.output, draft, banned)
+            try:
+                x = target_logits(rows, seq.params, seq.prompt, seq.output, draft, banned)
+            except NoTokenError:
+                failed[seq.request_id] = no_token_error(seq)
+                continue
             q = None if seq.draft_probs is None else seq.draft_probs[:k]  # the scheduler may have cut the draft
             verdict = accept(x, draft, seq.params, seq.generator, q)
             self.stats.count(k, verdict.accepted)

@@ -318,3 +318,40 @@ def test_copy_block_copies_a_block_in_every_layer(engine):
     for old, new in zip(before, cache.k + cache.v):
         assert new.shape == (6, 4, cfg.num_key_value_heads, cfg.head_dim)
         assert torch.equal(new[5], old[2]) and torch.equal(new[:5], old[:5])
+
+
+def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_go_on(tiny, monkeypatch):
+    # A row with no finite logit (an overflow: float16's on a GPU, say) made sample() raise for the
+    # whole step, and every request in it failed. Now that request alone ends, with its error.
+    from sampling import NoTokenError
+
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    reqs = [Request([1, 300 + i, 500 + i, 700 + i], seeded if i == 2 else GREEDY, max_tokens=8, ignore_eos=True) for i in range(3)]
+    alone = [tiny.generate([r])[0][0].token_ids for r in reqs]
+    ids = {tiny.add(r): i for i, r in enumerate(reqs)}
+    poisoned = next(tiny.requests[rid].seqs[0] for rid, i in ids.items() if i == 1)
+    real = tiny.runner.run
+
+    def run(work):  # the poisoned sequence's row goes NaN once it has 3 tokens out
+        logits = real(work)
+        for row, w in enumerate(work):
+            if w.block_table is poisoned.block_table and len(poisoned.output) >= 3:
+                logits[row] = float("nan")
+        return logits
+
+    monkeypatch.setattr(tiny.runner, "run", run)
+    got, errors = {}, {}
+    while tiny.has_work():
+        for rid, events, _ in tiny.step():
+            if isinstance(events, Exception):
+                errors[ids[rid]] = events
+            else:
+                got.setdefault(ids[rid], []).extend(t for e in events for t in e.token_ids)
+    assert list(errors) == [1] and isinstance(errors[1], NoTokenError) and "no finite logit" in str(errors[1])
+    assert got[1] == alone[1][:3]  # its tokens up to the NaN row, then nothing
+    assert got[0] == alone[0] and got[2] == alone[2]  # the others as alone: the seeded one's draws untouched
+    assert not tiny.requests and tiny.blocks.num_used == 0
+    monkeypatch.setattr(tiny.runner, "run", lambda work: torch.full_like(real(work), float("nan")))
+    with pytest.raises(NoTokenError, match="no finite logit"):
+        tiny.generate([reqs[0]])
+    assert not tiny.requests and tiny.blocks.num_used == 0

@@ -467,6 +467,44 @@ def test_a_draft_model_gone_to_inf_or_nan_only_loses_its_guesses(broken):
     assert stats.verifies > 0 if broken == "inf" else stats.drafted == 0  # NaN everywhere: no guess at all
 
 
+def test_a_request_whose_verify_rows_go_nan_fails_alone(monkeypatch):
+    # As in the sampler (test_engine.py), in speculation's verify rows: the request whose rows have no
+    # finite logit ends with its error; the step's other sequences keep their verified tokens.
+    from sampling import NoTokenError
+
+    target, _ = build_engine("tiny-llama3", "cpu", "float32", num_blocks=128)
+    reqs = [Request([1, 300 + i, 500 + i, 700 + i], GREEDY, max_tokens=10, ignore_eos=True) for i in range(3)]
+    alone = [target.generate([r])[0][0].token_ids for r in reqs]
+    oracle = Oracle([r.prompt_ids + a for r, a in zip(reqs, alone)])  # drafts every step, all kept
+    engine = Engine(
+        target.model, target.tokenizer, {}, num_blocks=128, proposer=oracle, num_speculative_tokens=3, speculative_max_batch=8
+    )
+    ids = {engine.add(r): i for i, r in enumerate(reqs)}
+    poisoned = next(engine.requests[rid].seqs[0] for rid, i in ids.items() if i == 1)
+    real, poisoned_rows = engine.runner.run, []
+
+    def run(work):  # the poisoned sequence's rows go NaN once it has 2 tokens out
+        logits = real(work)
+        rows = [row for row, w in enumerate(work) if w.block_table is poisoned.block_table]
+        if rows and len(poisoned.output) >= 2:
+            poisoned_rows.append(len(rows))
+            logits[rows] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    got, errors = {}, {}
+    while engine.has_work():
+        for rid, events, _ in engine.step():
+            if isinstance(events, Exception):
+                errors[ids[rid]] = events
+            else:
+                got.setdefault(ids[rid], []).extend(t for e in events for t in e.token_ids)
+    assert poisoned_rows[0] > 1  # a draft's verify rows: the failure came through Speculator.verify
+    assert list(errors) == [1] and isinstance(errors[1], NoTokenError) and "no finite logit" in str(errors[1])
+    assert got[0] == alone[0] and got[2] == alone[2] and got[1] == alone[1][: len(got[1])]
+    assert engine.speculator.stats.accepted > 0 and not engine.requests and engine.blocks.num_used == 0
+
+
 @pytest.mark.reaches("quantize.py")
 def test_a_draft_stored_quantized_is_read_as_stored_unless_draft_quant_asks_otherwise(tmp_path):
     # --draft-quant's default (int4) used to re-quantize every draft, and refuse one stored quantized
