@@ -34,7 +34,7 @@ from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from detokenizer import IncrementalDetokenizer, token_bytes
@@ -435,6 +435,8 @@ router = APIRouter()
 @router.get("/health")
 async def health(http: HTTPRequest):
     state = state_of(http)
+    if state.stopping:  # a shutdown or a lost rank: a load balancer stops sending work here
+        return JSONResponse({"status": "stopping", "model": state.model_name}, status_code=503)
     return {"status": "ok", "model": state.model_name, "busy": state.worker.busy, "queued": state.worker.queued}
 
 

@@ -39,7 +39,7 @@ from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.cli import positive_float
@@ -429,6 +429,8 @@ router = APIRouter()
 @router.get("/health")
 async def health(http: HTTPRequest):
     state = state_of(http)
+    if state.stopping:  # a shutdown or a lost rank: a load balancer stops sending work here
+        return JSONResponse({"status": "stopping", "model": state.model_name}, status_code=503)
     # The engine thread's figures after its last step: /health never waits for the engine.
     return {
         "status": "ok",

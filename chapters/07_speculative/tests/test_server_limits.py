@@ -388,3 +388,17 @@ def test_a_shutdown_ends_open_requests_with_an_error_before_its_deadline(tmp_pat
         text = log.read_text()
         assert text.count("shutting down: 2 open request(s) get 2 s to finish") == 1, text
         assert "Traceback" not in text and "CancelledError" not in text, text
+
+
+def test_health_says_stopping_with_a_503_once_a_shutdown_begins(tiny_engine):
+    # A load balancer polls /health: once a shutdown (or, at tensor parallelism, the loss of a rank)
+    # has begun, the server takes no new work, and /health says so instead of "ok".
+    from server import create_app
+    from worker import Worker
+
+    with TestClient(create_app(Worker(lambda: tiny_engine), MODEL)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        client.app.state.server.stopping = True  # what a SIGTERM (GracefulServer) or a lost rank sets
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "stopping", "model": MODEL}
+        assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
