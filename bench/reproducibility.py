@@ -38,6 +38,8 @@ def generate(
         engine.add(ch.engine.Request(ids, params, max_tokens=max_tokens, n=n, ignore_eos=True), f"{tag}{i}")
     while engine.has_work():
         for rid, events, _ in engine.step():
+            if isinstance(events, Exception):  # a request that failed alone (chapter 05's engine.step)
+                raise events
             for e in events:
                 out.setdefault(rid, {}).setdefault(e.index, []).extend(e.token_ids)
     return [[out[f"{tag}{i}"][c] for c in range(n)] for i in range(len(prompts))]

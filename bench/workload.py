@@ -93,6 +93,8 @@ def run_ours(chapter: int, args, requests) -> dict:
     submit(requests, "r")
     while engine.has_work():
         for rid, events, _ in engine.step():
+            if isinstance(events, Exception):  # a request that failed alone (chapter 05's engine.step)
+                raise events
             ids.setdefault(rid, []).extend(t for e in events for t in e.token_ids)
     if args.device == "cuda":
         torch.cuda.synchronize()

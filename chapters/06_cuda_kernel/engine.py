@@ -52,7 +52,7 @@ from request import (
     no_token_error,
 )
 from runner import ModelRunner, pool_size
-from sampling import NoTokenError, SamplingParams, choice_seed, finite_logits, make_generator, sample
+from sampling import NoTokenError, SamplingParams, choice_seed, make_generator, sample
 from scheduler import Scheduler
 from sequence import Sequence
 from stopping import StopStringMatcher
@@ -219,13 +219,11 @@ class Engine:
             tokens, logprobs = sample(
                 x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
             )
-        except NoTokenError:  # raised before any draw: the other rows' generators are untouched
-            possible = (finite_logits(x.float()) > float("-inf")).any(dim=-1).tolist()
-            for seq, ok in zip(seqs, possible):
-                if not ok:
-                    failed[seq.request_id] = no_token_error(seq)
-            keep = [i for i, ok in enumerate(possible) if ok]
-            return self._sample(logits, [ready[i] for i in keep], failed) if keep else []
+        except NoTokenError:  # raised before any draw, so each row again on its own: the row at fault fails
+            if len(ready) == 1:  # (its logits, or a penalty, left no finite one)
+                failed[seqs[0].request_id] = no_token_error(seqs[0])
+                return []
+            return [new for one in ready for new in self._sample(logits, [one], failed)]
         return [(seq, [token], [logprob]) for seq, token, logprob in zip(seqs, tokens, logprobs)]
 
     def _end_failed(self, failed: dict[str, Exception]) -> list[tuple[str, Exception, bool]]:
@@ -279,16 +277,20 @@ class Engine:
         outputs = [[Output() for _ in range(r.n)] for r in requests]
         ids: dict[str, int] = {}
         step = 0
-        while pending or self.has_work():
-            while pending and arrivals[pending[0]] <= step:
-                i = pending.pop(0)
-                ids[self.add(requests[i])] = i
-            for rid, events, _ in self.step():
-                if isinstance(events, Exception):
-                    raise events
-                for ev in events:
-                    outputs[ids[rid]][ev.index].add(ev)
-            step += 1
+        try:
+            while pending or self.has_work():
+                while pending and arrivals[pending[0]] <= step:
+                    i = pending.pop(0)
+                    ids[self.add(requests[i])] = i
+                for rid, events, _ in self.step():
+                    if isinstance(events, Exception):
+                        raise events
+                    for ev in events:
+                        outputs[ids[rid]][ev.index].add(ev)
+                step += 1
+        finally:  # a failed or refused request ends the call: the rest of its batch leaves the engine too
+            for rid in ids:
+                self.abort(rid)
         return outputs
 
     def stats(self) -> dict:

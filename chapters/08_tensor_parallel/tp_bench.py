@@ -102,7 +102,10 @@ def decode_rate(engine, batch: int, new_tokens: int) -> float:
     engine.step()  # the prefill
     t0, tokens = time.perf_counter(), 0
     while engine.has_work():
-        tokens += sum(len(ev.token_ids) for _, events, _ in engine.step() for ev in events)
+        for _, events, _ in engine.step():
+            if isinstance(events, Exception):  # a request that failed alone (engine.step)
+                raise events
+            tokens += sum(len(ev.token_ids) for ev in events)
     return tokens / (time.perf_counter() - t0)
 
 

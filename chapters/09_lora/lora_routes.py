@@ -12,7 +12,10 @@ adapter; requests already running keep it to their end (lora_slots.py). `load_in
 loaded name new weights the same way: new requests get them at once, running ones keep the old.
 
 The server keeps its own list of names (ServerState.adapters), changed only here on the event
-loop: a request's `model` is checked against it without asking the engine thread.
+loop: a request's `model` is checked against it without asking the engine thread. Each load and
+unload brings back the engine's names as they stand right after it (`_on_engine`), and the list
+follows them: two calls on one name in flight at once (a load in place and an unload) end with
+the list the engine has, whichever call's answer comes back last.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ async def load_lora_adapter(body: LoadLoraRequest, http: HTTPRequest):
             400, f"LoRA adapter '{name}' is already loaded; unload it first, or load it in place", param="lora_name"
         )
     try:
-        await state.worker.call(lambda engine: engine.adapters.register(name, body.lora_path, replace=replace))
+        await _on_engine(
+            state, lambda adapters: adapters.register(name, body.lora_path, replace=replace), name, body.lora_path
+        )
     except UserError as e:
         raise APIError(400, str(e), param="lora_name" if isinstance(e, AdapterNameError) else "lora_path") from None
-    state.adapters[name] = body.lora_path
     return f"Success: LoRA adapter '{name}' added successfully."
 
 
@@ -69,7 +73,21 @@ async def unload_lora_adapter(body: UnloadLoraRequest, http: HTTPRequest):
         raise APIError(404, f"no LoRA adapter named '{name}' is loaded (loaded: {loaded})", param="lora_name")
     del state.adapters[name]  # new requests naming it get a 404 from now on
     try:
-        await state.worker.call(lambda engine: engine.adapters.unregister(name))
+        await _on_engine(state, lambda adapters: adapters.unregister(name))
     except UserError as e:
         raise APIError(404, str(e), param="lora_name") from None
     return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+async def _on_engine(state, change, name: str | None = None, path: str | None = None) -> None:
+    """change(engine.adapters) on the engine thread, between two steps; then the server's list
+    (name -> its folder) becomes the engine's names as they were right after it (`name` at `path`,
+    when the change loaded it)."""
+
+    def change_then_names(engine) -> list[str]:
+        change(engine.adapters)
+        return engine.adapters.names()
+
+    names = await state.worker.call(change_then_names)
+    known = state.adapters | ({name: path} if name is not None else {})
+    state.adapters = {n: known.get(n) for n in names}

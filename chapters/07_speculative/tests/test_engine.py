@@ -320,26 +320,35 @@ def test_copy_block_copies_a_block_in_every_layer(engine):
         assert torch.equal(new[5], old[2]) and torch.equal(new[:5], old[:5])
 
 
-def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_go_on(tiny, monkeypatch):
+@pytest.mark.parametrize("how", ["NaN logits", "a penalty takes the last finite logit"])
+def test_a_request_whose_row_has_no_token_fails_alone_and_the_others_go_on(tiny, monkeypatch, how):
     # A row with no finite logit (an overflow: float16's on a GPU, say) made sample() raise for the
     # whole step, and every request in it failed. Now that request alone ends, with its error.
     from sampling import NoTokenError
 
     seeded = SamplingParams(temperature=0.8, seed=7)
-    reqs = [Request([1, 300 + i, 500 + i, 700 + i], seeded if i == 2 else GREEDY, max_tokens=8, ignore_eos=True) for i in range(3)]
+    penalized = SamplingParams(temperature=0, repetition_penalty=100)  # (prompts hold token 1)
+    params = [GREEDY, penalized if how.startswith("a penalty") else GREEDY, seeded]
+    reqs = [Request([1, 300 + i, 500 + i, 700 + i], params[i], max_tokens=8, ignore_eos=True) for i in range(3)]
     alone = [tiny.generate([r])[0][0].token_ids for r in reqs]
-    ids = {tiny.add(r): i for i, r in enumerate(reqs)}
-    poisoned = next(tiny.requests[rid].seqs[0] for rid, i in ids.items() if i == 1)
-    real = tiny.runner.run
+    added = []
+    real_add, real_run = tiny.add, tiny.runner.run
+    monkeypatch.setattr(tiny, "add", lambda *a, **k: added.append(real_add(*a, **k)) or added[-1])
 
-    def run(work):  # the poisoned sequence's row goes NaN once it has 3 tokens out
-        logits = real(work)
+    def run(work):  # the rows of the first sequence of the second request added go bad at its 4th token
+        logits = real_run(work)
+        state = tiny.requests.get(added[min(1, len(added) - 1)])
         for row, w in enumerate(work):
-            if w.block_table is poisoned.block_table and len(poisoned.output) >= 3:
-                logits[row] = float("nan")
+            if state is not None and w.block_table is state.seqs[0].block_table and len(state.seqs[0].output) >= 3:
+                if how == "NaN logits":
+                    logits[row] = float("nan")
+                else:  # finite, until the penalty scales token 1 (in the prompt) past float32's range
+                    logits[row] = float("-inf")
+                    logits[row, 1] = -1e37
         return logits
 
     monkeypatch.setattr(tiny.runner, "run", run)
+    ids = {tiny.add(r): i for i, r in enumerate(reqs)}
     got, errors = {}, {}
     while tiny.has_work():
         for rid, events, _ in tiny.step():
@@ -348,10 +357,10 @@ def test_a_request_whose_logits_go_nan_fails_alone_and_the_others_go_on(tiny, mo
             else:
                 got.setdefault(ids[rid], []).extend(t for e in events for t in e.token_ids)
     assert list(errors) == [1] and isinstance(errors[1], NoTokenError) and "no finite logit" in str(errors[1])
-    assert got[1] == alone[1][:3]  # its tokens up to the NaN row, then nothing
+    assert got[1] == alone[1][:3]  # its tokens up to the bad row, then nothing
     assert got[0] == alone[0] and got[2] == alone[2]  # the others as alone: the seeded one's draws untouched
     assert not tiny.requests and tiny.blocks.num_used == 0
-    monkeypatch.setattr(tiny.runner, "run", lambda work: torch.full_like(real(work), float("nan")))
+    added.clear()
     with pytest.raises(NoTokenError, match="no finite logit"):
-        tiny.generate([reqs[0]])
-    assert not tiny.requests and tiny.blocks.num_used == 0
+        tiny.generate([reqs[0], reqs[1], reqs[2]])  # the second fails: the call raises ...
+    assert not tiny.requests and tiny.blocks.num_used == 0  # ... and takes the others out of the engine

@@ -164,6 +164,31 @@ def test_load_inplace_gives_new_requests_the_new_weights_while_a_running_one_kee
     assert r.status_code == 200 and text_of(complete(url, "a").json()) == expected["a"]
 
 
+def test_a_load_in_place_and_an_unload_in_flight_at_once_leave_the_servers_list_as_the_engines(paths):
+    # The routes in this process, both calls submitted before the engine thread runs either: the
+    # load used to put the name back on the server's list after the unload had taken it off the
+    # engine's, and /v1/models then listed an adapter no request could use.
+    import asyncio
+    from types import SimpleNamespace
+
+    from lora_routes import LoadLoraRequest, UnloadLoraRequest, load_lora_adapter, unload_lora_adapter
+    from worker import Worker
+
+    engine, _ = build_engine(MODEL, "cpu", "float32", lora_modules={"x": paths["a"]}, num_blocks=64)
+    state = SimpleNamespace(worker=Worker(lambda: engine), model_name=MODEL, adapters={"x": str(paths["a"])})
+    http_request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=state)))
+    load = LoadLoraRequest(lora_name="x", lora_path=str(paths["b"]), load_inplace=True)
+
+    async def both():
+        return await asyncio.gather(
+            load_lora_adapter(load, http_request), unload_lora_adapter(UnloadLoraRequest(lora_name="x"), http_request)
+        )
+
+    answers = asyncio.run(both())
+    assert [a.split()[-1] for a in answers] == ["successfully."] * 2
+    assert engine.adapters.names() == [] and state.adapters == {}
+
+
 @pytest.mark.parametrize(
     "path, body, status, message",
     [
