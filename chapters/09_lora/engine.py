@@ -126,7 +126,11 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         # Late-bound: a tensor-parallel engine swaps in a runner that reaches every rank.
         self.adapters = AdapterSlots(
-            max_loras, lambda p: self.runner.read_lora(p), lambda s, a: self.runner.write_lora(s, a), max_cpu_loras
+            max_loras,
+            lambda p: self.runner.read_lora(p),
+            lambda s, a: self.runner.write_lora(s, a),
+            max_cpu_loras,
+            lambda a: self.runner.forget_lora(a),
         )
         if max_loras:
             self.runner.enable_lora(max_loras, max_lora_rank)

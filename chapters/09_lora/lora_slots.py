@@ -61,15 +61,17 @@ class AdapterSlots:
         read: Callable[[Path], Adapter],
         write: Callable[[int, Adapter | None], None],
         max_cpu: int | None = None,
+        forget: Callable[[Adapter], None] = lambda adapter: None,
     ):
         """read(path) -> the checked Adapter (lora.read_adapter for the model); write(slot, adapter)
-        fills a slot of the model's table, or empties it (None): the runner's, on every rank.
+        fills a slot of the model's table, or empties it (None): the runner's, on every rank;
+        forget(adapter): a host copy that read() gave is dropped (the other ranks drop theirs).
         max_cpu: host copies kept of adapters no sequence uses (None: every one)."""
         if n_slots < 0:
             raise UserError(f"--max-loras must be at least 0 (0: no adapters), got {n_slots}")
         if max_cpu is not None and max_cpu < max(n_slots, 1):
             raise UserError(f"--max-cpu-loras must be at least --max-loras ({max(n_slots, 1)}), got {max_cpu}")
-        self.n_slots, self._read, self._write, self.max_cpu = n_slots, read, write, max_cpu
+        self.n_slots, self._read, self._write, self._forget, self.max_cpu = n_slots, read, write, forget, max_cpu
         self.current: dict[str, int] = {}  # name -> the uid a new request of it gets
         self.loads: dict[int, Registration] = {}  # uid -> its registration, current or draining
         self.on_host: OrderedDict[int, None] = OrderedDict()  # uids with a host copy, least recent first
@@ -202,6 +204,8 @@ class AdapterSlots:
                 self.idle.move_to_end(slot, last=False)  # an empty slot is the first to fill
             del self.loads[uid]
             self.on_host.pop(uid, None)
+            if load.adapter is not None:
+                self._forget(load.adapter)
 
     # --- host copies ------------------------------------------------------------------------------
 
@@ -220,6 +224,7 @@ class AdapterSlots:
                 return
             if self.loads[uid].users == 0 and uid != keep:
                 del self.on_host[uid]
+                self._forget(self.loads[uid].adapter)
                 self.loads[uid].adapter = None
 
     def _read_again(self, load: Registration) -> Adapter:

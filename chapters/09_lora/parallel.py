@@ -292,6 +292,7 @@ class ParallelRunner:
 
     def __init__(self, group: Group, inner: ModelRunner):
         self.group, self.inner, self.id = group, inner, next(group._ids)
+        self._adapter_keys, self._sent_adapters = itertools.count(1), {}  # key -> rank 0's copy (read_lora)
         self.model, self.cache, self.graphs = inner.model, inner.cache, None
         inner.shard = group.shard
         group.send(("runner", self.id, inner.cache.num_blocks, inner.block_size))
@@ -303,12 +304,27 @@ class ParallelRunner:
         self.inner.enable_lora(n_slots, max_rank)
 
     def read_lora(self, path):
-        return self.inner.read_lora(path)
+        """Every rank reads the adapter's files now, when rank 0 does (checked here first), and keeps
+        its copy under a key until forget_lora: a slot filled later (a swap, a preemption, a sequence
+        of a registration since loaded again in place) gets the same weights on every rank even if
+        the files changed in between."""
+        adapter = self.inner.read_lora(path)
+        key = next(self._adapter_keys)
+        self.group.send(("lora_read", self.id, key, str(path)))
+        self._sent_adapters[key] = adapter
+        return adapter
+
+    def forget_lora(self, adapter) -> None:
+        key = self._key_of(adapter)
+        del self._sent_adapters[key]
+        self.group.send(("lora_forget", self.id, key))
 
     def write_lora(self, slot: int, adapter) -> None:
-        """Every rank reads the adapter's files itself (checked here first) and keeps its slices."""
-        self.group.send(("lora", self.id, slot, None if adapter is None else str(adapter.path)))
+        self.group.send(("lora", self.id, slot, None if adapter is None else self._key_of(adapter)))
         self.group._guard(self.inner.write_lora, slot, adapter)
+
+    def _key_of(self, adapter) -> int:
+        return next(key for key, sent in self._sent_adapters.items() if sent is adapter)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -507,6 +523,7 @@ def worker_main() -> int:
         print(f"tensor parallel: rank {rank} could not load its shard: {e}", file=sys.stderr, flush=True)
         return 1
     runners: dict[int, ModelRunner] = {}
+    adapters: dict[int, object] = {}  # this rank's copies of the adapters rank 0 holds, by key (read_lora)
     with torch.inference_mode():
         while True:
             message = group.recv()
@@ -521,10 +538,14 @@ def worker_main() -> int:
                 runners[rid].shard = group.shard
             elif kind == "lora_enable":
                 runners[message[1]].enable_lora(*message[2:])
+            elif kind == "lora_read":
+                _, rid, key, path = message
+                adapters[key] = runners[rid].read_lora(Path(path))
+            elif kind == "lora_forget":
+                del adapters[message[2]]
             elif kind == "lora":
-                _, rid, slot, path = message
-                runner = runners[rid]
-                runner.write_lora(slot, None if path is None else runner.read_lora(Path(path)))
+                _, rid, slot, key = message
+                runners[rid].write_lora(slot, None if key is None else adapters[key])
             elif kind == "drop":
                 runners.pop(message[1], None)
             elif kind == "stop":

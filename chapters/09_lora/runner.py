@@ -89,6 +89,10 @@ class ModelRunner:
         config = self.model.config if self.shard is None else self.shard[0]
         return read_adapter(path, config, self.model.lora.max_rank, self.model.dtype)
 
+    def forget_lora(self, adapter: Adapter) -> None:
+        """A host copy read_lora gave is dropped: one process keeps nothing else (a tensor-parallel
+        runner's other ranks drop theirs: parallel.py)."""
+
     def write_lora(self, slot: int, adapter: Adapter | None) -> None:
         """Fills `slot` of the model's table with `adapter` (this rank's part of it), or empties it (None)."""
         if adapter is None:

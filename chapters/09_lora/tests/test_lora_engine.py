@@ -270,7 +270,8 @@ def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
 
     with pytest.raises(UserError, match="--max-cpu-loras must be at least --max-loras"):
         AdapterSlots(2, read, lambda s, a: None, max_cpu=1)
-    slots = AdapterSlots(1, read, lambda s, a: None, max_cpu=1)
+    forgot = []  # the host copies dropped, as a tensor-parallel runner's other ranks hear of them
+    slots = AdapterSlots(1, read, lambda s, a: None, max_cpu=1, forget=lambda adapter: forgot.append(adapter.path.name))
     for name in "abc":
         slots.register(name, folders[name])
 
@@ -280,7 +281,7 @@ def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
     def on_host():
         return [slots.loads[uid].name for uid in slots.on_host]
 
-    assert on_host() == ["c"] and held("a") is None and reads == ["a", "b", "c"]
+    assert on_host() == ["c"] and held("a") is None and reads == ["a", "b", "c"] and forgot == ["a", "b"]
     slots.enter("a")  # named again: read from its folder, and kept while a sequence uses it
     assert reads[-1] == "a" and held("a") is not None and held("c") is None
     slots.check("b")  # a check reads nothing (a server's threads call it)
@@ -288,7 +289,7 @@ def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
     slots.enter("b")  # b read again; a is in use, so both stay (over the limit while in use)
     assert on_host() == ["a", "b"]
     slots.leave(slots.current["a"])  # no longer in use: the least recently used copy goes
-    assert on_host() == ["b"] and held("a") is None
+    assert on_host() == ["b"] and held("a") is None and forgot == ["a", "b", "c", "a"]
     (folders["c"] / "adapter_config.json").write_text('{"r": 4}')  # changed since it was registered
     with pytest.raises(UserError, match="'c': its files in .* changed"):
         slots.enter("c")

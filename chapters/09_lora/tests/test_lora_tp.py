@@ -51,3 +51,46 @@ def test_tp2_with_adapters_equals_tp1(paths):
     for i, t in enumerate(want[0]):
         by_adapter.setdefault(names[i % 4], []).append(tuple(t))
     assert len({ts[0] for ts in by_adapter.values()}) >= 3  # the adapters change the tokens
+
+
+def test_a_name_loaded_again_in_place_from_its_own_folder_keeps_each_rank_on_the_same_weights(paths, tmp_path):
+    # The other ranks read an adapter's files when a slot was filled: a sequence of the old
+    # registration that got its slot after the folder was overwritten and loaded again in place ran
+    # with the old weights on rank 0 and the new ones on rank 1. They read them when rank 0 does now.
+    import shutil
+
+    folder = tmp_path / "x"
+
+    def outputs(tp):
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(paths["o-down"], folder)
+        engine, _ = build_engine(
+            "tiny-llama3", "cpu", "float32", tensor_parallel_size=tp, lora_modules={"x": folder, "y": paths["kv-up"]},
+            max_loras=1, num_blocks=64,
+        )  # fmt: skip
+
+        def request(adapter, max_tokens=8):
+            return Request([1, 100, 2000, 4000, 77], SamplingParams(temperature=0), max_tokens=max_tokens,
+                           ignore_eos=True, adapter=adapter)  # fmt: skip
+
+        try:
+            ids = [engine.add(request("y", 6))]
+            engine.step()
+            ids.append(engine.add(request("x")))  # waits: y holds the only slot
+            engine.step()
+            shutil.rmtree(folder)
+            shutil.copytree(paths["every"], folder)  # other weights in the same folder, loaded in place
+            engine.adapters.register("x", folder, replace=True)
+            ids.append(engine.add(request("x")))
+            out = {rid: [] for rid in ids}
+            while engine.has_work():
+                for rid, events, _ in engine.step():
+                    out[rid] += [t for e in events for t in e.token_ids]
+            return [out[rid] for rid in ids], engine.stats()["lora_waits"]
+        finally:
+            if tp > 1:
+                engine.tensor_parallel.close()
+
+    want, waits = outputs(1)
+    assert waits > 0 and want[1] != want[2]  # the old x waited for the slot; old and new weights differ
+    assert outputs(2)[0] == want
