@@ -122,11 +122,11 @@ def test_load_and_unload_while_a_stream_runs(server, paths, expected):
     assert streamed[0][0].startswith(expected[None])  # the base stream never saw the adapters come and go
 
 
-def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, expected):
-    url, _ = server
-    result = {}
-    body = {"model": "b", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-    started = threading.Event()
+def streaming(url: str, model: str) -> tuple[threading.Thread, dict]:
+    """A 64-token stream of `model` in a thread, once its first chunk has come. -> (the thread, a
+    dict that gets its text and token count when it ends)."""
+    result, started = {}, threading.Event()
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
 
     def run():
         result["text"], result["n"] = stream_text(url, body, started.set)
@@ -134,6 +134,12 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, exp
     t = threading.Thread(target=run)
     t.start()
     assert started.wait(60)
+    return t, result
+
+
+def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, expected):
+    url, _ = server
+    t, result = streaming(url, "b")
     r = http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)
     assert r.status_code == 200
     t.join(timeout=120)
@@ -143,17 +149,8 @@ def test_unloading_an_adapter_in_use_lets_its_request_finish_with_it(server, exp
 
 def test_load_inplace_gives_new_requests_the_new_weights_while_a_running_one_keeps_the_old(server, paths, expected):
     # vLLM's `load_inplace` (its clients send it): refused as an unknown field before
-    url, _ = server  # ("a": the test before this one unloads "b")
-    result = {}
-    body = {"model": "a", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-    started = threading.Event()
-
-    def run():
-        result["text"], result["n"] = stream_text(url, body, started.set)
-
-    t = threading.Thread(target=run)
-    t.start()
-    assert started.wait(60)
+    url, _ = server
+    t, result = streaming(url, "a")  # ("a": the test before this one unloads "b")
     load = {"lora_name": "a", "lora_path": str(paths["late"]), "load_inplace": True}
     r = http.post(url + "/v1/load_lora_adapter", json=load, timeout=60)
     assert r.status_code == 200, r.text
