@@ -97,6 +97,28 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _size(reader, path: Path, key: str) -> int:
+    """A metadata entry that sizes the model: present, a whole number, at least 1."""
+    value = _field(reader, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{path}: metadata {key} is {value!r}; a Llama GGUF gives a whole number of at least 1")
+    return value
+
+
+def _check_layout(reader, path: Path) -> None:
+    """Each tensor's bytes start on the file's alignment and overlap no other's: the reader takes
+    the offsets as written, so a shifted one would read its neighbour's bytes as its own."""
+    alignment = getattr(reader, "alignment", 32)
+    end = reader.data_offset
+    for t in sorted(reader.tensors, key=lambda t: t.data_offset):
+        if (t.data_offset - reader.data_offset) % alignment or t.data_offset < end:
+            raise CheckpointError(
+                f"{path}: tensor {t.name}'s data at byte {t.data_offset} is misaligned or overlaps the tensor "
+                f"before it (alignment {alignment}): a corrupt file"
+            )
+        end = t.data_offset + t.n_bytes
+
+
 def read_gguf(path: str | Path) -> tuple[dict, dict]:
     """-> (config.json as a dict, {checkpoint name: tensor or Int4Weight / Int8Weight})."""
     import gguf
@@ -109,15 +131,23 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{path}: architecture {arch!r}; this engine runs 'llama' GGUF files")
-    heads, kv_heads = _field(reader, "llama.attention.head_count"), _field(reader, "llama.attention.head_count_kv")
+    _check_layout(reader, path)
+    heads, hidden = _size(reader, path, "llama.attention.head_count"), _size(reader, path, "llama.embedding_length")
+    kv_key = "llama.attention.head_count_kv"  # absent: as many as the query heads (GGUF's convention)
+    kv_heads = _size(reader, path, kv_key) if kv_key in reader.fields else heads
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise CheckpointError(f"{path}: no tokenizer in its metadata (tokenizer.ggml.tokens)")
     names = {t.name for t in reader.tensors}
-    hidden = _field(reader, "llama.embedding_length")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None or int(embedding.shape[0]) != hidden:
+        width = None if embedding is None else int(embedding.shape[0])
+        raise CheckpointError(f"{path}: token_embd.weight has rows of {width}, llama.embedding_length says {hidden}")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "intermediate_size": _size(reader, path, "llama.feed_forward_length"),
+        "num_hidden_layers": _size(reader, path, "llama.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": _field(reader, "llama.rope.dimension_count", hidden // heads),
@@ -164,13 +194,23 @@ def convert_gguf(path: str | Path, out: str | Path) -> Path:
     spec = _spec_of(weights, config)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_quantized(weights, config, spec, tmp)
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
-    (tmp / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n"
-    )
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:  # a failure leaves nothing behind: no half-written folder per attempt
+        save_quantized(weights, config, spec, tmp)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as e:  # noqa: BLE001  (transformers' parser of GGUF metadata: any of its errors)
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise CheckpointError(f"{path}: its tokenizer cannot be read ({type(e).__name__}: {first})") from None
+        tokenizer.save_pretrained(tmp)
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n"
+        )
+        if out.is_dir():
+            out.rmdir()  # an empty folder only (quantize.py checks --out): never what a user keeps there
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

@@ -148,10 +148,11 @@ def load_quantized(model_dir: str | Path, config: LlamaConfig, spec: QuantSpec, 
 
     expected = _expected_entries(config, spec)
     stored: dict[str, tuple[Path, dict]] = {}
+    problems = []
     for f in checkpoint_files(model_dir):
         header, _ = read_header(f)
+        problems += [f"{name}: stored twice ({stored[name][0].name} and {f.name})" for name in header if name in stored]
         stored |= {name: (f, info) for name, info in header.items()}
-    problems = []
     for name in sorted(expected.keys() & stored.keys()):
         want_dtype, want_shape = expected[name]
         info = stored[name][1]
@@ -183,6 +184,9 @@ def load_quantized(model_dir: str | Path, config: LlamaConfig, spec: QuantSpec, 
     for name, t in flat.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise CheckpointError(f"{model_dir}: tensor {name} holds NaN or infinity")
+        # a scale times the largest code must stay a float32 number: a finite 1e38 made every logit NaN
+        if name.endswith((".scales", ".mins")) and not torch.isfinite(t.float().abs().amax() * 128):
+            raise CheckpointError(f"{model_dir}: tensor {name} holds a scale past float32's range once multiplied out")
 
     weights = {}
     for name in expected_shapes(config):

@@ -73,7 +73,10 @@ def resolve(name_or_path: str | None) -> Path:
         return resolve_model(name_or_path)
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
-    out = MODELS_DIR / "gguf" / f"{path.stem}-{path.stat().st_size}-v{FORMAT_VERSION}"
+    # Keyed by size and modification time too: a file of the same name (another fine-tune, a download
+    # replaced after a corrupt one) is converted anew, never served another file's weights.
+    st = path.stat()
+    out = MODELS_DIR / "gguf" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{FORMAT_VERSION}"
     if not (out / "config.json").is_file():
         print(f"[gguf] {path.name} -> {out} (codes copied, once) ...", file=sys.stderr, flush=True)
         mine = convert_gguf(path, out.with_name(f"{out.name}.{os.getpid()}"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -56,6 +57,19 @@ def quantize_dir(model: str, spec: QuantSpec, out: Path) -> dict:
     return {"source_bytes": before, "bytes": weight_bytes(quantized)}
 
 
+def check_out(out: Path) -> Path:
+    """--out must be a new directory (or an empty one) in a folder that exists: quantize.py never
+    deletes or overwrites what is there (a source GGUF, another model, a user's notes)."""
+    out = out.expanduser().resolve()
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"--out {out} exists: give a new directory (nothing there is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise UserError(f"--out {out}: its folder {out.parent} is not writable")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -72,7 +86,7 @@ def main() -> int:
     )
     ap.add_argument("--out", required=True, help="the directory to write")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = check_out(Path(args.out))
     t0 = time.perf_counter()
     if args.from_gguf:
         convert_gguf(args.from_gguf, out)

@@ -168,3 +168,47 @@ def test_generate_reports_a_corrupt_quantized_checkpoint_plainly(int4_dir):
     r = run_python(["generate.py", "--model", str(int4_dir), "--prompt", "hi"], cwd=CHAPTER, timeout=300)
     assert r.returncode == 2 and "missing tensor model.layers.3.self_attn.o_proj.mins" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_finite_scale_past_float32_once_multiplied_is_named(tmp_path):
+    # An int8 scale (float32) of 1e38 is finite, but its codes multiply out to inf: every logit came
+    # out NaN and generate.py printed an empty answer with exit status 0.
+    int8_dir = quantize(tmp_path, "--bits", "8")
+
+    def poison(t):
+        t["model.layers.0.mlp.gate_proj.scales"][3] = 1e38
+
+    edit_tensors(int8_dir, poison)
+    with pytest.raises(CheckpointError, match=r"gate_proj\.scales holds a scale past float32's range"):
+        load(int8_dir)
+
+
+def test_a_tensor_stored_in_two_shards_is_named(int4_dir):
+    # The second shard's copy was used silently (the plain checkpoint loader refused it already).
+    tensors = load_file(int4_dir / "model.safetensors")
+    dup = "model.layers.0.self_attn.q_proj.scales"
+    save_file({dup: torch.zeros_like(tensors[dup])}, int4_dir / "zz.safetensors")
+    weight_map = {name: "model.safetensors" for name in tensors} | {dup: "zz.safetensors"}
+    (int4_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=rf"{dup}: stored twice \(model\.safetensors and zz\.safetensors\)"):
+        load(int4_dir)
+
+
+def test_quantize_never_overwrites_or_deletes_what_out_names(tmp_path):
+    # --out over an existing model folder replaced its files; --from-gguf deleted the folder first,
+    # the source GGUF included. A folder that does not exist yet, or an empty one, is written.
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "NOTES.txt").write_text("mine")
+    for out, message in [
+        (keep, "exists: give a new directory"),
+        (tmp_path / "no" / "such" / "x", "does not exist"),
+        (keep / "NOTES.txt", "exists: give a new directory"),
+    ]:
+        r = run_python(["quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(out)], cwd=CHAPTER, timeout=300)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert [p.name for p in keep.iterdir()] == ["NOTES.txt"] and (keep / "NOTES.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_python(["quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(empty)], cwd=CHAPTER, timeout=300)
+    assert r.returncode == 0 and (empty / "config.json").is_file(), r.stderr

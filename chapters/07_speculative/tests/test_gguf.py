@@ -175,3 +175,88 @@ def test_quantize_from_gguf_writes_a_loadable_directory(tmp_path):
     weights, spec = read_weights(out, load_config(out), torch.float32)
     assert spec.bits == 4 and spec.group_size == 32 and spec.head_bits == 8
     assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], Int4Weight)
+
+
+def tiny_gguf(path: Path, drop: str = "", **values) -> Path:
+    """A small GGUF of a Llama's metadata and two F32 tensors (enough for the checks that come
+    before any weight is read): `values` replace metadata entries, `drop` leaves one out."""
+    import gguf
+
+    meta = {
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.feed_forward_length": 128,
+        "llama.block_count": 1,
+        "llama.context_length": 256,
+    } | values
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in meta.items():
+        if key != drop:
+            writer.add_uint32(key, value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    if drop != "tokenizer.ggml.tokens":
+        writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(32)])
+    writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))  # [vocab, hidden]
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def shift_offset(path: Path, tensor: str, by: int) -> None:
+    """Moves `tensor`'s data offset in the tensor-info table by `by` bytes (a corrupt header)."""
+    data = bytearray(path.read_bytes())
+    name = tensor.encode()
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    at += 4 + 8 * n_dims + 4  # the dims, then the type: the offset follows
+    offset = int.from_bytes(data[at : at + 8], "little")
+    data[at : at + 8] = (offset + by).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: tiny_gguf(p, drop="llama.attention.head_count"), "llama.attention.head_count is None"),
+        (lambda p: tiny_gguf(p, **{"llama.attention.head_count": 0}), "llama.attention.head_count is 0"),
+        (lambda p: tiny_gguf(p, drop="tokenizer.ggml.tokens"), r"no tokenizer in its metadata"),
+        (lambda p: tiny_gguf(p, **{"llama.embedding_length": 32}), "rows of 64, llama.embedding_length says 32"),
+        (lambda p: shift_offset(tiny_gguf(p), "output_norm.weight", -4), "misaligned or overlaps"),
+    ],
+    ids=["no head count", "head count 0", "no tokenizer", "embedding width", "overlapping tensors"],
+)
+def test_bad_metadata_and_layout_are_named_before_any_weight_is_read(tmp_path, make, message):
+    # Each was a traceback (a TypeError, a ZeroDivisionError, a KeyError, transformers' own error
+    # 12 s later) or, for a shifted offset, a model that loaded with its neighbour's bytes.
+    path = tmp_path / "bad.gguf"
+    make(path)
+    with pytest.raises(CheckpointError, match=message):
+        read_gguf(path)
+
+
+def test_a_gguf_is_converted_again_when_its_file_changes(tmp_path, monkeypatch):
+    # The cache was keyed by the file's name and size: another GGUF of the same name and size (a
+    # fine-tune, a download replaced after a corrupt one) was served the first one's weights.
+    import os
+
+    import loading
+
+    monkeypatch.setattr(loading, "MODELS_DIR", tmp_path / "models")
+    converted = []
+
+    def convert(path, out):
+        converted.append(path)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(loading, "convert_gguf", convert)
+    path = tiny_gguf(tmp_path / "m.gguf")
+    first = loading.resolve(str(path))
+    assert loading.resolve(str(path)) == first and len(converted) == 1  # the same file: converted once
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # same name and size
+    assert loading.resolve(str(path)) != first and len(converted) == 2
