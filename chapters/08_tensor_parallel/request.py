@@ -135,6 +135,10 @@ class RequestLimits:
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
             raise UserError("the prompt is empty")
+        # the tokenizer may know more ids than the model has rows of embedding for
+        outside = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise UserError(f"prompt token ids {outside[:5]} are outside the model's vocabulary (0..{self.vocab_size - 1})")
         if req.n < 1 or req.n > 16:
             raise UserError(f"n must be between 1 and 16, got {req.n}")
         if req.max_tokens is not None and req.max_tokens < 1:

@@ -148,6 +148,7 @@ def test_cancel_stops_the_stream(engine):
         (dict(prompt_ids=[5], max_tokens=0), "max_tokens must be"),
         (dict(prompt_ids=[5], max_tokens=4, min_tokens=5), "min_tokens"),
         (dict(prompt_ids=[5], stop_token_ids=[10**6]), "outside the vocabulary"),
+        (dict(prompt_ids=[5, 10**6]), r"prompt token ids \[1000000\] are outside the model.s vocabulary"),
         (dict(prompt_ids=[5], stop=["x" * 257]), "at most 256 characters, got one of 257"),
         (dict(prompt_ids=[5], params=SamplingParams(temperature=-0.5)), "temperature"),
     ],

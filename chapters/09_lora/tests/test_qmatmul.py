@@ -91,6 +91,19 @@ def test_a_missing_op_falls_back_to_the_reference_with_a_warning(monkeypatch):
         prepare(w, torch.device("cpu"), torch.bfloat16)
 
 
+def test_int8_rows_torch_misreads_in_bfloat16_run_the_reference():
+    # torch 2.13's aten._weight_int8pack_mm reads past a bfloat16 row of 100 inputs: NaN, garbage or
+    # a segfault from run to run (`--quant int8` on a model of that width). Such weights take the
+    # reference path, with the warning; float32 rows keep the kernel, which reads them right.
+    w = make("int8", 48, 100)
+    assert "not a multiple of 16" in fast_path_missing(w, torch.device("cpu"), torch.bfloat16)
+    assert fast_path_missing(w, torch.device("cpu"), torch.float32) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare(w, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(prepared, ReferenceLinear)
+
+
 def test_a_shape_the_int4_kernels_cannot_tile_runs_the_reference():
     w = make("int4", 40, 96)  # 40 rows: not a multiple of the kernels' 16
     assert "multiples of 16" in fast_path_missing(w, torch.device("cpu"), torch.bfloat16)
