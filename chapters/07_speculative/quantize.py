@@ -76,25 +76,29 @@ def main() -> int:
     src.add_argument("--model", help="a known name or a plain checkpoint directory")
     src.add_argument("--from-gguf", help="a llama.cpp Q4_1 .gguf file: codes copied, no float detour")
     ap.add_argument("--bits", type=int, choices=[4, 8], help="with --model: 8 (per channel) or 4 (per group)")
-    ap.add_argument("--group-size", type=int, default=32, choices=INT4_GROUP_SIZES)
+    ap.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, help="with --bits 4: inputs per group (default: 32)")
     ap.add_argument("--symmetric", action="store_true", help="int4 without a zero point")
     ap.add_argument(
         "--lm-head",
         choices=["int8", "int4", "none"],
-        default="int8",
         help="the LM head (and tied embedding): int8 (default), int4, or none (kept as stored)",
     )
     ap.add_argument("--out", required=True, help="the directory to write")
     args = ap.parse_args()
     out = check_out(Path(args.out))
     t0 = time.perf_counter()
+    given = [flag for flag, value in (("--bits", args.bits), ("--group-size", args.group_size),
+             ("--symmetric", args.symmetric or None), ("--lm-head", args.lm_head)) if value is not None]  # fmt: skip
+    if args.from_gguf and given:  # they were ignored without a word
+        raise UserError(f"--from-gguf copies the file's own Q4_1 codes: {', '.join(given)} would not apply")
     if args.from_gguf:
         convert_gguf(args.from_gguf, out)
         what = f"{Path(args.from_gguf).name} (Q4_1 codes copied)"
     else:
         if args.bits is None:
             ap.error("--model needs --bits 8 or 4")
-        spec = QuantSpec(args.bits, args.group_size, args.symmetric, {"int8": 8, "int4": 4, "none": None}[args.lm_head])
+        head = {"int8": 8, "int4": 4, "none": None}[args.lm_head or "int8"]
+        spec = QuantSpec(args.bits, args.group_size or 32, args.symmetric, head)
         sizes = quantize_dir(args.model, spec, out)
         what = f"{args.model} as {spec.name}: weights {sizes['source_bytes'] / 1e6:.0f} MB -> {sizes['bytes'] / 1e6:.0f} MB"
     size = sum(p.stat().st_size for p in out.iterdir())

@@ -213,3 +213,13 @@ def test_quantize_never_overwrites_or_deletes_what_out_names(tmp_path):
     empty.mkdir()
     r = run_python(["quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(empty)], cwd=CHAPTER, timeout=300)
     assert r.returncode == 0 and (empty / "config.json").is_file(), r.stderr
+
+
+def test_from_gguf_refuses_the_flags_it_would_ignore(tmp_path):
+    # --from-gguf copies the file's Q4_1 codes: --bits 8 --group-size 128 wrote int4 G=32 without a word.
+    from common.prepare_models import find_gguf
+
+    args = ["quantize.py", "--from-gguf", str(find_gguf()), "--bits", "8", "--group-size", "128", "--out", str(tmp_path / "x")]
+    r = run_python(args, cwd=CHAPTER, timeout=300)
+    assert r.returncode == 2 and "--bits, --group-size would not apply" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()
