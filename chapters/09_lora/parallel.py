@@ -292,7 +292,6 @@ class ParallelRunner:
 
     def __init__(self, group: Group, inner: ModelRunner):
         self.group, self.inner, self.id = group, inner, next(group._ids)
-        self._adapter_keys, self._sent_adapters = itertools.count(1), {}  # key -> rank 0's copy (read_lora)
         self.model, self.cache, self.graphs = inner.model, inner.cache, None
         inner.shard = group.shard
         group.send(("runner", self.id, inner.cache.num_blocks, inner.block_size))
@@ -305,26 +304,20 @@ class ParallelRunner:
 
     def read_lora(self, path):
         """Every rank reads the adapter's files now, when rank 0 does (checked here first), and keeps
-        its copy under a key until forget_lora: a slot filled later (a swap, a preemption, a sequence
-        of a registration since loaded again in place) gets the same weights on every rank even if
-        the files changed in between."""
+        its copy until forget_lora: a slot filled later (a swap, a preemption, a sequence of a
+        registration since loaded again in place) gets the same weights on every rank even if the
+        files changed in between. The ranks know a copy by id() of rank 0's: the slot manager holds
+        that object until it calls forget_lora, so no other adapter has its id meanwhile."""
         adapter = self.inner.read_lora(path)
-        key = next(self._adapter_keys)
-        self.group.send(("lora_read", self.id, key, str(path)))
-        self._sent_adapters[key] = adapter
+        self.group.send(("lora_read", self.id, id(adapter), str(path)))
         return adapter
 
     def forget_lora(self, adapter) -> None:
-        key = self._key_of(adapter)
-        del self._sent_adapters[key]
-        self.group.send(("lora_forget", self.id, key))
+        self.group.send(("lora_forget", self.id, id(adapter)))
 
     def write_lora(self, slot: int, adapter) -> None:
-        self.group.send(("lora", self.id, slot, None if adapter is None else self._key_of(adapter)))
+        self.group.send(("lora", self.id, slot, None if adapter is None else id(adapter)))
         self.group._guard(self.inner.write_lora, slot, adapter)
-
-    def _key_of(self, adapter) -> int:
-        return next(key for key, sent in self._sent_adapters.items() if sent is adapter)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -523,7 +516,7 @@ def worker_main() -> int:
         print(f"tensor parallel: rank {rank} could not load its shard: {e}", file=sys.stderr, flush=True)
         return 1
     runners: dict[int, ModelRunner] = {}
-    adapters: dict[int, object] = {}  # this rank's copies of the adapters rank 0 holds, by key (read_lora)
+    adapters: dict[int, object] = {}  # this rank's copies of the adapters rank 0 holds, by their id there (read_lora)
     with torch.inference_mode():
         while True:
             message = group.recv()
