@@ -37,6 +37,7 @@ import ctypes
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -358,6 +359,7 @@ def _store(world: int, timeout: timedelta):
     if not (port.isdigit() and int(port) < 65536):
         raise UserError(f"MASTER_PORT={port!r} is not a port number (0-65535; 0 or unset: a free one)")
     port = int(port)
+    _check_local(addr)
     try:
         return addr, dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
     except (RuntimeError, OSError) as e:
@@ -367,6 +369,25 @@ def _store(world: int, timeout: timedelta):
             "the port is in use? set MASTER_PORT to a free one, or unset it to pick one"
         ) from None
 
+
+def _check_local(addr: str) -> None:
+    """The ranks this file spawns all run on this machine, so MASTER_ADDR must be one of its own
+    addresses: TCPStore would otherwise retry an unknown or unreachable host for minutes."""
+    try:
+        found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"MASTER_ADDR={addr!r}: no such host ({e}): unset it (127.0.0.1) or give this machine's address") from None
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind((sockaddr[0], 0))  # binding succeeds only on an address this machine has
+                return
+            except OSError:
+                continue
+    raise UserError(
+        f"MASTER_ADDR={addr!r} is not an address of this machine: the ranks --tensor-parallel-size "
+        "starts all run here (unset it for 127.0.0.1; torchrun starts ranks on several hosts)"
+    )
 
 def start(world: int, timeout_s: float) -> Group:
     """Rank 0: the group of `world` ranks, spawning the workers unless torchrun started them."""

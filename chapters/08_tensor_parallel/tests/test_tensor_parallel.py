@@ -276,6 +276,14 @@ def test_a_master_port_that_is_no_port_is_a_usage_error():
         assert r.returncode == 2 and f"error: MASTER_PORT='{port}' is not a port number" in r.stderr, r.stderr
 
 
+def test_a_master_addr_not_of_this_machine_is_refused_at_once():
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine has it. Unchecked, the store retried for minutes.
+    for addr, said in (("192.0.2.1", "is not an address of this machine"), ("nosuchhost.invalid", "no such host")):
+        start = time.monotonic()
+        r = generate_py("--model", "tiny-llama3", "--prompt", "hi", "--tensor-parallel-size", "2", env={"MASTER_ADDR": addr})
+        assert r.returncode == 2 and f"error: MASTER_ADDR='{addr}'" in r.stderr and said in r.stderr, r.stderr[-2000:]
+        assert time.monotonic() - start < 20 and "Traceback" not in r.stderr
+
 def test_engine_with_16_requests_and_speculation_equals_tp1():
     from engine import Request
     from parallel import build_engine
