@@ -84,7 +84,7 @@ def spec_of(model_dir: str | Path) -> QuantSpec | None:
         return QuantSpec(
             bits=qc["bits"],
             group_size=qc.get("group_size", 32),
-            symmetric=bool(qc.get("symmetric", False)),
+            symmetric=qc.get("symmetric", False),  # the string "false" is not False: QuantSpec checks
             head_bits=head,
         )
     except KeyError as e:

@@ -126,8 +126,15 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
     path = Path(path)
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, IndexError) as e:
+        # The reader maps the file and slices its tensors as the header says: a file cut short
+        # fails there with numpy's words about shapes and sizes, so say what they mean.
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file ({path.stat().st_size} bytes): cut short (an interrupted "
+            f"download?) or not GGUF at all; the reader said: {e}"
+        ) from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{path}: architecture {arch!r}; this engine runs 'llama' GGUF files")

@@ -144,6 +144,10 @@ def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False) -> 
     return Int4Weight(pack_int4(codes.reshape(out, n_in)), scale, min_, g, symmetric)
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How to quantize a model: `bits` for every decoder linear layer; `head_bits` for the LM head
@@ -155,12 +159,16 @@ class QuantSpec:
     head_bits: int | None = 8
 
     def __post_init__(self):
-        if self.bits not in (4, 8):
-            raise UserError(f"bits must be 4 or 8, got {self.bits}")
-        if self.head_bits not in (4, 8, None):
-            raise UserError(f"the LM head's bits must be 4, 8 or none, got {self.head_bits}")
-        if (self.bits == 4 or self.head_bits == 4) and self.group_size not in INT4_GROUP_SIZES:
-            raise UserError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
+        # `in` compares by ==: 4.0 and True would pass as 4 and 1, and a config's "4" would print as 4.
+        if not _whole(self.bits) or self.bits not in (4, 8):
+            raise UserError(f"bits must be 4 or 8, got {self.bits!r}")
+        if self.head_bits is not None and (not _whole(self.head_bits) or self.head_bits not in (4, 8)):
+            raise UserError(f"the LM head's bits must be 4, 8 or none, got {self.head_bits!r}")
+        int4 = self.bits == 4 or self.head_bits == 4
+        if int4 and (not _whole(self.group_size) or self.group_size not in INT4_GROUP_SIZES):
+            raise UserError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size!r}")
+        if not isinstance(self.symmetric, bool):
+            raise UserError(f"symmetric must be true or false, got {self.symmetric!r}")
 
     def quantize(self, w: torch.Tensor, bits: int | None = None) -> QuantWeight:
         bits = bits or self.bits

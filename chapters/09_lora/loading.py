@@ -17,6 +17,7 @@ import torch
 
 from common.config import load_config
 from common.device import pick_device, pick_dtype
+from common.errors import UserError
 from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
 from gguf_file import convert_gguf
 from model import load_model
@@ -98,6 +99,8 @@ def load(
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
     ops.from_args parses them, or only a --kernels choice."""
+    if spec is not None and Path(str(name_or_path or "")).suffix == ".gguf":  # before its conversion
+        raise UserError(f"{name_or_path} is already quantized (a GGUF file); --quant applies to a plain checkpoint")
     model_dir = resolve(name_or_path)
     dev = pick_device(device)
     quantized = spec is not None or spec_of(model_dir) is not None

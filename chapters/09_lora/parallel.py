@@ -376,7 +376,9 @@ def _check_local(addr: str) -> None:
     try:
         found = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        raise UserError(f"MASTER_ADDR={addr!r}: no such host ({e}): unset it (127.0.0.1) or give this machine's address") from None
+        raise UserError(
+            f"MASTER_ADDR={addr!r}: no such host ({e}): unset it (127.0.0.1) or give this machine's address"
+        ) from None
     for family, kind, proto, _, sockaddr in found:
         with socket.socket(family, kind, proto) as s:
             try:

@@ -218,6 +218,11 @@ def shift_offset(path: Path, tensor: str, by: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def cut_short(path: Path, keep: int) -> None:
+    """The file as a download that stopped leaves it: its first `keep` bytes (keep < 0: all but the
+    last -keep)."""
+    path.write_bytes(path.read_bytes()[:keep])
+
 @pytest.mark.parametrize(
     "make, message",
     [
@@ -226,8 +231,13 @@ def shift_offset(path: Path, tensor: str, by: int) -> None:
         (lambda p: tiny_gguf(p, drop="tokenizer.ggml.tokens"), r"no tokenizer in its metadata"),
         (lambda p: tiny_gguf(p, **{"llama.embedding_length": 32}), "rows of 64, llama.embedding_length says 32"),
         (lambda p: shift_offset(tiny_gguf(p), "output_norm.weight", -4), "misaligned or overlaps"),
+        (lambda p: cut_short(tiny_gguf(p), 100), r"\(\d+ bytes\): cut short \(an interrupted download\?\)"),
+        (lambda p: cut_short(tiny_gguf(p), -16), r"\(\d+ bytes\): cut short"),
     ],
-    ids=["no head count", "head count 0", "no tokenizer", "embedding width", "overlapping tensors"],
+    ids=[
+        "no head count", "head count 0", "no tokenizer", "embedding width", "overlapping tensors",
+        "cut in the header", "cut in a tensor",
+    ],  # fmt: skip
 )
 def test_bad_metadata_and_layout_are_named_before_any_weight_is_read(tmp_path, make, message):
     # Each was a traceback (a TypeError, a ZeroDivisionError, a KeyError, transformers' own error
@@ -260,3 +270,15 @@ def test_a_gguf_is_converted_again_when_its_file_changes(tmp_path, monkeypatch):
     assert loading.resolve(str(path)) == first and len(converted) == 1  # the same file: converted once
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # same name and size
     assert loading.resolve(str(path)) != first and len(converted) == 2
+
+
+def test_quant_on_a_gguf_is_refused_before_its_conversion(tmp_path, monkeypatch):
+    # Refused only after the 10 s conversion before, and naming the converted folder, not the file.
+    import loading
+    from common.errors import UserError
+    from quant import QuantSpec
+
+    monkeypatch.setattr(loading, "convert_gguf", lambda path, out: pytest.fail("converted before the refusal"))
+    path = tiny_gguf(tmp_path / "m.gguf")
+    with pytest.raises(UserError, match=rf"^{path} is already quantized \(a GGUF file\); --quant applies"):
+        loading.load(str(path), "cpu", "float32", QuantSpec(bits=8, group_size=32, symmetric=False, head_bits=8))

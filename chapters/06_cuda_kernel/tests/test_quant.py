@@ -113,6 +113,11 @@ def test_bytes_per_weight():
         ({"bits": 3}, "bits must be 4 or 8"),
         ({"bits": 4, "group_size": 48}, "group size"),
         ({"bits": 8, "head_bits": 2}, "LM head"),
+        # a quantized checkpoint's config.json can hold any JSON: each of these passed an `in` check
+        ({"bits": "4"}, r"bits must be 4 or 8, got '4'"),
+        ({"bits": True}, r"bits must be 4 or 8, got True"),
+        ({"bits": 4, "group_size": 128.0}, r"int4 group size must be one of \(32, 64, 128\), got 128.0"),
+        ({"bits": 4, "symmetric": "false"}, r"symmetric must be true or false, got 'false'"),
     ],
 )
 def test_bad_specs_are_clear_errors(kw, message):
