@@ -7,7 +7,8 @@ once, batch 1, and its cache rows and logits are copied to the n rows. Then per 
     tokens  = sample(logits, params, ...)                     # sampling.py
     for each row: stop on EOS / stop_token_ids,              # unless ignore_eos, or min_tokens not reached
                   text += detokenizer.add(token)              # detokenizer.py: never half a character
-                  stop on a stop string                       # stopping.py: across token boundaries
+                  stop on a stop string                       # stopping.py: across token boundaries;
+                                                              # none before min_tokens either
                   stop at max_tokens or at the context end    # finish_reason "length"
 
 The cache starts at the prompt plus a chunk and doubles when full (memory.py). Operator limits:
@@ -137,6 +138,9 @@ class Engine:
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
+        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        if req.min_tokens > 0 and len(stop_ids) >= self.model.config.vocab_size:
+            raise UserError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
         if n_prompt >= self.context:
             raise UserError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
         if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:
@@ -178,17 +182,18 @@ class Engine:
         while not all(finished):
             if cancelled():
                 return
-            logits = logits.float()
+            banned = None  # [n, vocab] bool: too early to stop, so the short rows may not draw a stop token
             if req.min_tokens and stop_ids:
-                # Too early to stop: make the stop tokens impossible for the rows that are short.
                 short = torch.tensor([len(o) < req.min_tokens for o in outputs], device=device)
-                logits[short[:, None] & self._id_mask(stop_ids, device)] = float("-inf")
-            tokens, logprobs = sample(logits, [req.params] * n, generators, [prompt] * n, outputs)
+                banned = short[:, None] & self._id_mask(stop_ids, device)
+            tokens, logprobs = sample(logits, [req.params] * n, generators, [prompt] * n, outputs, banned)
             events = []
             for i, token in enumerate(tokens):
                 if finished[i]:
                     continue
-                event = self._advance(i, token, logprobs[i], outputs[i], detoks[i], matchers[i], stop_ids, max_tokens)
+                event = self._advance(
+                    i, token, logprobs[i], outputs[i], detoks[i], matchers[i], stop_ids, max_tokens, req.min_tokens
+                )
                 finished[i] = event.finish_reason is not None
                 if event.text or event.finish_reason or event.token_ids:
                     events.append(event)
@@ -208,15 +213,17 @@ class Engine:
         logits = forward(model, torch.tensor([prompt], device=model.device), cache, last_only=True)[:, -1]
         if n > 1:
             resize(cache, n, capacity)
-        return cache, logits.float().repeat(n, 1)  # [n, vocab]: a row each, to mask on its own
+        return cache, logits.float().repeat(n, 1)  # [n, vocab]: a row for each choice
 
-    def _advance(self, i, token, logprob, output, detok, matcher, stop_ids, max_tokens) -> Event:
+    def _advance(self, i, token, logprob, output, detok, matcher, stop_ids, max_tokens, min_tokens) -> Event:
         lps = [logprob] if logprob is not None else []
         if token in stop_ids:
             # The stop token is not part of the text; what the matcher held back is.
             return Event(i, _remaining_text(detok, matcher), [token], lps, "stop")
         output.append(token)
-        text, hit = matcher.feed(detok.add(token))
+        delta = detok.add(token)
+        # No stop rule before min_tokens, stop strings included (vLLM's rule): that text is not searched.
+        text, hit = (delta, False) if len(output) < min_tokens else matcher.feed(delta)
         if hit:
             return Event(i, text, [token], lps, "stop")
         if len(output) >= max_tokens:

@@ -200,21 +200,23 @@ class Engine:
         if not ready:
             return []
         rows = [row for row, _ in ready]
-        # A decode step's rows are the first ones, in order: a view then, not a gather. sample() makes
-        # the float32 copy it works on, so the min_tokens masks below go into the step's own logits.
+        # A decode step's rows are the first ones, in order: a view then, not a gather.
         if rows == list(range(len(rows))):
             x = logits[: len(rows)]  # [ready, vocab]
         else:
             x = logits[torch.tensor(rows, device=logits.device)]  # [ready, vocab]
         seqs = [seq for _, seq in ready]
+        banned = None  # [ready, vocab] bool: min_tokens makes the stop tokens impossible for now
         for i, seq in enumerate(seqs):
             state = self.requests[seq.request_id]
-            if state.too_early_to_stop(seq):  # min_tokens: make the stop tokens impossible for now
-                x[i].masked_fill_(state.stop_mask(x.shape[-1], x.device), float("-inf"))
+            if state.too_early_to_stop(seq):
+                banned = torch.zeros(x.shape, dtype=torch.bool, device=x.device) if banned is None else banned
+                banned[i] = state.stop_mask(x.shape[-1], x.device)
         try:
             tokens, logprobs = sample(
-                x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs]
-            )
+                x, [s.params for s in seqs], [s.generator for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
+                banned,
+            )  # fmt: skip
         except NoTokenError:  # raised before any draw, so each row again on its own: the row at fault fails
             if len(ready) == 1:  # (its logits, or a penalty, left no finite one)
                 failed[seqs[0].request_id] = no_token_error(seqs[0])
@@ -234,7 +236,7 @@ class Engine:
         news: dict[str, list[Event]] = {}
         for seq, tokens, logprobs in new_tokens:
             state = self.requests[seq.request_id]
-            event = append_tokens(seq, tokens, logprobs, state.stop_ids)
+            event = append_tokens(seq, tokens, logprobs, state.stop_ids, state.request.min_tokens)
             if event.finish_reason is not None:
                 self.scheduler.finish(seq)
                 state.n_finished += 1

@@ -7,6 +7,7 @@ Per row of logits, in this order:
     x[seen]    = x / r  where x > 0, x * r where x <= 0     # repetition penalty, seen = prompt + output
     x[out]    -= presence + frequency * count(out)          # OpenAI penalties, output tokens only
     x[bias]   += logit_bias
+    x[banned]  = -inf                                       # stop tokens before min_tokens (the engine's)
     x          = -inf where NaN, the largest float where +inf   # non-finite logits, see below
     temperature == 0:  token = argmax(x)                    # greedy (so is temperature < 1e-5)
     otherwise:         p = softmax(x / temperature)
@@ -202,9 +203,12 @@ def sample(
     generators: list[torch.Generator | None],
     prompt_tokens: list[list[int]],
     output_tokens: list[list[int]],
+    banned: torch.Tensor | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of `logits` ([batch, vocab], left unchanged), and its logprobs when the
-    row's params ask for them. Parameters are assumed valid (SamplingParams.validate)."""
+    row's params ask for them. banned: [batch, vocab] bool, tokens a row may not draw now (the stop
+    tokens before min_tokens); like the penalties they shape the draw, not the reported logprobs.
+    Parameters are assumed valid (SamplingParams.validate)."""
     batch, vocab = logits.shape
     if not len(params) == len(generators) == len(prompt_tokens) == len(output_tokens) == batch:
         raise ValueError(f"sample: {batch} rows of logits need one params, generator, prompt and output each")
@@ -213,6 +217,8 @@ def sample(
     x = logits.to(torch.float32, copy=True)  # [batch, vocab]: ours to change
     for i, p in enumerate(params):
         apply_penalties(x[i], p, prompt_tokens[i], output_tokens[i])
+    if banned is not None:
+        x.masked_fill_(banned, float("-inf"))
     # Greedy rows take the argmax (the first one on ties); it is computed for every row because one
     # batched argmax is cheaper than picking rows out, and sampled rows overwrite theirs.
     best, tokens = row_max(x)  # [batch] each
@@ -354,5 +360,7 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
     chosen, top_lp, top_id = chosen.tolist(), top_lp.tolist(), top_id.tolist()  # one transfer each
     for j, i in enumerate(rows):
         n = params[i].logprobs
-        result[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_id[j][:n], top_lp[j][:n])))
+        # a row with fewer than n possible tokens: the impossible ones (-inf, not JSON) are no alternatives
+        top = [(t, lp) for t, lp in zip(top_id[j][:n], top_lp[j][:n]) if lp != -math.inf]
+        result[i] = TokenLogprob(tokens[i], chosen[j], top)
     return result

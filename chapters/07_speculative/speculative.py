@@ -273,10 +273,9 @@ class Speculator:
             else:
                 seq.spec_k = max(1, seq.spec_k - 1)
             seq.draft, seq.draft_probs = [], None
-            # The logprobs plain decoding reports: the model's distribution at each row, less the
-            # tokens min_tokens bans there (the engine masks them before sampling as here).
+            # The logprobs plain decoding reports: the model's raw distribution at each row (the
+            # min_tokens ban shapes the draw, as the penalties do, not what is reported).
             n = len(verdict.tokens)
-            raw = rows[:n] if banned is None else rows[:n].float().masked_fill(banned[:n], float("-inf"))
-            logprobs = token_logprobs(raw, [seq.params] * n, verdict.tokens)
+            logprobs = token_logprobs(rows[:n], [seq.params] * n, verdict.tokens)
             out.append((seq, verdict.tokens, logprobs))
         return out

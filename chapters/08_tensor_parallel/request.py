@@ -180,14 +180,18 @@ class RequestLimits:
             )
 
 
-def append_token(seq: Sequence, token: int, logprob: TokenLogprob | None, stop_ids: set[int]) -> Event:
+def append_token(
+    seq: Sequence, token: int, logprob: TokenLogprob | None, stop_ids: set[int], min_tokens: int = 0
+) -> Event:
     """`token` is `seq`'s next: through the stop rules into the sequence and its text."""
     lps = [logprob] if logprob is not None else []
     if token in stop_ids:
         # The stop token is not part of the text; what the matcher held back is.
         return Event(seq.index, _remaining_text(seq.detokenizer, seq.matcher), [token], lps, "stop")
     seq.append(token)
-    text, hit = seq.matcher.feed(seq.detokenizer.add(token))
+    delta = seq.detokenizer.add(token)
+    # No stop rule before min_tokens, stop strings included (vLLM's rule): that text is not searched.
+    text, hit = (delta, False) if len(seq.output) < min_tokens else seq.matcher.feed(delta)
     if hit:
         return Event(seq.index, text, [token], lps, "stop")
     if len(seq.output) >= seq.max_tokens:
@@ -197,12 +201,12 @@ def append_token(seq: Sequence, token: int, logprob: TokenLogprob | None, stop_i
     return Event(seq.index, text, [token], lps)
 
 
-def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, stop_ids: set[int]) -> Event:
+def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, stop_ids: set[int], min_tokens: int = 0) -> Event:
     """A step's new tokens of `seq` (one, or a run of verified guesses) through the stop rules, as
     one Event; a stop ends the choice there and drops the tokens after it."""
     step = Event(seq.index, "", [], [])
     for token, logprob in zip(tokens, logprobs):
-        event = append_token(seq, token, logprob, stop_ids)
+        event = append_token(seq, token, logprob, stop_ids, min_tokens)
         step.text += event.text
         step.token_ids += event.token_ids
         step.logprobs += event.logprobs

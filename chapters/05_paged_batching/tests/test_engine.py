@@ -107,6 +107,43 @@ def test_stop_string_across_token_boundaries(tiny):
     assert text == full[: full.index(stop) + len(stop)]
 
 
+def test_min_tokens_bans_the_stop_tokens_but_reports_the_raw_logprobs(tiny):
+    # The ban shapes the draw as the penalties do; the logprobs stay the model's (vLLM's raw
+    # logprobs). Masked first, they were renormalised over what was left, and -inf (not JSON) in
+    # the alternatives.
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    params = SamplingParams(temperature=0, logprobs=3)
+
+    def logprobs(req):
+        return [lp for events in tiny.stream(req) for ev in events for lp in ev.logprobs]
+
+    free = logprobs(Request(prompt, params, max_tokens=6, ignore_eos=True))
+    chosen = {lp.token_id for lp in free}
+    banned = [t for t in range(tiny.model.config.vocab_size) if t not in chosen]  # all but the greedy path
+    held = logprobs(Request(prompt, params, max_tokens=6, min_tokens=6, ignore_eos=True, stop_token_ids=banned))
+    assert [lp.token_id for lp in held] == [lp.token_id for lp in free]
+    assert [(lp.logprob, lp.top) for lp in held] == [(lp.logprob, lp.top) for lp in free]
+
+
+def test_stop_strings_wait_for_min_tokens(tiny):
+    # vLLM's rule: no stop rule before min_tokens, stop strings included.
+    prompt = chat(tiny, "Write a haiku about the sea.")
+    full, tokens, _ = run(tiny, Request(prompt, GREEDY, max_tokens=12, ignore_eos=True))[0]
+    pieces = [tiny.tokenizer.decode(tokens[: i + 1], skip_special_tokens=True) for i in range(len(tokens))]
+    stop = full[len(pieces[0]) : len(pieces[2])]  # the text of tokens 1 and 2
+    assert len(stop) >= 3 and full.count(stop) == 1
+    text, _, finish = run(tiny, Request(prompt, GREEDY, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert finish == "stop" and text == full[: full.index(stop)]
+    text, _, finish = run(tiny, Request(prompt, GREEDY, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=4))[0]
+    assert finish == "length" and text == full
+
+
+def test_min_tokens_with_every_token_a_stop_token_is_refused(engine):
+    # Nothing could be drawn: a NoTokenError mid-request (a 500) before.
+    every = list(range(engine.model.config.vocab_size))
+    with pytest.raises(ValueError, match="stop_token_ids leave no other token to generate"):
+        engine.validate(Request([5], GREEDY, max_tokens=3, min_tokens=1, stop_token_ids=every))
+
 def test_streamed_text_equals_one_shot_decode_with_sampling(tiny):
     params = SamplingParams(temperature=1.0, seed=3)
     text, tokens, _ = run(
