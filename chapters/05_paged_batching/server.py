@@ -257,8 +257,10 @@ class TextOffsets:
     over the tokens (decoding every prefix instead is quadratic: minutes at 16 x 8000), kept across
     the chunks of a stream, whose offsets count from the start of the choice as a whole reply's do."""
 
-    def __init__(self, tokenizer):
-        self.detokenizer, self.emitted = IncrementalDetokenizer(tokenizer), 0
+    def __init__(self, tokenizer, req: Request):
+        # the engine's own detokenizer settings: the special tokens' text counts where it is kept
+        self.detokenizer = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, req.prompt_ids)
+        self.emitted = 0
 
     def of(self, token_ids: list[int]) -> list[int]:
         offsets = []
@@ -268,14 +270,14 @@ class TextOffsets:
         return offsets
 
 
-def completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: TextOffsets | None = None) -> dict:
-    """offsets: the choice's TextOffsets so far (a stream's); None: these are all its tokens."""
+def completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: TextOffsets) -> dict:
+    """offsets: the choice's TextOffsets so far (a stream's, across its chunks)."""
     ids = [t.token_id for t in lps]
     return {
         "tokens": [tokenizer.decode([i]) for i in ids],
         "token_logprobs": [t.logprob for t in lps],
         "top_logprobs": [{tokenizer.decode([i]): v for i, v in t.top} for t in lps],
-        "text_offset": (offsets or TextOffsets(tokenizer)).of(ids),
+        "text_offset": offsets.of(ids),
     }
 
 
@@ -328,7 +330,7 @@ def reply_body(state: ServerState, rid: str, req: Request, choices: list[Output]
             {
                 "index": i,
                 "text": c.text,
-                "logprobs": completion_logprobs(tokenizer, c.logprobs) if with_logprobs else None,
+                "logprobs": completion_logprobs(tokenizer, c.logprobs, TextOffsets(tokenizer, req)) if with_logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
@@ -374,7 +376,7 @@ class ChunkFraming:
         return sse(body)
 
 
-def stream_choice(tokenizer, ev: Event, chat: bool, logprobs: bool, offsets: TextOffsets | None = None) -> dict:
+def stream_choice(tokenizer, ev: Event, chat: bool, logprobs: bool, offsets: TextOffsets) -> dict:
     if chat:
         delta = {"content": ev.text} if ev.text or not ev.finish_reason else {}
         lp = chat_logprobs(tokenizer, ev.logprobs) if logprobs else None
@@ -388,7 +390,7 @@ async def event_stream(tokenizer, job: Job, first: list[Event] | None, framing: 
     `ended` is called when the stream ends, however it ends."""
     req = job.request
     logprobs = req.params.logprobs is not None
-    offsets = [TextOffsets(tokenizer) for _ in range(req.n)]  # per choice, across its chunks
+    offsets = [TextOffsets(tokenizer, req) for _ in range(req.n)]  # per choice, across its chunks
     n_tokens = 0
     try:
         if framing.chat:  # OpenAI's first chunk of each choice announces the role

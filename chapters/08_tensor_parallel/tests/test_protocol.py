@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
+from engine import Request
 from protocol import ChatRequest, CompletionRequest, RequestError, chat_request, completion_request, sampling_params
 from sampling import SamplingParams
 
@@ -430,7 +431,8 @@ def test_text_offsets_are_each_tokens_place_in_the_text_found_in_one_pass():
     tokenizer = Tokenizer(resolve_model("smollm2-135m"))
     ids = tokenizer.encode("Hello, world! Ça va? 你好, über alles. " * 30)
     counting = CountingTokenizer(tokenizer)
-    offsets = server.completion_logprobs(counting, [TokenLogprob(i, -1.0, []) for i in ids])["text_offset"]
+    lps = [TokenLogprob(i, -1.0, []) for i in ids]
+    offsets = server.completion_logprobs(counting, lps, server.TextOffsets(counting, Request([])))["text_offset"]
     # Linear in the tokens: decoding every prefix would decode len(ids)**2 / 2 of them.
     assert counting.decoded < 20 * len(ids), (counting.decoded, len(ids))
     # Each token starts where the text of the tokens before it ends; a character split over
@@ -453,14 +455,29 @@ def test_streamed_text_offsets_count_from_the_start_of_the_choice():
     tokenizer = Tokenizer(resolve_model("smollm2-135m"))
     ids = tokenizer.encode("Hello, world! Ça va? 你好, über alles. " * 3)
     lps = [TokenLogprob(i, -1.0, []) for i in ids]
-    whole = server.completion_logprobs(tokenizer, lps)["text_offset"]
-    offsets, streamed, start, size = server.TextOffsets(tokenizer), [], 0, 1
+    whole = server.completion_logprobs(tokenizer, lps, server.TextOffsets(tokenizer, Request([])))["text_offset"]
+    offsets, streamed, start, size = server.TextOffsets(tokenizer, Request([])), [], 0, 1
     while start < len(ids):  # chunks of 1, 2, 3, 1, 2, 3, ... tokens
         chunk = lps[start : start + size]
         ev = Event(0, "", [t.token_id for t in chunk], chunk)
         streamed += server.stream_choice(tokenizer, ev, False, True, offsets)["logprobs"]["text_offset"]
         start, size = start + size, size % 3 + 1
     assert streamed == whole and whole[-1] > 0
+
+
+def test_text_offsets_count_the_special_tokens_text_where_the_request_keeps_it():
+    # The offsets' own detokenizer skipped special tokens whatever the request said: "<|im_start|>"
+    # four times, with skip_special_tokens false, had the offsets [0, 0, 0, 0].
+    require("fastapi")
+    import server
+    from sampling import TokenLogprob
+
+    tokenizer = Tokenizer(resolve_model("smollm2-135m"))
+    special = tokenizer.token_to_id("<|im_start|>")
+    lps = [TokenLogprob(special, -1.0, [])] * 4
+    for skip, expected in ((False, [0, 12, 24, 36]), (True, [0, 0, 0, 0])):
+        offsets = server.TextOffsets(tokenizer, Request([], skip_special_tokens=skip))
+        assert server.completion_logprobs(tokenizer, lps, offsets)["text_offset"] == expected, skip
 
 
 def test_a_reply_is_built_off_the_event_loop(http, monkeypatch):
