@@ -180,8 +180,8 @@ class ChatMessage(_Strict):
     ] = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # text parts, one per line (vLLM's join)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -217,6 +217,8 @@ def sampling_params(body: _Common, defaults: SamplingParams, logprobs: int | Non
 
 
 def _request(body: _Common, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None) -> Request:
+    if body.stream_options is not None and not body.stream:  # ignored without a word before; vLLM refuses it
+        raise RequestError("stream_options: only for a streamed reply (stream: true)", "stream_options")
     return Request(
         prompt_ids=prompt_ids,
         params=params,
@@ -279,5 +281,9 @@ def chat_request(body: ChatRequest, tokenizer, defaults: SamplingParams) -> Requ
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise RequestError(f"top_logprobs must be between 0 and 20, got {logprobs}", "top_logprobs")
     prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:  # (the engine names max_tokens)
+        raise RequestError(
+            f"max_completion_tokens: must be at least 1, got {body.max_completion_tokens}", "max_completion_tokens"
+        )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _request(body, prompt_ids, sampling_params(body, defaults, logprobs), max_tokens)

@@ -115,9 +115,14 @@ async def on_api_error(_http, e: APIError):
     return e.response()
 
 
-async def on_validation_error(_http, e: RequestValidationError):
+async def on_validation_error(http: HTTPRequest, e: RequestValidationError):
     # FastAPI says 422; OpenAI clients expect 400 and an error object. Malformed JSON lands here too.
     first = e.errors()[0]
+    content_type = http.headers.get("content-type", "")
+    if tuple(first.get("loc", ())) == ("body",) and "json" not in content_type.lower():
+        # FastAPI reads a body of another type (curl -d sends a form's) as text: "not a valid dictionary"
+        said = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return APIError(400, f"the body must be JSON sent with Content-Type: application/json, not {said}").response()
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     if first.get("type") == "json_invalid":
         loc = ""  # pydantic's loc is then a byte offset, not a parameter
@@ -352,7 +357,9 @@ def reply_body(state: ServerState, rid: str, req: Request, choices: list[Output]
             {
                 "index": i,
                 "text": c.text,
-                "logprobs": completion_logprobs(tokenizer, c.logprobs, TextOffsets(tokenizer, req)) if with_logprobs else None,
+                "logprobs": (
+                    completion_logprobs(tokenizer, c.logprobs, TextOffsets(tokenizer, req)) if with_logprobs else None
+                ),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)

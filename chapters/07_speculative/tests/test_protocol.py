@@ -74,11 +74,12 @@ def test_content_is_a_string_or_a_list_of_parts(content):
     assert error["loc"] == ("messages", 0, "content") and "content parts" in error["msg"]
 
 
-def test_text_parts_read_as_their_concatenation(tokenizer):
-    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "the capital of France?"}]
+def test_text_parts_read_one_per_line(tokenizer):
+    # vLLM joins them with "\n"; joined with nothing, "Hello" and "world" read as "Helloworld".
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "the capital of France?"}]
     as_parts = chat_request(chat(messages=[{"role": "user", "content": parts}]), tokenizer, SamplingParams())
     as_text = chat_request(
-        chat(messages=[{"role": "user", "content": "What is the capital of France?"}]), tokenizer, SamplingParams()
+        chat(messages=[{"role": "user", "content": "What is\nthe capital of France?"}]), tokenizer, SamplingParams()
     )
     assert as_parts.prompt_ids == as_text.prompt_ids
 
@@ -295,6 +296,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
     ("/v1/completions", {"prompt": "a\udc80b"}, "prompt"),
     ("/v1/completions", {"prompt": [[False]]}, "prompt"),
+    # the engine's refusal named max_tokens; stream_options without a stream was ignored
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 
@@ -307,6 +312,18 @@ def test_bad_requests_are_400_with_an_openai_error(http, path, body, param):
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param and error["message"].startswith(param + ": ")
+
+
+def test_a_body_not_sent_as_json_says_so(http):
+    # curl -d sends application/x-www-form-urlencoded: FastAPI then said "Input should be a valid dictionary".
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    for headers, said in (
+        ({"content-type": "application/x-www-form-urlencoded"}, "not Content-Type 'application/x-www-form-urlencoded'"),
+        ({}, "not no Content-Type"),
+    ):
+        r = http.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 400 and "the body must be JSON sent with Content-Type: application/json" in r.text
+        assert said in r.json()["error"]["message"], r.text
 
 
 def test_the_largest_seed_serves_every_choice_reproducibly(http):
