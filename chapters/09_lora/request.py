@@ -119,15 +119,17 @@ class RequestLimits:
         if req.max_tokens is not None:
             return req.max_tokens
         n_prompt, bs = len(req.prompt_ids), self.blocks.block_size
-        shared = n_prompt // bs
+        shared = (n_prompt - 1) // bs
         fits = (shared + (self.blocks.num_blocks - shared) // max(req.n, 1)) * bs - n_prompt
         return max(1, min(self.max_tokens_default, self.context - n_prompt, fits))
 
     def pool_blocks_for(self, req: Request) -> int:
         """KV blocks `req` holds when all its choices are at their longest: the prompt's full blocks
-        are shared (the choices fork from one prefill), the rest is each choice's own."""
+        are shared (the choices fork from one prefill), the rest is each choice's own. The choices
+        fork before the prompt's last token (each computes it for its own logits: scheduler.py), so
+        the block that holds it is each choice's own even when the prompt fills it."""
         n_prompt = len(req.prompt_ids)
-        shared = n_prompt // self.blocks.block_size
+        shared = (n_prompt - 1) // self.blocks.block_size
         return shared + req.n * (self.blocks.blocks_for(n_prompt + self.max_tokens_for(req)) - shared)
 
     def validate(self, req: Request) -> None:

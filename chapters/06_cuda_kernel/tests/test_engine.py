@@ -330,6 +330,21 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine)
     assert small.limits.max_tokens_for(Request([5] * 100, n=2)) == 12  # the default, for two choices
 
 
+
+def test_the_choices_of_a_prompt_that_fills_its_last_block_fit_the_pool_they_were_counted_for(tiny):
+    # The choices fork before the prompt's last token, so its block is each one's own. Counted as
+    # shared, a prompt of 8 tokens in blocks of 4 was let into a pool a block short of its two
+    # choices, and one was preempted (with 8 choices, 3 times) inside a request the check accepted.
+    for n_prompt in (8, 9):
+
+        def req():
+            return Request(list(range(300, 300 + n_prompt)), GREEDY, max_tokens=16 - n_prompt, n=2, ignore_eos=True)
+
+        need = limited(tiny, num_blocks=64, block_size=4).limits.pool_blocks_for(req())
+        exact = limited(tiny, num_blocks=need, block_size=4)
+        assert len(run(exact, req())[1][1]) == 16 - n_prompt
+        assert exact.scheduler.n_preemptions == 0, (n_prompt, need)
+
 @pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable (Linux)")
 def test_the_default_pool_counts_memory_the_kernel_would_give_back():
     from memory import DEFAULT_KV_SHARE, default_kv_bytes, free_memory
