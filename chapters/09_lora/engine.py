@@ -51,7 +51,7 @@ from lora_slots import AdapterSlots
 from memory import GiB
 from model import Model
 from ops import KernelFlags
-from proposers import DRAFT_DEFAULT, build_proposer, check_proposer_name
+from proposers import DRAFT_DEFAULT, DraftModelProposer, build_proposer, check_draft, check_proposer_name
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
 from request import (
@@ -152,6 +152,8 @@ class Engine:
         # A draft is k + 1 rows of one step: past the step's token budget the scheduler would cut what a
         # draft model spent k sequential steps guessing.
         max_k = min(num_speculative_tokens, max(1, self.scheduler.max_num_batched_tokens - 1))
+        if isinstance(proposer, DraftModelProposer):  # built here, not by load_draft: its ids must be ours too
+            check_draft(proposer.model, model)
         self.speculator = Speculator(proposer, self.blocks, max_k, speculative_max_batch)
 
     @staticmethod

@@ -380,6 +380,10 @@ def test_a_draft_with_another_vocabulary_is_refused(small):
 
     with pytest.raises(UserError, match="token 500 is '<other>'"):
         check_draft(small.model, small.model, Renamed(), small.tokenizer)
+    # An engine given the proposer directly (not through load_draft) checks it too: unchecked, the
+    # first rejection of a sampled guess failed every request of its step on a shape mismatch.
+    with pytest.raises(UserError, match="vocabulary has 32000 tokens and the target's 49152"):
+        Engine(small.model, small.tokenizer, {}, num_blocks=16, block_size=4, proposer=DraftModelProposer(other, "x"))
 
 
 @pytest.mark.parametrize("kernels", ["on", "off"])
