@@ -212,10 +212,28 @@ class Speculator:
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
+        seqs, ks = self._fit_pool(running, seqs, ks)
         if seqs:
             for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
                 seq.draft = list(draft.tokens[:k])
                 seq.draft_probs = None if draft.probs is None else draft.probs[:k]
+
+    def _fit_pool(self, running: list[Sequence], seqs: list[Sequence], ks: list[int]):
+        """Fewer guesses where the pool is short: drafts take only the blocks that no running
+        sequence needs for its own next token. Guesses displace nobody: else a draft model's
+        early growth (or the scheduler's, oldest first) preempts a newer sequence for guesses that
+        may all be rejected. -> the sequences that still guess, and how many tokens each."""
+        blocks = self.blocks
+        spare = blocks.num_free - sum(max(0, blocks.blocks_for(s.n_computed + 1) - len(s.block_table)) for s in running)
+        fitted = []
+        for seq, k in zip(seqs, ks):
+            own = max(len(seq.block_table), blocks.blocks_for(len(seq.tokens)))  # with its next token's
+            while k > 0 and blocks.blocks_for(len(seq.tokens) + k) - own > spare:
+                k -= 1
+            if k > 0:
+                spare -= max(0, blocks.blocks_for(len(seq.tokens) + k) - own)
+                fitted.append((seq, k))
+        return [seq for seq, _ in fitted], [k for _, k in fitted]
 
     @staticmethod
     def verify_rows(seqs: list[Sequence]) -> list[Work]:

@@ -363,6 +363,21 @@ def test_a_draft_model_catches_up_on_a_long_prompt_in_chunks(small):
     assert stats.drafted > 5 and stats.accepted >= 0.9 * stats.drafted, stats
 
 
+def test_guesses_take_only_blocks_that_no_running_sequence_needs(small):
+    # Guesses are worth running only if they displace nobody: a draft grew the older sequence's table
+    # into the block the newer one needed for its next token, which preempted it early, for guesses
+    # all rejected here (24 steps against 20 without speculation).
+    reqs = [Request([300 + i, 301, 302], GREEDY, max_tokens=13, ignore_eos=True) for i in (0, 10)]
+    seen = {}
+    for name, proposer in (("off", None), ("junk", Junk())):
+        engine = Engine(
+            small.model, small.tokenizer, {}, num_blocks=4, block_size=4, proposer=proposer,
+            num_speculative_tokens=6, speculative_max_batch=4,
+        )  # fmt: skip
+        tokens = [outputs[0].token_ids for outputs in engine.generate(reqs)]
+        seen[name] = (tokens, engine.n_steps, engine.scheduler.n_preemptions)
+    assert seen["junk"] == seen["off"] and seen["off"][2] > 0  # the pool is short: someone waits, once
+
 def test_a_draft_with_another_vocabulary_is_refused(small):
     from common.errors import UserError
     from proposers import check_draft
