@@ -71,6 +71,24 @@ _UNSUPPORTED = (
     ("fan_in_fan_out", lambda v: bool(v), "transposed (fan_in_fan_out) weights"),
     ("use_qalora", lambda v: bool(v), "QA-LoRA (use_qalora)"),
     ("trainable_token_indices", lambda v: bool(v), "trained token embeddings (trainable_token_indices)"),
+    # PEFT's variants whose forward is not W x + scale * B (A x) on every token: aLoRA switches on at
+    # its invocation tokens, BD-LoRA's A and B are block-diagonal, the others change the maths.
+    ("alora_invocation_tokens", lambda v: bool(v), "Activated LoRA (alora_invocation_tokens)"),
+    ("use_bdlora", lambda v: bool(v), "block-diagonal LoRA (use_bdlora)"),
+    ("target_parameters", lambda v: bool(v), "LoRA on parameters (target_parameters)"),
+    ("arrow_config", lambda v: bool(v), "Arrow routing (arrow_config)"),
+    ("kasa_config", lambda v: bool(v), "KaSA (kasa_config)"),
+    ("velora_config", lambda v: bool(v), "VeLoRA (velora_config)"),
+    ("monteclora_config", lambda v: bool(v), "MonteCLoRA (monteclora_config)"),
+    # The initialisations PEFT runs again when it loads such an adapter, on the base weights too: it
+    # serves W - (the initial B A) + B A, not W + B A. (True, False, gaussian, eva, orthogonal: plain A, B.)
+    (
+        "init_lora_weights",
+        lambda v: isinstance(v, str) and v not in ("gaussian", "eva", "orthogonal"),
+        "an initialisation that changes the base weights or the LoRA forward when PEFT loads it "
+        "(init_lora_weights; PiSSA, OLoRA, CorDA and LoftQ convert to a plain LoRA with "
+        "save_pretrained(path_initial_model_for_weight_conversion=...))",
+    ),
 )
 
 
@@ -185,6 +203,7 @@ def _check_config(path: Path, settings: dict, max_rank: int) -> tuple[int, set[s
         raise UserError(f"{where}: target_modules as a pattern ({targets!r}) is not supported; list the modules")
     if not isinstance(targets, list) or not targets:
         raise UserError(f"{where}: target_modules must list the adapted modules, got {targets!r}")
+    targets = [_short_name(t) if isinstance(t, str) else t for t in targets]
     unknown = [t for t in targets if t not in PROJECTIONS]
     if unknown:
         raise UserError(
@@ -192,6 +211,13 @@ def _check_config(path: Path, settings: dict, max_rank: int) -> tuple[int, set[s
         )
     return rank, set(targets)
 
+
+
+def _short_name(target: str) -> str:
+    """PEFT matches a target by the end of a module's name: "mlp.down_proj" is down_proj, where it
+    lives (a wrong parent, "mlp.q_proj", adapts nothing and stays unknown)."""
+    parent, _, proj = target.rpartition(".")
+    return proj if parent and _MODULE.get(proj) == parent else target
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
@@ -217,6 +243,11 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
+        if m is None and key.startswith("base_model.model.layers."):
+            raise UserError(
+                f"LoRA adapter {file}: tensor {key!r} comes from an adapter saved on a bare LlamaModel; "
+                "this engine reads one saved on LlamaForCausalLM (base_model.model.model.layers...)"
+            )
         if m is None:
             raise UserError(f"LoRA adapter {file}: tensor {key!r} is not a LoRA A or B of a decoder layer's projection")
         layer, module, proj, which = int(m[1]), m[2], m[3], m[4]

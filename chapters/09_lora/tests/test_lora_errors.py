@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from common.errors import UserError
 from engine import Request, build_engine
 from lora_slots import AdapterNameError, AdapterSlots
+from sampling import SamplingParams
 from peft_adapters import make_adapter
 
 
@@ -101,6 +102,23 @@ CASES = {
         dict(tensors=lambda t: t | {A0: torch.full((8, 256), 1e30), B0: torch.full((256, 8), 1e30)}),
         "layer 0's q_proj delta (scale * B A) reaches inf, past float32's range",
     ),
+    # PEFT variants that were served as a plain LoRA (a wrong result), or refused for another reason
+    "activated lora": (
+        dict(config={"alora_invocation_tokens": [3453, 28]}),
+        "Activated LoRA (alora_invocation_tokens) is not supported",
+    ),
+    "pissa": (dict(config={"init_lora_weights": "pissa"}), "changes the base weights or the LoRA forward"),
+    "olora": (dict(config={"init_lora_weights": "olora"}), "(init_lora_weights = 'olora')"),
+    "block-diagonal": (dict(config={"use_bdlora": {"nblocks": 2}}), "block-diagonal LoRA (use_bdlora)"),
+    "target_parameters": (
+        dict(config={"target_modules": [], "target_parameters": ["mlp.down_proj.weight"]}),
+        "LoRA on parameters (target_parameters)",
+    ),
+    "wrong parent": (dict(config={"target_modules": ["mlp.q_proj"]}), "unknown target module 'mlp.q_proj'"),
+    "a bare LlamaModel's keys": (
+        dict(tensors=lambda t: {k.replace("model.model.", "model.", 1): v for k, v in t.items()}),
+        "comes from an adapter saved on a bare LlamaModel",
+    ),
 }
 
 
@@ -113,6 +131,19 @@ def test_a_bad_adapter_is_refused_at_load_with_the_reason(engine, good, tmp_path
     assert "\n" not in str(e.value)
     assert "bad" not in engine.adapters.names()  # nothing half-loaded
 
+
+
+def test_targets_named_with_their_parent_are_the_same_adapter(engine, good, tmp_path):
+    # PEFT matches "mlp.down_proj" by the end of a module's name; it was refused as unknown.
+    dotted = broken(good, tmp_path, config={"target_modules": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]})
+    engine.adapters.register("dotted", dotted)
+    try:
+        greedy = SamplingParams(temperature=0)
+        reqs = [Request([1, 2, 3, 4, 5], greedy, max_tokens=6, ignore_eos=True, adapter=a) for a in ("good", "dotted", None)]
+        good_tokens, dotted_tokens, base_tokens = (outputs[0].token_ids for outputs in engine.generate(reqs))
+        assert dotted_tokens == good_tokens != base_tokens
+    finally:
+        engine.adapters.unregister("dotted")
 
 def test_unreadable_files_are_refused(engine, good, tmp_path):
     path = broken(good, tmp_path)
