@@ -251,8 +251,16 @@ def plan_checkpoint(model_dir: str | Path, config: LlamaConfig) -> dict[Path, li
     # carry a copy of lm_head.weight.
     for name in [n for n in stored if n.endswith("rotary_emb.inv_freq")]:
         del stored[name]
-    if config.tie_word_embeddings:
-        stored.pop("lm_head.weight", None)
+    if config.tie_word_embeddings and "lm_head.weight" in stored:
+        # A copy of the embedding goes; another head would be a silent choice between two models.
+        embedding = stored.get("model.embed_tokens.weight")
+        if embedding is not None and not _same_bytes(stored["lm_head.weight"], embedding):
+            raise CheckpointError(
+                f"{model_dir}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
+                "checkpoint stores an lm_head.weight that differs from it: set tie_word_embeddings to false to "
+                "use that head, or remove it"
+            )
+        del stored["lm_head.weight"]
 
     problems = []
     layer_problem = _check_layer_count(config, stored)
@@ -279,6 +287,18 @@ def plan_checkpoint(model_dir: str | Path, config: LlamaConfig) -> dict[Path, li
         plan.setdefault(stored[name][0], []).append(name)
     return plan
 
+
+
+def _same_bytes(a: tuple[Path, dict], b: tuple[Path, dict]) -> bool:
+    """Whether two stored tensors ((file, header entry)) hold the same dtype, shape and bytes."""
+    if (a[1]["dtype"], a[1]["shape"]) != (b[1]["dtype"], b[1]["shape"]):
+        return False
+    views = []
+    for path, info in (a, b):
+        _, data_start = read_header(path)
+        begin, end = info["data_offsets"]
+        views.append(np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,)))
+    return bool(np.array_equal(views[0], views[1]))
 
 def _nonfinite_error(path: Path, name: str, note: str = "") -> CheckpointError:
     return CheckpointError(f"{path}: tensor {name!r} contains NaN or infinite values{note}: the checkpoint is corrupt")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -260,4 +260,23 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    return config_from_dict(raw, source=str(path))
+    config = config_from_dict(raw, source=str(path))
+    # HF's generate stops on generation_config.json's EOS ids, and a checkpoint's two files may
+    # differ (Llama-3-Instruct's config.json names only <|end_of_text|>, not <|eot_id|>): both count.
+    generation = _generation_eos(model_dir / "generation_config.json", config.vocab_size)
+    extra = tuple(i for i in generation if i not in config.eos_token_ids)
+    return replace(config, eos_token_ids=config.eos_token_ids + extra) if extra else config
+
+
+def _generation_eos(path: Path, vocab_size: int) -> tuple[int, ...]:
+    if not path.is_file():
+        return ()
+    try:
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a JSON object expected, got {_kind(raw)}")
+    return _token_ids(raw, "eos_token_id", str(path), vocab_size)

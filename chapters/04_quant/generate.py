@@ -51,6 +51,8 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
     logits = forward(model, tokens, cache, pad, last_only=True)  # prefill: [batch, 1, vocab]
     finished = [False] * len(prompts)
     for i in range(max_new_tokens):
+        if cache.length >= max_seq:  # the next token would sit past the context, as in chapter 01
+            return
         next_ids = logits[:, -1].argmax(-1)  # [batch]
         step = []
         for b, token in enumerate(next_ids.tolist()):
@@ -59,7 +61,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
         if all(finished):
             return
         yield step
-        if i + 1 == max_new_tokens or cache.length >= max_seq:
+        if i + 1 == max_new_tokens:
             return
         logits = forward(model, next_ids[:, None], cache, pad)  # decode: [batch, 1, vocab]
 

@@ -66,6 +66,8 @@ def generate(
     lengths = [len(p) for p in prompts]
     finished = [False] * len(prompts)
     for i in range(max_new_tokens):
+        if max(lengths) >= max_seq:  # the next token would sit past the context, as in chapter 01
+            return
         next_ids = logits.argmax(-1).tolist()  # [live sequences]
         step, live = [], iter(next_ids)
         for b in range(len(prompts)):
@@ -78,7 +80,7 @@ def generate(
         if all(finished):
             return
         yield step
-        if i + 1 == max_new_tokens or max(lengths) >= max_seq:
+        if i + 1 == max_new_tokens:
             return
         work = [Work([t], lengths[b], tables[b]) for b, t in enumerate(step) if t is not None]
         for b, t in enumerate(step):

@@ -370,3 +370,20 @@ def test_safetensors_library_errors_name_the_file(tiny, monkeypatch):
     monkeypatch.setattr(safetensors, "safe_open", refuse)
     with pytest.raises(CheckpointError, match="model.safetensors: the safetensors library cannot read it: Error while"):
         load_checkpoint_torch(tiny[0], tiny[1])
+
+
+def test_a_tied_checkpoint_may_store_a_copy_of_the_embedding_but_not_another_head(tiny, tmp_path):
+    # Another head was dropped without a word: the logits of a model the checkpoint does not hold.
+    d, config = tiny
+    weights = load_file(d / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    for head, loads in ((embedding.copy(), True), (embedding + 1.0, False)):
+        out = _copy_model(d, tmp_path / f"head-{loads}")
+        save_file(weights | {"lm_head.weight": head}, out / "model.safetensors")
+        if loads:
+            assert "lm_head.weight" not in load_checkpoint(out, config)
+        else:
+            with pytest.raises(CheckpointError, match="stores an lm_head.weight that differs from it"):
+                load_checkpoint(out, config)
+            with pytest.raises(CheckpointError, match="stores an lm_head.weight that differs from it"):
+                load_checkpoint_torch(out, config)

@@ -155,3 +155,19 @@ def test_config_that_is_not_utf8(tmp_path):
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{\x00")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         load_config(tmp_path)
+
+
+def test_generation_config_eos_ids_count_too(tmp_path):
+    # HF's generate stops on generation_config.json's EOS ids; a checkpoint whose config.json names
+    # fewer (Llama-3-Instruct's) ran on past its end of turn in chapters 01 and 02.
+    raw = json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"eos_token_id": 0}))
+    assert load_config(tmp_path).eos_token_ids == (0,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert load_config(tmp_path).eos_token_ids == (0, 2)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10**6]}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: field 'eos_token_id' must hold token ids"):
+        load_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"generation_config.json is not valid JSON"):
+        load_config(tmp_path)

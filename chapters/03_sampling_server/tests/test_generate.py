@@ -114,3 +114,19 @@ def test_parity_cli_prints_the_table():
 def test_bad_input_is_a_clear_error(args, message):
     r = run(str(CHAPTER / "generate.py"), *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_generation_stops_where_the_context_ends():
+    # A reply may fill the context and no more (chapter 01's rule, and the engines' from chapter 03):
+    # this loop yielded one token more, at the position the context's length, past its end.
+    import dataclasses
+
+    from common.models import resolve_model
+    from generate import generate_all
+    from model import load_model
+
+    model = load_model(resolve_model("tiny-llama3"))
+    model.config = dataclasses.replace(model.config, max_position_embeddings=16)
+    prompt = list(range(300, 312))  # 12 tokens: room for 4
+    assert len(generate_all(model, [prompt], 20)[0]) == 4
+    assert len(generate_all(model, [prompt, prompt[:9]], 20)[0]) == 4
