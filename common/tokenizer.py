@@ -257,13 +257,29 @@ def _result_size(operator: str, left, right) -> int:
 _templates: dict[str, jinja2.Template] = {}
 
 
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' filter: json.dumps with its arguments (jinja's own escapes HTML instead)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Generation(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %}: transformers marks the assistant's tokens with it (for
+    training masks); rendering a prompt, the block is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
 def _compile(source: str, where: str = "chat template") -> jinja2.Template:
     # The same environment settings as transformers uses, so the rendered text is identical:
     # trim_blocks/lstrip_blocks, a sandbox (templates come with downloaded checkpoints), and the
     # helpers templates call (raise_exception, strftime_now for Llama 3's "Today Date").
     if source not in _templates:
-        env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:

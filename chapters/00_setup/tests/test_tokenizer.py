@@ -268,3 +268,19 @@ def test_max_token_chars_bounds_every_token_and_is_reached(pair):
     ours, _ = pair
     lengths = [len(ours.decode([i])) for i in range(ours.vocab_size)]
     assert max(lengths) <= ours.max_token_chars <= max(lengths) + 16  # tight: special tokens' names aside
+
+
+def test_generation_blocks_and_tojson_arguments_render_as_transformers_does(tmp_path):
+    # {% generation %} (assistant masks for training) was a syntax error that failed the tokenizer's
+    # construction, and tojson dropped sort_keys, separators and ensure_ascii.
+    template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+        "{{ messages[0]|tojson(sort_keys=True, separators=(',', ':')) }}{{ messages[0]|tojson(ensure_ascii=True) }}"
+    )
+    ours = _with_template(tmp_path, template)
+    messages = [{"role": "user", "content": "Héllo"}, {"role": "assistant", "content": "yo"}]
+    hf = AutoTokenizer.from_pretrained(str(resolve_model("tiny-llama3")))
+    expected = hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert ours.apply_chat_template(messages) == expected
+    assert '{"content":"Héllo","role":"user"}' in expected and "H\\u00e9llo" in expected
