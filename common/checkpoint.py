@@ -300,8 +300,8 @@ def _same_bytes(a: tuple[Path, dict], b: tuple[Path, dict]) -> bool:
         views.append(np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,)))
     return bool(np.array_equal(views[0], views[1]))
 
-def _nonfinite_error(path: Path, name: str, note: str = "") -> CheckpointError:
-    return CheckpointError(f"{path}: tensor {name!r} contains NaN or infinite values{note}: the checkpoint is corrupt")
+def _nonfinite_error(path: Path, name: str) -> CheckpointError:
+    return CheckpointError(f"{path}: tensor {name!r} contains NaN or infinite values: the checkpoint is corrupt")
 
 
 # --- chapter 01: our own NumPy reader -----------------------------------------------------------
@@ -379,8 +379,15 @@ def load_checkpoint_torch(model_dir: str | Path, config: LlamaConfig, dtype=None
             stored_dtype = t.dtype
             t = t.to(device=device, dtype=dtype or t.dtype)
             if not _finite_torch(t):
-                # A finite fp32 weight beyond fp16's range becomes inf when cast: say so.
-                note = f" after conversion from {stored_dtype} to {t.dtype}" if t.dtype != stored_dtype else ""
-                raise _nonfinite_error(path, name, note)
+                stored_t = stored[name]
+                if t.dtype != stored_dtype and _finite_torch(stored_t):
+                    # finite as stored: a weight beyond the range of the dtype asked for, not corruption
+                    top = stored_t.abs().max().item()
+                    short = str(t.dtype).removeprefix("torch.")
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} holds values up to {top:.4g}, past {short}'s range "
+                        f"(its largest is {torch.finfo(t.dtype).max:.4g}): load it as bfloat16 or float32"
+                    )
+                raise _nonfinite_error(path, name)
             tensors[name] = t
     return tensors

@@ -58,13 +58,22 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def check_context(n_prompt: int, max_new_tokens: int, max_positions: int) -> None:
+def check_prompt(ids: list[int], max_new_tokens: int, config) -> None:
+    """A prompt the model (its LlamaConfig) can run: not empty, inside its context, and ids it has
+    embedding rows for (a tokenizer larger than the model's vocabulary failed on an IndexError)."""
+    n_prompt, max_positions = len(ids), config.max_position_embeddings
     if n_prompt == 0:
         raise UserError("the prompt is empty (0 tokens)")
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if n_prompt >= max_positions:
         raise UserError(f"the prompt has {n_prompt} tokens; the model's context is {max_positions} tokens")
+    outside = sorted({t for t in ids if not 0 <= t < config.vocab_size})
+    if outside:
+        raise UserError(
+            f"prompt token ids {outside[:5]} are outside the model's vocabulary (0..{config.vocab_size - 1}): "
+            "is the tokenizer this model's?"
+        )
 
 
 def run_main(main) -> None:

@@ -188,6 +188,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
         raise ConfigError(f"{source}: must hold a JSON object, got {_kind(raw)}")
     archs = _optional(raw, "architectures", source, list, "a list of names") or []
     model_type = raw.get("model_type")
+    if model_type is None and set(map(str, archs)) & set(SUPPORTED_ARCHITECTURES):
+        model_type = "llama"  # transformers reads such a config by its architectures: so do we
     if model_type != "llama" or (archs and not set(map(str, archs)) & set(SUPPORTED_ARCHITECTURES)):
         shown = ", ".join(map(str, archs)) or f"model_type={model_type!r}"
         raise ConfigError(

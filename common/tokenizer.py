@@ -132,7 +132,16 @@ class Tokenizer:
 
         encode_batch of one text, not encode: the library releases the GIL only in its batch
         call, so a server that tokenizes a huge prompt in a thread keeps answering meanwhile."""
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            # A lone surrogate (a byte of a terminal argument that was not UTF-8, kept by Python's
+            # surrogateescape) is no text the library takes: it says only that the type is wrong.
+            if isinstance(text, str) and not _is_utf8(text):
+                raise TokenizerError(
+                    "the text is not valid UTF-8 (a byte the terminal's encoding could not decode?)"
+                ) from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -257,6 +266,14 @@ def _result_size(operator: str, left, right) -> int:
 _templates: dict[str, jinja2.Template] = {}
 
 
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # transformers' filter: json.dumps with its arguments (jinja's own escapes HTML instead)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cli import base_parser, check_context, prompt_ids, run_main
+from common.cli import base_parser, check_prompt, prompt_ids, run_main
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from model import Model, forward, load_model
@@ -28,7 +28,7 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, step_times: l
     Without a cache, step t runs the full forward pass over prompt + t tokens: the cost of a
     token grows with the length of everything before it."""
     config = model.config
-    check_context(len(prompt), max_new_tokens, config.max_position_embeddings)
+    check_prompt(prompt, max_new_tokens, config)
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         if len(tokens) >= config.max_position_embeddings:

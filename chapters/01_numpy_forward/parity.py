@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.cli import run_main
+from common.cli import check_prompt, run_main
+from common.config import load_config
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
 from common.parity import compare, format_table
@@ -37,6 +38,7 @@ def main() -> int:
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
     ids = Tokenizer(model_dir).encode(args.text)
+    check_prompt(ids, 1, load_config(model_dir))  # not empty, inside the context and the vocabulary
     ours: dict = {}
     ours["logits"] = forward(load_model(model_dir), ids, capture=ours)
     print(f"{model_dir.name}: {len(ids)} tokens, ch{CHAPTER} NumPy fp32 vs HF transformers fp32 eager")

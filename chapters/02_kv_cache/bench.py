@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from common.checkpoint import expected_shapes
-from common.cli import run_main
+from common.cli import positive_int, run_main
 from common.config import load_config
 from common.device import pick_device, pick_dtype, synchronize
+from common.errors import RunError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from common.tools.bench import RESULTS_DIR, machine, peak_memory_bytes, summarize
@@ -136,9 +137,9 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default=None, help="default: $DEVICE, else auto")
     ap.add_argument("--dtype", default=None, help="default: $DTYPE, else auto (float32 on CPU)")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--ch01-new-tokens", type=int, default=16, help="chapter 01 is slow: time fewer steps")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=128)
+    ap.add_argument("--new-tokens", type=positive_int, default=128)
+    ap.add_argument("--ch01-new-tokens", type=positive_int, default=16, help="chapter 01 is slow: time fewer steps")
     ap.add_argument("--engines", default="ch02,hf,ch01")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine in this process
     ap.add_argument("--out", default=str(RESULTS_DIR))
@@ -175,9 +176,10 @@ def main() -> int:
             str(args.ch01_new_tokens),
         ]
         r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            print(r.stderr, file=sys.stderr)
-            raise RuntimeError(f"engine {engine} failed")
+        if r.returncode != 0:  # its own one-line error (exit 2), or a traceback: shown whole, then ours
+            print(r.stderr.rstrip(), file=sys.stderr)
+            lines = r.stderr.strip().splitlines() or [f"exit status {r.returncode}"]
+            raise RunError(f"the {engine} engine failed: {lines[-1].removeprefix('error: ')}")
         results.append(json.loads(r.stdout.strip().splitlines()[-1]))
 
     # Every weight is read once per decoded token (a tied LM head is the embedding, counted once).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.cli import DEFAULT_PROMPT, base_parser, check_context, positive_int, prompt_ids, run_main
+from common.cli import DEFAULT_PROMPT, base_parser, check_prompt, positive_int, prompt_ids, run_main
 from common.device import pick_device, pick_dtype, synchronize
 from common.errors import UserError
 from common.models import resolve_model
@@ -36,7 +36,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
     config, device = model.config, model.device
     longest = max(len(p) for p in prompts)
     for p in prompts:
-        check_context(len(p), max_new_tokens, config.max_position_embeddings)
+        check_prompt(p, max_new_tokens, config)
     max_seq = max_seq or min(longest + max_new_tokens, config.max_position_embeddings)
     if longest >= max_seq:
         raise UserError(f"the longest prompt has {longest} tokens; --max-seq is {max_seq}")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from common.cli import run_main
+from common.cli import check_prompt, run_main
+from common.config import load_config
 from common.device import pick_device, pick_dtype
 from common.hf_reference import hf_hidden_states
 from common.models import resolve_model
@@ -45,6 +46,7 @@ def main() -> int:
     dtype = pick_dtype(args.dtype, device)
     model_dir = resolve_model(args.model)
     ids = Tokenizer(model_dir).encode(args.text)
+    check_prompt(ids, 1, load_config(model_dir))  # not empty, inside the context and the vocabulary
     model = load_model(model_dir, device, dtype)
     cache = KVCache(model.config, 1, len(ids), device, dtype)
     ours: dict = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.cli import DEFAULT_PROMPT, base_parser, check_context, positive_int, prompt_ids, run_main
+from common.cli import DEFAULT_PROMPT, base_parser, check_prompt, positive_int, prompt_ids, run_main
 from common.device import synchronize
 from common.errors import UserError
 from common.tokenizer import Tokenizer
@@ -41,7 +41,7 @@ def generate(
     needed instead: engine.py)."""
     config, device = model.config, model.device
     for p in prompts:
-        check_context(len(p), max_new_tokens, config.max_position_embeddings)
+        check_prompt(p, max_new_tokens, config)
     longest = max(len(p) for p in prompts)
     max_seq = max_seq or min(longest + max_new_tokens, config.max_position_embeddings)
     if max_seq > config.max_position_embeddings:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from common.cli import run_main
+from common.cli import check_prompt, run_main
+from common.config import load_config
 from common.errors import UserError
 from common.hf_reference import hf_hidden_states
 from common.parity import compare, format_table
@@ -58,6 +59,7 @@ def main() -> int:
         )
     device, dtype = model.device, model.dtype
     ids = Tokenizer(model_dir).encode(args.text)
+    check_prompt(ids, 1, load_config(model_dir))  # not empty, inside the context and the vocabulary
     ours: dict = {}
     with torch.inference_mode():  # through the block pool and paged attention (model.forward_sequence)
         ours["logits"] = forward_sequence(model, ids, capture=ours).float().cpu().numpy()

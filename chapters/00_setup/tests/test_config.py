@@ -60,6 +60,17 @@ def test_non_llama_architecture_is_rejected_by_name(tmp_path):
         load_config(tmp_path)
 
 
+def test_a_config_without_model_type_is_read_by_its_architectures():
+    # as transformers reads it; refused before, naming LlamaForCausalLM as what is not supported
+    raw = json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
+    del raw["model_type"]
+    assert config_from_dict(raw).num_hidden_layers == 30
+    with pytest.raises(ConfigError, match="unsupported architecture MistralForCausalLM"):
+        config_from_dict(raw | {"architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ConfigError, match="unsupported architecture model_type=None"):
+        config_from_dict({k: v for k, v in raw.items() if k != "architectures"})
+
+
 def test_unsupported_rope_type_is_rejected():
     raw = json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
     raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}

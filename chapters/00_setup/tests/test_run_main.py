@@ -45,3 +45,20 @@ def test_the_positive_argument_types_refuse_what_would_read_as_not_given_or_nan(
     for flags in (["--n", "0"], ["--n", "-2"], ["--gb", "0"], ["--gb", "nan"], ["--gb", "inf"], ["--gb", "-1"]):
         with pytest.raises(SystemExit):
             ap.parse_args(flags)
+
+
+def test_a_prompt_is_checked_against_the_models_context_and_vocabulary():
+    # ids past the model's vocabulary (a tokenizer larger than its embedding) were an IndexError
+    from types import SimpleNamespace
+
+    from common.cli import check_prompt
+
+    config = SimpleNamespace(max_position_embeddings=16, vocab_size=1000)
+    check_prompt([1, 999], 4, config)
+    for ids, message in (
+        ([], "the prompt is empty"),
+        (list(range(16)), "the prompt has 16 tokens; the model's context is 16 tokens"),
+        ([5, 1000, 19556], r"prompt token ids \[1000, 19556\] are outside the model's vocabulary \(0..999\)"),
+    ):
+        with pytest.raises(UserError, match=message):
+            check_prompt(ids, 4, config)

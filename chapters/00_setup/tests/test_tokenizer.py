@@ -284,3 +284,13 @@ def test_generation_blocks_and_tojson_arguments_render_as_transformers_does(tmp_
     expected = hf.apply_chat_template(messages, chat_template=template, tokenize=False)
     assert ours.apply_chat_template(messages) == expected
     assert '{"content":"Héllo","role":"user"}' in expected and "H\\u00e9llo" in expected
+
+
+def test_text_that_is_not_utf8_is_a_clear_error(pair):
+    # A terminal argument with a byte that is not UTF-8 reaches Python as a lone surrogate: the
+    # library raised a TypeError about its input's type, a traceback from every script.
+    ours, _ = pair
+    with pytest.raises(TokenizerError, match="the text is not valid UTF-8"):
+        ours.encode("abc\udcff")
+    with pytest.raises(TokenizerError, match="the text is not valid UTF-8"):
+        ours.encode_chat([{"role": "user", "content": "abc\udcff"}])

@@ -41,6 +41,13 @@ def test_bad_input_is_a_clear_error(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("text, message", [("", "the prompt is empty"), ("abc\udcff", "not valid UTF-8")])
+def test_parity_refuses_what_it_cannot_run(text, message):
+    # An empty text was an IndexError; a text past the context ran past it unchecked.
+    r = run(str(CHAPTER / "parity.py"), "--model", "tiny-llama3", "--text", text)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_bench_runs_and_saves_figures(tmp_path):
     r = run(
         str(CHAPTER / "bench.py"),
