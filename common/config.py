@@ -256,29 +256,24 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir} has no config.json: is this a Hugging Face checkpoint directory?")
-    try:
-        raw = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    config = config_from_dict(raw, source=str(path))
+    config = config_from_dict(_read_json(path), source=str(path))
     # HF's generate stops on generation_config.json's EOS ids, and a checkpoint's two files may
     # differ (Llama-3-Instruct's config.json names only <|end_of_text|>, not <|eot_id|>): both count.
-    generation = _generation_eos(model_dir / "generation_config.json", config.vocab_size)
-    extra = tuple(i for i in generation if i not in config.eos_token_ids)
+    generation = model_dir / "generation_config.json"
+    if not generation.is_file():
+        return config
+    raw = _read_json(generation)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{generation}: must hold a JSON object, got {_kind(raw)}")
+    eos = _token_ids(raw, "eos_token_id", str(generation), config.vocab_size)
+    extra = tuple(i for i in eos if i not in config.eos_token_ids)
     return replace(config, eos_token_ids=config.eos_token_ids + extra) if extra else config
 
 
-def _generation_eos(path: Path, vocab_size: int) -> tuple[int, ...]:
-    if not path.is_file():
-        return ()
+def _read_json(path: Path):
     try:
-        raw = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a JSON object expected, got {_kind(raw)}")
-    return _token_ids(raw, "eos_token_id", str(path), vocab_size)
