@@ -10,8 +10,10 @@ nvcc for csrc/cuda/ when torch is a CUDA build), through ninja, into kernels/bui
 KERNELS_BUILD_DIR), and stamps the folder with a fingerprint of every source byte and flag. A
 later load whose sources have that fingerprint imports the built module directly, without the
 compiler or ninja: a fraction of a second, also for a copy of kernels/ pointed at this build. Any
-changed byte rebuilds. Two processes building at once wait for each other (cpp_extension locks
-the folder).
+changed byte rebuilds, the sources whose bytes changed from scratch (ninja goes by modification
+times, which a restored file may have older than its object). Two processes building at once wait
+for each other (a lock the kernel releases when its holder dies, however it dies), and the second
+imports what the first built, or fails as it did.
 
 The CPU half is compiled for any x86-64 (no -march=native: the module must run on the machine
 that did not build it, e.g. a cluster's other nodes); its AVX2 and AVX512 paths are chosen at
@@ -23,13 +25,17 @@ keep threads spinning, and on two cores that costs 10x.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,6 +46,7 @@ STAMP = "sources.sha256"  # beside the built module: the fingerprint() it was bu
 # fingerprint. `make test` builds so, and its C++ check (csrc/cpu/check_compile.sh, the same flags,
 # some 70 s of CPU on two cores) then has nothing left to compile.
 WERROR_STAMP = "werror.sha256"
+OBJECTS = "objects.json"  # each source's sha256 when its object was compiled (see _drop_stale_objects)
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 
 
@@ -151,7 +158,7 @@ def _variant(with_cuda: bool) -> str:
 def build_root() -> Path:
     """kernels/build/, or KERNELS_BUILD_DIR: a copy of kernels/ pointed at another build reuses it
     when its sources are the same bytes."""
-    return Path(os.environ.get("KERNELS_BUILD_DIR", HERE / "build"))
+    return Path(os.environ.get("KERNELS_BUILD_DIR") or HERE / "build")  # (set but empty: the default)
 
 
 def build_dir(with_cuda: bool) -> Path:
@@ -177,10 +184,16 @@ def fingerprint(files: list[Path], *flags: list[str]) -> str:
     """What a build is made of: every source and header, byte for byte, and the flags. Bytes, not
     modification times: a checkout or a copy rewrites the times of files it does not change."""
     digest = hashlib.sha256()
-    for path in sorted({*files, *CSRC.rglob("*.h"), *CSRC.rglob("*.cuh")}):
+    for path in sorted({*files, *_headers()}):
         digest.update(path.relative_to(CSRC).as_posix().encode() + b"\0" + path.read_bytes())
     digest.update(repr(flags).encode())
     return digest.hexdigest()
+
+
+def _headers() -> list[Path]:
+    """The library's headers (the emulator's, csrc/emulator, are not the library's)."""
+    found = [*CSRC.rglob("*.h"), *CSRC.rglob("*.cuh")]
+    return sorted(p for p in found if "emulator" not in p.relative_to(CSRC).parts)
 
 
 def _stamped(path: Path, stamp: str) -> bool:
@@ -194,9 +207,49 @@ def _import_built(name: str, folder: Path, stamp: str):
     if not built or not _stamped(folder / STAMP, stamp):
         return None
     spec = importlib.util.spec_from_file_location(name, built[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        module = importlib.util.module_from_spec(spec)  # an extension module loads here
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):  # stamped yet broken (a file damaged since): build it again
+        return None
     return module
+
+
+@contextmanager
+def _folder_lock(folder: Path):
+    """The build folder to ourselves: flock, which the kernel releases when its holder dies however
+    it dies (cpp_extension's own lock file outlives a killed build and stalls the next forever)."""
+    with open(folder / "build.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"kernels: waiting for another process building into {folder} ...", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)  # cpp_extension's, left by a build that was killed
+        yield
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _drop_stale_objects(folder: Path, files: list[Path]) -> dict:
+    """Deletes the object of every source whose bytes changed since it was compiled (all of them
+    when a header did): ninja compares modification times, and a file restored from a backup or a
+    tarball can be older than its object while its bytes differ. -> the record to save once built."""
+    now = {f.relative_to(CSRC).as_posix(): _sha256(f) for f in files}
+    now["headers"] = fingerprint([])
+    path = folder / OBJECTS
+    try:
+        before = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        before = {}
+    for f in files:
+        key = f.relative_to(CSRC).as_posix()
+        if before.get("headers") != now["headers"] or before.get(key) != now[key]:
+            for obj in (folder / f"{f.stem}.o", folder / f"{f.stem}.cuda.o"):
+                obj.unlink(missing_ok=True)
+    return now
 
 
 class _Ticker:
@@ -288,33 +341,43 @@ def _build(with_cuda: bool, verbose: bool, werror: bool = False):
     from torch.utils import cpp_extension
 
     name, files, folder, cflags, cuda_flags, archs, stamp = _build_plan(with_cuda)
-    folder.mkdir(parents=True, exist_ok=True)
-    module = _import_built(name, folder, stamp)
+    module = _import_built(name, folder, stamp)  # no lock, no write: a read-only checkout's build loads
     if module is None:
         _check_tools()
         what = f"{len(files)} sources for cpu" + (" and cuda" if with_cuda else "") + f" into {folder}"
-        (folder / WERROR_STAMP).unlink(missing_ok=True)
         try:
-            with _Ticker(what):
-                module = cpp_extension.load(
-                    name,
-                    [str(f) for f in files],
-                    extra_cflags=cflags + (WARNINGS if werror else []),
-                    extra_cuda_cflags=cuda_flags,
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(folder),
-                    verbose=verbose,
-                )
-        except (
-            RuntimeError,
-            OSError,
-            ImportError,
-        ) as e:  # a failed compile is a RuntimeError, a bad link an ImportError
+            folder.mkdir(parents=True, exist_ok=True)
+            with _folder_lock(folder):
+                module = _import_built(name, folder, stamp)  # another process built it while we waited
+                if module is None:
+                    # No stamp until the build succeeds: one left from before would vouch for whatever
+                    # .so a failed build leaves behind.
+                    (folder / STAMP).unlink(missing_ok=True)
+                    (folder / WERROR_STAMP).unlink(missing_ok=True)
+                    built = _drop_stale_objects(folder, files)
+                    with _Ticker(what):
+                        module = cpp_extension.load(
+                            name,
+                            [str(f) for f in files],
+                            extra_cflags=cflags + (WARNINGS if werror else []),
+                            extra_cuda_cflags=cuda_flags,
+                            extra_ldflags=["-fopenmp"],
+                            build_directory=str(folder),
+                            verbose=verbose,
+                        )
+                    (folder / OBJECTS).write_text(json.dumps(built))
+                    (folder / STAMP).write_text(stamp)
+                    if werror:
+                        (folder / WERROR_STAMP).write_text(stamp)
+        except PermissionError as e:
+            raise KernelBuildError(
+                f"cannot write the build folder {folder} ({e.strerror}): set KERNELS_BUILD_DIR to a writable one"
+            ) from None
+        except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
+            # a failed compile is a RuntimeError, a bad link an ImportError, a compiler that fails
+            # torch's own check a CalledProcessError
             tail = "\n".join(str(e).strip().splitlines()[-25:])
             raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
-        (folder / STAMP).write_text(stamp)
-        if werror:
-            (folder / WERROR_STAMP).write_text(stamp)
     module.cuda_archs = archs  # what kernels.gpu_not_covered() reads
     from kernels import fake
 

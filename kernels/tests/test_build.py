@@ -193,3 +193,98 @@ def test_werror_checked_says_whether_the_build_in_place_compiled_with_the_warnin
     assert build.werror_checked() is None
     (folder / build.STAMP).write_text("0" * 64)  # the sources changed since
     assert "no build of these sources" in build.werror_checked()
+
+
+def _fake_compile(monkeypatch, tmp_path, outcome):
+    """build._build with cpp_extension.load replaced by `outcome(folder)` (no compiler runs), into
+    its own KERNELS_BUILD_DIR. -> (the build folder, the plan's stamp)."""
+    from torch.utils import cpp_extension
+
+    kernels.load()  # the real build, loaded before the variable moves: `outcome` may hand it back
+    monkeypatch.setenv("KERNELS_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_check_tools", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", lambda name, *a, build_directory, **kw: outcome(Path(build_directory)))
+    plan = build._build_plan(False)
+    return plan.folder, plan.stamp
+
+
+def test_a_failed_build_leaves_no_stamp_to_vouch_for_the_old_module(monkeypatch, tmp_path):
+    # The stamp of the sources before stayed: reverted to them, the sources matched it again and the
+    # .so a failed build left was imported (an ImportError on every run, or old code silently).
+    def failing(folder):
+        raise RuntimeError("error: boom")
+
+    folder, stamp = _fake_compile(monkeypatch, tmp_path, failing)
+    folder.mkdir(parents=True)
+    (folder / build.STAMP).write_text("0" * 64)  # an earlier build's
+    with pytest.raises(build.KernelBuildError, match="building kernels/ failed .*\nerror: boom"):
+        build._build(False, verbose=False)
+    assert not (folder / build.STAMP).exists()
+
+
+def test_a_stamped_module_that_does_not_import_is_built_again(monkeypatch, tmp_path):
+    built = []
+    folder, stamp = _fake_compile(monkeypatch, tmp_path, lambda folder: built.append(folder) or kernels.load())
+    folder.mkdir(parents=True)
+    (folder / "llm_kernels_cpu.so").write_bytes(b"not an ELF file")
+    (folder / build.STAMP).write_text(stamp)
+    assert build._build(False, verbose=False) is kernels.load() and built == [folder]
+    assert (folder / build.STAMP).read_text() == stamp
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stall_the_next(monkeypatch, tmp_path):
+    # cpp_extension's lock file outlives a build killed by SIGKILL, the OOM killer or a time limit:
+    # the next build waited for it forever.
+    seen = []
+    def build_seeing_the_lock(folder):
+        seen.append((folder / "lock").exists())
+        return kernels.load()
+
+    folder, _ = _fake_compile(monkeypatch, tmp_path, build_seeing_the_lock)
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
+    build._build(False, verbose=False)
+    assert seen == [False]
+
+
+def test_two_builds_at_once_take_turns(tmp_path):
+    # The second waits for the first's flock (which a dying process gives back), then builds.
+    code = (
+        "import fcntl, sys, time; from pathlib import Path; from kernels import build\n"
+        "folder = Path(sys.argv[1])\n"
+        "with build._folder_lock(folder):\n"
+        "    print(time.monotonic(), flush=True); time.sleep(1.0); print(time.monotonic(), flush=True)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    spans = sorted(tuple(map(float, p.communicate(timeout=60)[0].split())) for p in procs)
+    assert spans[0][1] <= spans[1][0], spans  # one after the other, never both inside
+
+
+def test_a_source_whose_bytes_changed_loses_its_object_whatever_its_time(tmp_path):
+    # ninja goes by modification times: a source restored from a copy with its old time was older
+    # than its object, and the edited object stayed in the module.
+    files = build.sources(with_cuda=False)
+    record = build._drop_stale_objects(tmp_path, files)
+    (tmp_path / build.OBJECTS).write_text(__import__("json").dumps(record | {"cpu/isa.cpp": "0" * 64}))
+    for f in files:
+        (tmp_path / f"{f.stem}.o").write_text("")
+    build._drop_stale_objects(tmp_path, files)
+    assert sorted(p.name for p in tmp_path.glob("*.o")) == sorted(f"{f.stem}.o" for f in files if f.name != "isa.cpp")
+
+
+def test_an_unwritable_build_folder_is_one_line(monkeypatch, tmp_path):
+    def refuse(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    _fake_compile(monkeypatch, tmp_path, lambda folder: kernels.load())
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(build.KernelBuildError, match="cannot write the build folder .* set KERNELS_BUILD_DIR"):
+        build._build(False, verbose=False)
+
+
+def test_an_empty_build_dir_variable_means_the_default(monkeypatch):
+    monkeypatch.setenv("KERNELS_BUILD_DIR", "")
+    assert build.build_root() == build.HERE / "build"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles every C++ source of the kernel library's host half, csrc/cpu/*.cpp and the torch glue
-# csrc/*.cpp, as kernels/build.py does (torch's include directories and defines, -O3 -std=c++17
+# csrc/*.cpp, as kernels/build.py does (torch's include directories and defines, -O3 -std=c++20
 # -fopenmp, for baseline x86-64), with -Wall -Wextra -Werror: the CPU twin of
 # ../cuda/check_compile.sh. Prints one line per file; exits nonzero if a file fails or warns. Run by
 # `make kernels-check`. Needs the compiler and the Python with torch that build the kernels, not a
@@ -35,7 +35,7 @@ mapfile -t paths <<<"$paths"
 variant="${paths[0]}"
 
 # -isystem: torch's and Python's headers are not ours to fix, so their warnings are not reported.
-flags=(-DTORCH_EXTENSION_NAME=llm_kernels_check -DTORCH_API_INCLUDE_EXTENSION_H -fPIC -O3 -std=c++17 -fopenmp
+flags=(-DTORCH_EXTENSION_NAME=llm_kernels_check -DTORCH_API_INCLUDE_EXTENSION_H -fPIC -O3 -std=c++20 -fopenmp
        -Wall -Wextra -Werror -c)
 for dir in "${paths[@]:1}"; do flags+=(-isystem "$dir"); done
 

@@ -25,7 +25,7 @@ fi
 # -Xptxas -v: registers, shared memory and spills of every kernel, parsed below.
 # The -D__CUDA_NO_*: what torch's extension build passes nvcc (kernels/build.py), so this checks
 #   the code users compile.
-flags=(-std=c++17 -O3 -c
+flags=(-std=c++20 -O3 -c
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
        -D__CUDA_NO_HALF2_OPERATORS__
        $(for a in ${ARCHS:-80 90}; do printf -- '-gencode arch=compute_%s,code=sm_%s ' "$a" "$a"; done)
