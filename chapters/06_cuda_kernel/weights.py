@@ -187,6 +187,10 @@ def load_quantized(model_dir: str | Path, config: LlamaConfig, spec: QuantSpec, 
         # a scale times the largest code must stay a float32 number: a finite 1e38 made every logit NaN
         if name.endswith((".scales", ".mins")) and not torch.isfinite(t.float().abs().amax() * 128):
             raise CheckpointError(f"{model_dir}: tensor {name} holds a scale past float32's range once multiplied out")
+        # symmetric int4 rebuilds its float16 mins as -8 x scale: a scale above 8188 makes them -inf
+        if spec.symmetric and name.endswith(".scales") and t.dtype == torch.float16:
+            if not torch.isfinite((-8 * t.float().abs().amax()).half()):
+                raise CheckpointError(f"{model_dir}: tensor {name}: -8 x its largest scale passes float16's range")
 
     weights = {}
     for name in expected_shapes(config):

@@ -115,6 +115,8 @@ def group_size_for(in_features: int, group_size: int) -> int:
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     w = w.to(torch.float32)
     scale = w.abs().amax(dim=1) / 127  # [out]
+    if not bool(torch.isfinite(scale).all()):  # a NaN or inf weight: every code of its row is lost
+        raise UserError("int8: a weight row holds NaN or infinity: there is nothing to quantize")
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: scale 0, codes 0
     q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
     return Int8Weight(q, scale)
@@ -138,7 +140,16 @@ def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False) -> 
     else:
         lo, hi = groups.amin(-1), groups.amax(-1)
         min_ = lo.to(torch.float16)
-        scale = _round_up_f16((hi - min_.float()) / 15)
+        # clamped: a constant group's min can round up past its max, and a scale is never negative
+        scale = _round_up_f16((hi - min_.float()).clamp_min(0) / 15)
+    if not bool(torch.isfinite(scale).all() and torch.isfinite(min_).all()):
+        # float16 holds up to 65504: scales and mins of weights past ~57,000 (symmetric: -8 x scale)
+        # or of NaN / inf would dequantize to inf and NaN logits
+        top = groups.abs().amax().item()
+        raise UserError(
+            f"int4: weights up to {top:.4g} give scales or minimums past float16's range: "
+            "quantize this model with int8, or keep it unquantized"
+        )
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
     codes = torch.round((groups - min_.float()[..., None]) / safe[..., None]).clamp(0, 15)
     return Int4Weight(pack_int4(codes.reshape(out, n_in)), scale, min_, g, symmetric)

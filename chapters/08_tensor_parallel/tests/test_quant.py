@@ -123,3 +123,34 @@ def test_bytes_per_weight():
 def test_bad_specs_are_clear_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         QuantSpec(**kw)
+
+
+@pytest.mark.parametrize(
+    "symmetric, edit",
+    [(True, {(1, 3): 60000.0}), (False, {(1, 3): 1e6, (1, 4): -1e6}), (False, {(2, 0): float("nan")})],
+    ids=["symmetric min past float16", "asymmetric scale past float16", "a NaN weight"],
+)
+def test_int4_scales_or_mins_past_float16_are_refused(symmetric, edit):
+    # -8 x scale, or (max - min) / 15, past 65504 was stored as inf: -inf weights and NaN logits
+    # (symmetric from max |w| ~ 57,300, where float16 still holds the weights themselves).
+    w = weights(8, 64, outliers=False)
+    for (row, col), value in edit.items():
+        w[row, col] = value
+    with pytest.raises(ValueError, match="past float16's range"):
+        quantize_int4(w, 32, symmetric)
+    w = weights(8, 64, outliers=False)
+    w[1, 3] = 50000.0  # inside the range: quantized, and finite
+    assert torch.isfinite(quantize_int4(w, 32, symmetric).dequantize()).all()
+
+
+def test_int8_of_a_weight_that_is_not_finite_is_refused():
+    w = weights(8, 64, outliers=False)
+    w[5, 7] = float("inf")
+    with pytest.raises(ValueError, match="int8: a weight row holds NaN or infinity"):
+        quantize_int8(w)
+
+
+def test_a_constant_group_keeps_a_scale_of_at_least_zero():
+    # float16 rounded the min of a group of 0.30001 past its max: the scale came out -2.6e-6
+    q = quantize_int4(torch.full((2, 32), 0.30001), 32)
+    assert (q.scale >= 0).all() and torch.allclose(q.dequantize(), torch.full((2, 32), 0.30001), atol=1e-4)

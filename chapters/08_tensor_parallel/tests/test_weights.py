@@ -184,6 +184,17 @@ def test_a_finite_scale_past_float32_once_multiplied_is_named(tmp_path):
         load(int8_dir)
 
 
+def test_a_symmetric_int4_scale_whose_minimum_passes_float16_is_named(tmp_path):
+    # The loader rebuilds a symmetric checkpoint's float16 mins as -8 x scale: 9000 gave -inf.
+    sym_dir = quantize(tmp_path, "--bits", "4", "--symmetric")
+
+    def poison(t):
+        t["model.layers.0.mlp.up_proj.scales"][0, 0] = 9000.0
+
+    edit_tensors(sym_dir, poison)
+    with pytest.raises(CheckpointError, match=r"up_proj\.scales: -8 x its largest scale passes float16's range"):
+        load(sym_dir)
+
 def test_a_tensor_stored_in_two_shards_is_named(int4_dir):
     # The second shard's copy was used silently (the plain checkpoint loader refused it already).
     tensors = load_file(int4_dir / "model.safetensors")
