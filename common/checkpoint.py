@@ -239,8 +239,9 @@ def plan_checkpoint(model_dir: str | Path, config: LlamaConfig) -> dict[Path, li
     found exactly once, with the shape the config implies and a floating-point dtype. Reads
     only the headers, so a mismatch is reported before any weight data is read."""
     stored: dict[str, tuple[Path, dict]] = {}  # name -> (file, header entry)
+    data_start: dict[Path, int] = {}  # file -> where its tensor data begins
     for f in checkpoint_files(model_dir):
-        header, _ = read_header(f)
+        header, data_start[f] = read_header(f)
         for name, info in header.items():
             if name in stored:
                 raise CheckpointError(
@@ -254,7 +255,7 @@ def plan_checkpoint(model_dir: str | Path, config: LlamaConfig) -> dict[Path, li
     if config.tie_word_embeddings and "lm_head.weight" in stored:
         # A copy of the embedding goes; another head would be a silent choice between two models.
         embedding = stored.get("model.embed_tokens.weight")
-        if embedding is not None and not _same_bytes(stored["lm_head.weight"], embedding):
+        if embedding is not None and not _same_bytes(stored["lm_head.weight"], embedding, data_start):
             raise CheckpointError(
                 f"{model_dir}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
                 "checkpoint stores an lm_head.weight that differs from it: set tie_word_embeddings to false to "
@@ -287,18 +288,16 @@ def plan_checkpoint(model_dir: str | Path, config: LlamaConfig) -> dict[Path, li
         plan.setdefault(stored[name][0], []).append(name)
     return plan
 
-
-
-def _same_bytes(a: tuple[Path, dict], b: tuple[Path, dict]) -> bool:
+def _same_bytes(a: tuple[Path, dict], b: tuple[Path, dict], data_start: dict[Path, int]) -> bool:
     """Whether two stored tensors ((file, header entry)) hold the same dtype, shape and bytes."""
     if (a[1]["dtype"], a[1]["shape"]) != (b[1]["dtype"], b[1]["shape"]):
         return False
     views = []
     for path, info in (a, b):
-        _, data_start = read_header(path)
         begin, end = info["data_offsets"]
-        views.append(np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,)))
+        views.append(np.memmap(path, dtype=np.uint8, mode="r", offset=data_start[path] + begin, shape=(end - begin,)))
     return bool(np.array_equal(views[0], views[1]))
+
 
 def _nonfinite_error(path: Path, name: str) -> CheckpointError:
     return CheckpointError(f"{path}: tensor {name!r} contains NaN or infinite values: the checkpoint is corrupt")

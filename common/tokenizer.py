@@ -266,14 +266,13 @@ def _result_size(operator: str, left, right) -> int:
 _templates: dict[str, jinja2.Template] = {}
 
 
-
-
 def _is_utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
         return True
     except UnicodeEncodeError:
         return False
+
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # transformers' filter: json.dumps with its arguments (jinja's own escapes HTML instead)
@@ -289,6 +288,7 @@ class _Generation(jinja2.ext.Extension):
     def parse(self, parser):
         next(parser.stream)
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
 
 def _compile(source: str, where: str = "chat template") -> jinja2.Template:
     # The same environment settings as transformers uses, so the rendered text is identical:

@@ -112,6 +112,9 @@ class Engine:
     def memory_needed(self, req: Request) -> MemoryEstimate:
         return estimate(self.model.config, self.model.dtype, req.n, len(req.prompt_ids), self.max_tokens_for(req))
 
+    def stop_ids(self, req: Request) -> set[int]:
+        return set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+
     def validate(self, req: Request) -> None:
         """Raises UserError with a message fit for the client."""
         req.params.validate(self.model.config.vocab_size)
@@ -138,7 +141,7 @@ class Engine:
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.model.config.vocab_size]
         if bad:
             raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.model.config.vocab_size - 1})")
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        stop_ids = self.stop_ids(req)
         if req.min_tokens > 0 and len(stop_ids) >= self.model.config.vocab_size:
             raise UserError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
         if n_prompt >= self.context:
@@ -172,7 +175,7 @@ class Engine:
         device = model.device
         # n>1 with a seed: each choice gets its own stream, reproducibly.
         generators = [make_generator(choice_seed(req.params.seed, i), device) for i in range(n)]
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        stop_ids = self.stop_ids(req)
         detoks = [IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens, prompt) for _ in range(n)]
         matchers = [StopStringMatcher(req.stop, req.include_stop_str_in_output) for _ in range(n)]
         outputs: list[list[int]] = [[] for _ in range(n)]

@@ -117,19 +117,21 @@ class RequestLimits:
         within what the KV pool holds for all its choices at once (see pool_blocks_for)."""
         if req.max_tokens is not None:
             return req.max_tokens
-        n_prompt, bs = len(req.prompt_ids), self.blocks.block_size
-        shared = (n_prompt - 1) // bs
+        n_prompt, bs, shared = len(req.prompt_ids), self.blocks.block_size, self.shared_blocks(req)
         fits = (shared + (self.blocks.num_blocks - shared) // max(req.n, 1)) * bs - n_prompt
         return max(1, min(self.max_tokens_default, self.context - n_prompt, fits))
 
+    def shared_blocks(self, req: Request) -> int:
+        """The prompt blocks `req`'s choices share (they fork from one prefill). They fork before the
+        prompt's last token (each computes it for its own logits: scheduler.py), so the block that
+        holds it is each choice's own even when the prompt fills it."""
+        return (len(req.prompt_ids) - 1) // self.blocks.block_size
+
     def pool_blocks_for(self, req: Request) -> int:
-        """KV blocks `req` holds when all its choices are at their longest: the prompt's full blocks
-        are shared (the choices fork from one prefill), the rest is each choice's own. The choices
-        fork before the prompt's last token (each computes it for its own logits: scheduler.py), so
-        the block that holds it is each choice's own even when the prompt fills it."""
-        n_prompt = len(req.prompt_ids)
-        shared = (n_prompt - 1) // self.blocks.block_size
-        return shared + req.n * (self.blocks.blocks_for(n_prompt + self.max_tokens_for(req)) - shared)
+        """KV blocks `req` holds when all its choices are at their longest: the shared prompt blocks
+        once, the rest for each choice."""
+        shared = self.shared_blocks(req)
+        return shared + req.n * (self.blocks.blocks_for(len(req.prompt_ids) + self.max_tokens_for(req)) - shared)
 
     def validate(self, req: Request) -> None:
         """Raises UserError with a message fit for the client."""

@@ -366,6 +366,7 @@ def _check_local(addr: str) -> None:
         "starts all run here (unset it for 127.0.0.1; torchrun starts ranks on several hosts)"
     )
 
+
 def start(world: int, timeout_s: float) -> Group:
     """Rank 0: the group of `world` ranks, spawning the workers unless torchrun started them."""
     timeout = timedelta(seconds=timeout_s)

@@ -212,7 +212,8 @@ class Speculator:
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)
-        seqs, ks = self._fit_pool(running, seqs, ks)
+        if seqs:
+            seqs, ks = self._fit_pool(running, seqs, ks)
         if seqs:
             for seq, k, draft in zip(seqs, ks, self.proposer.propose(seqs, ks)):
                 seq.draft = list(draft.tokens[:k])
