@@ -377,7 +377,7 @@ def _build(with_cuda: bool, verbose: bool, werror: bool = False):
             # a failed compile is a RuntimeError, a bad link an ImportError, a compiler that fails
             # torch's own check a CalledProcessError
             tail = "\n".join(str(e).strip().splitlines()[-25:])
-            raise KernelBuildError(f"building kernels/ failed ({what}):\n{tail}") from None
+            raise KernelBuildError(f"building kernels/ failed ({what})\n{tail}") from None
     module.cuda_archs = archs  # what kernels.gpu_not_covered() reads
     from kernels import fake
 

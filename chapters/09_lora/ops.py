@@ -160,7 +160,9 @@ class TorchOps:
         return None  # gather + SDPA reads blocks of any size
 
     def describe(self) -> str:
-        return f"kernels: off ({self.why_off})"
+        # A failed build's reason ends with the compiler's last lines: the startup line takes its
+        # first line, the note at startup (KernelFlags.ops) the whole of it.
+        return f"kernels: off ({self.why_off.splitlines()[0]})"
 
 
 class KernelOps:
@@ -506,7 +508,10 @@ class KernelFlags:
         PyTorch, a note says why."""
         ops = resolve(self.choice, device, head_dim, self.batch_invariant, self.int8_x)
         if self.choice == "auto" and isinstance(ops, TorchOps):
-            print(f"note: kernels off ({ops.why_off}): chapter 05's PyTorch path runs", file=sys.stderr)
+            first, *details = ops.why_off.splitlines()
+            print(f"note: kernels off ({first}): chapter 05's PyTorch path runs", file=sys.stderr)
+            for line in details:
+                print(f"  {line}", file=sys.stderr)
         return ops
 
 

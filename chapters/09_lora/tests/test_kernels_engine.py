@@ -168,6 +168,22 @@ def test_kernels_where_they_cannot_run(capsys):
     assert KernelFlags("on").ops(CPU).describe().startswith("kernels: on (cpu, ")
 
 
+def test_a_failed_build_is_one_startup_line_and_a_note_with_the_compilers_lines(monkeypatch, capsys):
+    import kernels
+
+    def failed_build():
+        raise kernels.KernelBuildError("building kernels/ failed (14 sources for cpu)\nninja: line 1\nerror: line 2")
+
+    monkeypatch.setattr(kernels, "load", failed_build)
+    ops = KernelFlags("auto").ops(CPU)
+    assert ops.describe() == "kernels: off (building kernels/ failed (14 sources for cpu))"
+    assert capsys.readouterr().err.splitlines() == [
+        "note: kernels off (building kernels/ failed (14 sources for cpu)): chapter 05's PyTorch path runs",
+        "  ninja: line 1",
+        "  error: line 2",
+    ]
+
+
 def test_a_head_size_the_kernels_do_not_serve_falls_back_to_pytorch_and_says_why(tmp_path, capsys):
     why = "kernels/ decodes heads of 32, 64, 96, 128, 256 values; this model's have 80"
     assert resolve("auto", CPU, head_dim=80).describe() == f"kernels: off ({why})"
