@@ -174,10 +174,16 @@ def _check_tools() -> None:
         )
     if shutil.which("ninja") is None:
         try:
-            import ninja  # noqa: F401  the pip package puts a ninja binary next to python
+            import ninja  # the pip package carries a ninja binary: beside python, or in its own folder
         except ImportError:
             raise KernelBuildError("ninja is missing: `pip install ninja` (it is in requirements.txt)") from None
-        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]
+        bin_dirs = [getattr(ninja, "BIN_DIR", ""), str(Path(sys.executable).parent)]  # BIN_DIR: a --user install's
+        os.environ["PATH"] = os.pathsep.join([d for d in bin_dirs if d] + [os.environ["PATH"]])
+        if shutil.which("ninja") is None:
+            raise KernelBuildError(
+                f"ninja's Python package is installed ({ninja.__file__}) but its ninja program is on no PATH: "
+                "put the folder pip installed it into on PATH"
+            )
 
 
 def fingerprint(files: list[Path], *flags: list[str]) -> str:
@@ -409,7 +415,7 @@ def main() -> int:
     why_not = cuda_build_possible()
     print(f"kernels: {ext.__file__}")
     print(f"  cpu: {ext.cpu_isa()} (best here: {ext.best_cpu_isa()})")
-    print(f"  cuda: {'built' if ext.with_cuda else 'not built: ' + why_not}")
+    print(f"  cuda: {'built' if ext.with_cuda else 'not built: ' + (why_not or 'its build failed (above)')}")
     return 0
 
 

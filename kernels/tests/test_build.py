@@ -177,6 +177,10 @@ def test_a_failed_cuda_half_still_gives_the_cpu_half(monkeypatch, capsys):
     module = build.load()
     assert module.__file__ == cpu_half.__file__ and not module.with_cuda
     assert "the CUDA half failed to build; building the CPU half alone" in capsys.readouterr().err
+    # What `python -m kernels.build` then says of the CUDA half (it fell over on a None reason)
+    monkeypatch.setattr(sys, "argv", ["kernels.build"])
+    assert build.main() == 0
+    assert "  cuda: not built: its build failed (above)" in capsys.readouterr().out.splitlines()
 
 
 def test_werror_checked_says_whether_the_build_in_place_compiled_with_the_warnings(monkeypatch, tmp_path):
@@ -288,3 +292,26 @@ def test_an_unwritable_build_folder_is_one_line(monkeypatch, tmp_path):
 def test_an_empty_build_dir_variable_means_the_default(monkeypatch):
     monkeypatch.setenv("KERNELS_BUILD_DIR", "")
     assert build.build_root() == build.HERE / "build"
+
+
+
+def test_ninja_from_its_python_package_is_found_or_named(monkeypatch, tmp_path):
+    import types
+
+    program = tmp_path / "user-bin" / "ninja"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(build.shutil, "which", lambda name, real=build.shutil.which: "/usr/bin/c++" if name != "ninja" else real(name))
+    # a --user install: the package's BIN_DIR names the folder
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=str(program.parent), __file__="x"))
+    build._check_tools()
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(program.parent)
+    # `pip install --target DIR` leaves the program in DIR/bin and BIN_DIR empty: named, not a
+    # failure of torch's builder later
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR="", __file__="/t/ninja/__init__.py"))
+    monkeypatch.setattr(build.sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(build.KernelBuildError, match=r"ninja's Python package is installed \(/t/ninja/__init__.py\) but"):
+        build._check_tools()

@@ -50,6 +50,14 @@ def test_paged_attention_block_sizes(emu, block_size):
             assert_close(emu.paged_decode_attention(*case, 0.125, partition), expected, f"bs {block_size}")
 
 
+def test_paged_attention_the_largest_partition_beside_the_largest_merge(emu):
+    # Blocks of 4096 keys (the most ops.py lets through) are partitions of 4096 pool rows, 16 KB,
+    # beside the merge of 8 heads of 256 values, 33 KB: past the 48 KB a block gets without opting in.
+    case = make_case(2, 8, 1, 256, 4096, [5, 4100], torch.bfloat16, "cpu")
+    expected = reference.paged_decode_attention(*case, 1 / 16)
+    assert_close(emu.paged_decode_attention(*case, 1 / 16, 4096), expected)
+
+
 def test_paged_attention_wide_tables(emu):
     # A table far wider than every context (as CUDA graphs pad them): most partitions are empty.
     case = make_case(3, 8, 2, 64, 16, [5, 40, 200], torch.bfloat16, "cpu", width=64)

@@ -249,9 +249,11 @@ def test_cuda_graphs_replay_equals_eager_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run slurm/gpu_check.sh on a GPU node)")
 @pytest.mark.parametrize("quant", [None, QuantSpec(bits=4), QuantSpec(bits=8)], ids=["bf16", "int4", "int8"])
 def test_cuda_kernels_are_as_close_to_float32_as_torch_on_cuda(quant):
-    # The CUDA half on a GPU, through the model: a prompt's logits (chunk attention, matrix
-    # products, norms, RoPE) in bfloat16 with the kernels on and off, each against the same weights
-    # in float32. The CUDA int4 kernel takes bfloat16 activations only, hence bfloat16 throughout.
+    # The CUDA half on a GPU, through the model: a prompt's logits (the int4 and int8 products,
+    # norms, RoPE) in bfloat16 with the kernels on and off, each against the same weights in
+    # float32. On CUDA a prompt's attention is gather + SDPA and a bf16 weight's product cuBLAS, with
+    # the kernels on as off (their CUDA kernels are checked in kernels/tests). The CUDA int4 kernel
+    # takes bfloat16 activations only, hence bfloat16 throughout.
     d, cuda = resolve_model("tiny-llama3"), torch.device("cuda")
     ids = Tokenizer(d).encode_chat([{"role": "user", "content": PROMPTS[3]}])
     on = load_model(d, cuda, torch.bfloat16, quant, "fast", resolve("on", cuda))

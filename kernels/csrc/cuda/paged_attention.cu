@@ -412,7 +412,14 @@ template <typename T, int HEAD_DIM, int HEADS>
 cudaError_t launch_partitions(const Params& p, int batch, cudaStream_t stream) {
     using L = Layout<T, HEAD_DIM, HEADS>;
     const size_t dynamic_smem = static_cast<size_t>(p.partition_size) * sizeof(int);
-    if (dynamic_smem + L::kMergeBytes > static_cast<size_t>(kSmemLimit)) return cudaErrorInvalidValue;
+    // Past 48 KB with the merge (256-value heads, 8 a block, partitions of 4096 keys: 49.4 KB) the
+    // kernel must be allowed more first: a host-side attribute, so graph capture is unaffected.
+    if (dynamic_smem + L::kMergeBytes > static_cast<size_t>(kSmemLimit)) {
+        const cudaError_t err = cudaFuncSetAttribute(partition_kernel<T, HEAD_DIM, HEADS>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(dynamic_smem));
+        if (err != cudaSuccess) return err;
+    }
     const dim3 grid(p.n_splits, p.n_kv_heads * p.head_chunks, batch);
     partition_kernel<T, HEAD_DIM, HEADS><<<grid, kThreads, dynamic_smem, stream>>>(p);
     return cudaGetLastError();
