@@ -125,7 +125,17 @@ def _write_llama3_style_config(model_dir: Path) -> None:
 
 def prepare_tiny_llama3(out: Path, tokenizer_from: Path) -> None:
     import torch
+    import transformers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    # transformers 4 keeps an unknown `rope_parameters` as a plain attribute: its model would run
+    # rope_theta 10000 without llama3's scaling, while common.config reads the file as written, and
+    # every comparison with HF would fail as if the engine were wrong (a GPU node's own transformers).
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise SystemExit(
+            f"error: tiny-llama3 needs transformers 5 (its rope_parameters), this Python has "
+            f"{transformers.__version__}: install requirements.txt's"
+        )
 
     print(f"[models] tiny-llama3: random Llama-3.2-style model into {out} ...", flush=True)
     tmp = out.with_name(out.name + ".tmp")

@@ -1,10 +1,12 @@
-"""`make setup`'s venv recipe, run with a stand-in python that records what it is asked to do."""
+"""`make setup`: its venv recipe (run with a stand-in python that records what it is asked to do), its models."""
 
 import functools
 import os
 import stat
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_PYTHON = """#!/bin/bash
@@ -101,3 +103,14 @@ def test_the_kernel_suites_start_without_the_models(tmp_path):
         lines = "\n".join(make_dry_run(tmp_path, suite))  # (their recipes call no $(MAKE))
         assert "-m kernels.build" in lines and "common.prepare_models" not in lines, lines
     assert "common.prepare_models" in "\n".join(make_dry_run(tmp_path, "suite-00_setup"))
+
+
+def test_tiny_llama3_is_not_made_by_a_transformers_that_would_drop_its_rope(monkeypatch, tmp_path):
+    import transformers
+
+    from common.prepare_models import prepare_tiny_llama3
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(SystemExit, match="tiny-llama3 needs transformers 5 .*this Python has 4.57.1"):
+        prepare_tiny_llama3(tmp_path / "tiny", tmp_path)
+    assert not (tmp_path / "tiny").exists()
