@@ -10,7 +10,7 @@ QUANT ?= int4
 CHAPTERS := $(sort $(wildcard chapters/[0-9][0-9]_*))
 LATEST := $(lastword $(CHAPTERS))
 CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
-CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER))))))_*))
+CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell (printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER)))))) 2>/dev/null)_*))
 PYTEST_FLAGS ?= -q
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 # make test runs its suites (each chapter's tests/, kernels/tests, tests/, the -Werror compile) as
@@ -36,7 +36,9 @@ export TRANSFORMERS_VERBOSITY := error
 help:
 	@echo "make run    - set up (first time) and chat with the most complete engine (PROMPT=, MODEL=, CHAPTER=, QUANT=)"
 	@echo "make test   - set up (first time) and run every chapter's tests and tests/"
-	@echo "make test-chapterN, make diff-chapterN, make models, make kernels, make kernels-check, make bench, make clean"
+	@echo "make serve  - the chapter's OpenAI-compatible server (chapters 03 on; CHAPTER=, MODEL=, QUANT=)"
+	@echo "make test-chapterN, make diff-chapterN, make models, make kernels, make kernels-check, make bench,"
+	@echo "  make notebooks, make format, make clean"
 	@echo "  (TEST_WORKERS=N parallel test workers, default one per core; RUN_CARRIED_TESTS=1 also runs carried tests)"
 
 # --- setup: a venv with pinned requirements, then the models. Stamps make the second run instant.
@@ -112,7 +114,9 @@ kernels-check: $(VENV)/.stamp
 	@$(CPU_CHECK) && $(CUDA_CHECK)
 
 # --- run: the latest chapter's engine on a chat prompt (chapter 00 has no engine: it prints the model report).
+NO_CHAPTER = echo "error: CHAPTER=$(CHAPTER): no such chapter here ($(notdir $(CHAPTERS)))" >&2; exit 2
 run: setup
+	@$(if $(CHAPTER_DIR),,$(NO_CHAPTER))
 	@if [ -f $(CHAPTER_DIR)/cli.py ]; then \
 	  $(PY) $(CHAPTER_DIR)/cli.py --model "$(MODEL)" --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --temperature 0 \
 	    $(if $(and $(wildcard $(CHAPTER_DIR)/quantize.py),$(filter-out none,$(QUANT))),--quant $(QUANT)); \
@@ -158,8 +162,11 @@ suite-%:
 	{ $(call suite_cmd,$*); } || touch .test-results/$*.failed; \
 	printf '%-22s %4d s\n' "$*" $$(( $$(date +%s) - start )) > .test-results/$*.time
 
+# 10#: "08" and "09" are not octal numbers (printf said so and pytest ran chapter 00's tests).
+chapter_tests = $(wildcard chapters/$(shell (printf '%02d' $$((10#$(1)))) 2>/dev/null)_*/tests)
 test-chapter%: setup
-	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(wildcard chapters/$(shell printf '%02d' $*)_*/tests)
+	@$(if $(call chapter_tests,$*),,echo "error: test-chapter$*: no such chapter here ($(notdir $(CHAPTERS)))" >&2; exit 2)
+	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(call chapter_tests,$*)
 
 # The lesson of chapter N: its engine code against chapter N-1's (new files in full), code first;
 # ALL=1 adds README, tests, benches and figures. Needs only the standard library.
@@ -179,6 +186,8 @@ bench: setup
 	@for d in $(CHAPTERS); do if [ -f $$d/bench.py ]; then echo "=== $$d/bench.py"; $(PY) $$d/bench.py --model "$(MODEL)" || exit 1; fi; done
 
 serve: setup
+	@$(if $(CHAPTER_DIR),,$(NO_CHAPTER))
+	@$(if $(wildcard $(CHAPTER_DIR)/server.py),,echo "error: $(notdir $(CHAPTER_DIR)) has no server (chapters 03 on have one)" >&2; exit 2)
 	$(PY) $(CHAPTER_DIR)/server.py --model "$(MODEL)" \
 	  $(if $(and $(wildcard $(CHAPTER_DIR)/quantize.py),$(filter-out none,$(QUANT))),--quant $(QUANT))
 

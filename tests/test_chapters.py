@@ -160,6 +160,22 @@ def test_make_run_takes_each_branch_of_its_recipe():
     assert "int4 G=32" in r.stderr and "kernels: on" in r.stderr
 
 
+@pytest.mark.parametrize("number", ["8", "08", "09"])
+def test_make_test_chapter_runs_that_chapters_tests(number):
+    # "08" and "09" read as octal numbers made printf fail and pytest run chapter 00's tests
+    (folder,) = (REPO / "chapters").glob(f"0{number[-1]}_*")
+    r = make("-n", f"test-chapter{number}")
+    assert r.returncode == 0 and r.stdout.split()[-1] == f"chapters/{folder.name}/tests"
+
+
+def test_make_says_which_chapters_there_are_when_a_chapter_is_not_one():
+    for target, args in [("run", ["CHAPTER=99"]), ("serve", ["CHAPTER=abc"]), ("test-chapter99", [])]:
+        r = make(target, *args)
+        assert r.returncode == 2 and "no such chapter here (00_setup 01_numpy_forward" in r.stderr, (target, r.stderr)
+    r = make("serve", "CHAPTER=2")
+    assert r.returncode == 2 and "error: 02_kv_cache has no server (chapters 03 on have one)" in r.stderr
+
+
 def changed_files(chapter: Path) -> list[str]:
     """The engine files (*.py beside the README) that chapter N adds to N-1 or changes."""
     previous = next((REPO / "chapters").glob(f"{int(chapter.name[:2]) - 1:02d}_*"))
