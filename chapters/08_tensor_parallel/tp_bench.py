@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
+from common.cli import positive_int
+
 ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "bench" / "results" / "ch08_tensor_parallel"
+OUT = ROOT / "bench" / "results" / f"ch{Path(__file__).resolve().parent.name[:2]}_tensor_parallel"  # chNN: this chapter
 
 
 def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, calls: int, out: dict) -> None:
@@ -139,28 +141,33 @@ def decode_part(model: str, tp: int, batches: list[int], new_tokens: int, quant,
     return out
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated whole numbers of at least 1."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="allreduce,decode")
-    ap.add_argument("--calls", type=int, default=500)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--calls", type=positive_int, default=500)
+    ap.add_argument("--new-tokens", type=positive_int, default=32)
+    ap.add_argument("--batches", type=positive_ints, default="1,16", help="batch sizes, comma-separated")
     ap.add_argument("--quant", choices=["int4", "none"], default="int4")
     ap.add_argument("--cases", default="tiny-llama3:2,smollm2-135m:3", help="model:TP pairs compared with TP=1")
-    ap.add_argument("--rounds", type=int, default=7, help="alternating TP=1 / TP=N runs per batch size")
+    ap.add_argument("--rounds", type=positive_int, default=7, help="alternating TP=1 / TP=N runs per batch size")
     ap.add_argument("--out", type=Path, default=OUT, help="where the JSON and .png go (default: %(default)s)")
     args = ap.parse_args()
     from quant import QuantSpec
 
     quant = QuantSpec(4, 32) if args.quant == "int4" else None
-    result = {"machine": f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}", "quant": args.quant}
+    result = {"machine": f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}"}
     if "allreduce" in args.parts:
         result["allreduce_us"] = allreduce_part(args.calls)
         for k, v in result["allreduce_us"].items():
             print(f"all-reduce {k}: {v:.0f} us per call (2 ranks)")
     if "decode" in args.parts:
-        batches = [int(b) for b in args.batches.split(",")]
-        result["decode_tok_s"] = {}
+        batches = args.batches
+        result["decode_tok_s"], result["quant"] = {}, args.quant  # the weights of this part (the other has none)
         for case in args.cases.split(","):
             model, tp = case.split(":")
             # each case in a fresh process: one process group per process, threads set at start
@@ -201,7 +208,7 @@ def main() -> int:
         ax.boxplot(ratios, orientation="horizontal", tick_labels=labels)
         ax.axvline(1.0, color="gray", lw=0.8)
         ax.set_xlabel("decode tok/s, TP=N / TP=1 (one point per round)")
-        ax.set_title(f"TP=N against TP=1 on {result['machine']} ({args.quant})")
+        ax.set_title(f"TP=N against TP=1 on {result['machine']} ({result['quant']})")
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=100)
     print(f"-> {out.with_suffix('.json')}")

@@ -24,7 +24,7 @@ Parts (--parts, comma-separated; all three by default):
            cached), with speculation off and on with no batch cut-off: output tok/s of the whole
            batch. Where "on" falls below "off" is where Engine's speculative_max_batch belongs.
 
-Results: JSON at --out (default bench/results/ch07_bench.json) and a PNG beside it (speedup
+Results: JSON at --out (default bench/results/chNN_bench.json, NN this chapter's) and a PNG beside it (speedup
 against k per task; batch throughput on and off); tables on stdout, progress on stderr.
 """
 
@@ -391,7 +391,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--peers", default="", help="llama.cpp: also llama.cpp, plain and with prompt lookup (part one)")
     add_int8_activations(ap)
-    ap.add_argument("--out", default=str(RESULTS_DIR / f"{CH}_bench.json"), help="the JSON (a .png beside it)")
+    ap.add_argument(
+        "--out", default=str(RESULTS_DIR / f"{CH}_bench.json"), help="the JSON (a .png beside it; default: %(default)s)"
+    )
     args = ap.parse_args()
     args.ks, args.batches = int_list(args.ks), int_list(args.batches)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]

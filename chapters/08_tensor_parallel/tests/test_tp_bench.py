@@ -31,4 +31,13 @@ def test_tp_bench_runs_both_parts_and_saves_figures(tmp_path):
         assert set(rates) == {"TP=1", "TP=2", "ratio"} and all(len(v) == 2 for v in rates.values())
         assert all(x > 0 for v in rates.values() for x in v)
         assert rates["ratio"] == pytest.approx([n / one for n, one in zip(rates["TP=2"], rates["TP=1"])])
-    assert "TP=2 / TP=1" in proc.stdout
+    assert "TP=2 / TP=1" in proc.stdout and result["quant"] == "int4"
+    # One part again, with other weights: the decode part's figures stay, with the weights they had
+    proc = run_python(
+        [str(CHAPTER / "tp_bench.py"), "--parts", "allreduce", "--calls", "5", "--quant", "none", "--out", str(out)],
+        cwd=CHAPTER,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(out.with_suffix(".json").read_text())
+    assert again["decode_tok_s"] == result["decode_tok_s"] and again["quant"] == "int4"
