@@ -195,9 +195,11 @@ def flood(url: str) -> dict:
 
 
 def long_stop(url: str) -> dict:
+    # 100,000 characters: under the default body limit (a 1M-character one is refused by its size,
+    # 413, before the stop string is read), far over the stop strings' limit (stopping.MAX_STOP_CHARS)
     t0 = time.perf_counter()
     r = httpx.post(
-        url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop": ["x" * 1_000_000]}, timeout=300
+        url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop": ["x" * 100_000]}, timeout=300
     )
     return {
         "status": r.status_code,
@@ -243,15 +245,21 @@ def main() -> int:
     )
     ap.add_argument("--server-flags", default="", help='more flags for server.py, e.g. "--speculative draft"')
     args = ap.parse_args()
+    names = ["big_bodies", "big_reply", "flood", "long_stop", "logprobs_reply", "long_prompt", "shutdown"]
+    unknown = [name for name in args.probes.split(",") if name not in names]
+    if unknown:
+        ap.error(f"--probes: no probe {', '.join(map(repr, unknown))}; there are {', '.join(names)}")
     out = Path(args.out or f"bench/results/server_probes_ch{args.chapter:02d}.json")
     earlier = json.loads(out.read_text()) if out.exists() else {}
+    server = [str(chapter_dir(args.chapter) / "server.py"), "--model", args.model]
+    server += ["--timeout-graceful-shutdown", args.timeout_graceful_shutdown, *args.server_flags.split()]
     port = free_port()
-    cmd = [sys.executable, str(chapter_dir(args.chapter) / "server.py"), "--model", args.model, "--port", str(port)]
-    cmd += ["--timeout-graceful-shutdown", args.timeout_graceful_shutdown, *args.server_flags.split()]
+    cmd = [sys.executable, *server, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    # a run of some probes keeps the others' last figures
-    result = earlier | {"chapter": args.chapter, "model": args.model, "command": " ".join(cmd[1:])}
+    # A run of some probes keeps the others' last figures; each says the server it ran against.
+    result = earlier | {"chapter": args.chapter}
+    recorded = " ".join(server).replace(f"{chapter_dir(args.chapter).parents[1]}/", "")  # paths from the repository
     try:
         try:
             wait_until_healthy(proc, url, f"the server ({' '.join(cmd)})")
@@ -268,7 +276,7 @@ def main() -> int:
         ):
             if name not in args.probes.split(","):
                 continue
-            result[name] = probe()
+            result[name] = probe() | {"server": recorded}
             print(f"{name:>10}: {json.dumps(result[name])[:300]}", flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))
