@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.tools.bench import RESULTS_DIR, add_int8_activations, machine
+from common.tools.bench import RESULTS_DIR, add_int8_activations, isa_line, machine
 from common.tools.chapters import load_chapter, newest_chapter
 from common.tools.decoding import decoding_engine
 
@@ -115,7 +115,7 @@ def main() -> int:
         print(line)
     print(f"decode step: 1 sequence {steps[1]:.1f} ms, 16 sequences {steps[16]:.1f} ms ({steps[16] / steps[1]:.2f}x)")
     isa = result["machine"]["isa"]
-    print(f"vector instructions: ours {isa['ours']}, llama.cpp {isa['llama.cpp']}")
+    print(isa_line(isa))
     int8_x = "_int8_x" if args.int8_activations else ""
     out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}{int8_x}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

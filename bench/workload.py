@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.tools.bench import add_int8_activations, fmt, machine
+from common.tools.bench import add_int8_activations, fmt, isa_line, machine
 from common.tools.chapters import chapter_exists, load_chapter, newest_chapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,8 +319,7 @@ def main() -> int:
         if best_ours and peer in runs:
             print(f"ours (best chapter) / {peer}: {fmt(best_ours / runs[peer]['tok_s'], '.2f')}x")
     if "llama.cpp" in runs:
-        print(f"vector instructions: ours {isa['ours']}, llama.cpp {isa['llama.cpp']}", end="")
-        print("" if isa.get("same_level") else " (not the same level: the ratio compares builds, not engines)")
+        print(isa_line(isa))
     for name in ours:
         if f"{name}_tokens_equal_{base}" in result:
             same = result[f"{name}_tokens_equal_{base}"]

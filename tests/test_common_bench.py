@@ -248,3 +248,9 @@ def test_the_vector_level_each_side_ran_is_read_from_llama_cpp_and_the_library()
         assert "same_level" not in report
     else:
         assert report["same_level"] == (report["ours"] == report["llama.cpp"])
+    # What every bench prints beside its ratios against llama.cpp
+    same = {"ours": "avx2", "llama.cpp": "avx2", "same_level": True}
+    assert bench.isa_line(same) == "vector instructions: ours avx2, llama.cpp avx2"
+    assert bench.isa_line(same | {"ours": "avx512_bf16", "same_level": False}).endswith(
+        "llama.cpp avx2 (not the same level: the ratios compare builds, not engines)"
+    )

@@ -34,7 +34,7 @@ from common.errors import UserError
 from common.models import resolve_model
 from common.prepare_models import find_gguf
 from common.tokenizer import Tokenizer
-from common.tools.bench import RESULTS_DIR, command_line, machine, peak_memory_bytes, summarize
+from common.tools.bench import RESULTS_DIR, command_line, isa_line, isa_report, machine, peak_memory_bytes, summarize
 from common.tools.chapters import chapter_exists, load_chapter
 from kv_cache import KVCache
 from loading import load
@@ -291,6 +291,8 @@ def main() -> int:
     base = by.get("bf16", {}).get("perplexity")
     ch03 = by.get("ch03-bf16", {}).get("decode_tok_s")
     print_table(rows, base, ch03)
+    if any(r["format"].startswith("llama.cpp") for r in rows):
+        print(isa_line(isa_report()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{CH}_quant_{Path(args.model).name}"

@@ -59,7 +59,18 @@ from common.cli import run_main
 from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
-from common.tools.bench import LONG_TEXT, PROMPTS, RESULTS_DIR, command_line, fmt, int_list, machine, median, pct
+from common.tools.bench import (
+    LONG_TEXT,
+    PROMPTS,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    int_list,
+    isa_line,
+    machine,
+    median,
+    pct,
+)
 from common.tools.chapters import chapter_dir, chapter_exists
 from common.tools.serving import (
     chat_body,
@@ -684,6 +695,7 @@ def print_tables(result: dict) -> None:
             agree = ", ".join(f"{f} {a['agree']}/{a['prompts']}" for f, a in pe["batch1_agreement"].items())
             k = next(iter(pe["batch1_agreement"].values()), {}).get("check_tokens")
             print(f"llama.cpp at N={sizes[-1]}: first {k} greedy tokens = each prompt's alone for {agree} prompts")
+            print(isa_line(result["machine"]["isa"]))
     ch = result.get("chunked")
     if ch:
         print(

@@ -67,6 +67,7 @@ from common.tools.bench import (
     command_line,
     fmt,
     int_list,
+    isa_line,
     machine,
     median,
     save_json,
@@ -700,6 +701,8 @@ def print_tables(result: dict) -> None:
         for name, x in de["ratios"].items():
             goal = " (goal >= 1.3x)" if name.startswith("int4") and "llama.cpp" in name else ""
             print(f"{name}: {x:.2f}x{goal}")
+        if any("llama.cpp" in name for name in de["ratios"]):
+            print(isa_line(result["machine"]["isa"]))
         if de.get("llama_cpp", {}).get("skipped"):
             print(f"llama.cpp skipped: {de['llama_cpp']['skipped']}")
     tp = result.get("throughput")

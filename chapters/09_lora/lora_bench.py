@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.prepare_models import find_gguf
-from common.tools.bench import add_int8_activations, command_line, machine, save_json
+from common.tools.bench import add_int8_activations, command_line, isa_line, machine, save_json
 from engine import Request, build_engine
 from lora import PROJECTIONS, projection_shapes
 from ops import KernelFlags
@@ -251,6 +251,7 @@ def report(record: dict, png: Path) -> None:
     if "llama.cpp adapter" in med:
         print(f"ours / llama.cpp with the adapter at batch 1: {med['adapter x1'] / med['llama.cpp adapter']:.2f}x")
         print(f"greedy tokens equal to llama.cpp's (of {record['tokens']}): {record['tokens_agree']}")
+        print(isa_line(record["machine"]["isa"]))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -158,6 +158,13 @@ def isa_report() -> dict:
     return report
 
 
+def isa_line(report: dict) -> str:
+    """What a bench prints beside its ratios against llama.cpp: the vector level each side used, and
+    a warning where they differ (ours on AVX512-BF16 against an AVX2 build measures two builds)."""
+    line = f"vector instructions: ours {report['ours']}, llama.cpp {report['llama.cpp']}"
+    return line + ("" if report.get("same_level") else " (not the same level: the ratios compare builds, not engines)")
+
+
 def machine() -> dict:
     import torch
 
