@@ -66,6 +66,18 @@ def test_a_step_of_several_sequences(tmp_path):
     assert "3 sequences, each after a 5-token prompt (chapter 06," in r.stdout
 
 
+def test_the_timed_steps_come_after_every_prompt_is_in(tmp_path):
+    # 3 x 200 prompt tokens take three steps of the engine's 256: a warm-up of one step left prompt
+    # chunks in the timed steps, which then ran chunk attention instead of the decode layers
+    path = tmp_path / "p.json"
+    args = ["--model", "tiny-llama3", "--quant", "none", "--dtype", "float32", "--prompt-tokens", "200", *ONE_THREAD]
+    args += ["--sequences", "3", "--warmup", "1", "--steps", "1", "--out", str(path)]
+    r = run_python(["bench/profile_step.py", *args], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    calls = json.loads(path.read_text())["kernel_calls"]
+    assert calls.get("DecoderLayer.decode") == LAYERS and "chunk_attention" not in calls, calls
+
+
 def test_a_chapter_without_the_kernels_is_refused():
     r = run_python(["bench/profile_step.py", "--chapter", "5"], cwd=REPO, timeout=120)
     assert r.returncode == 2 and "start in chapter 06" in r.stderr

@@ -21,8 +21,8 @@ def decoding_engine(
     int8_activations: bool = True,
 ):
     """A chapter's engine (05 on) on the CPU, decoding `sequences` greedy sequences together, each
-    a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken (the prompts and a
-    few decodes); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
+    a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken, and more until a step
+    decodes every sequence (no prompt chunk left); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
     decodes the next token of every sequence. int8_activations: chapter 06's --int8-activations
     (int4 x bf16 as int8 at every row count, in integers; the engines' default), False for
     --no-int8-activations."""
@@ -41,12 +41,22 @@ def decoding_engine(
         model, "cpu", dtype, spec, kernels=kernels, num_blocks=blocks, prefix_caching=False
     )
     greedy = ch.sampling.SamplingParams(temperature=0)
+    # The prompts take as many steps as the step's token budget needs (16 x 256 tokens: 16 steps at
+    # 256 a step), during which the first sequences decode: at most that many tokens more.
+    settle = -(-sequences * prompt_tokens // 16)
     for s in range(sequences):
         prompt = list(range(1000 + 7 * s, 1000 + 7 * s + prompt_tokens))
-        engine.add(ch.engine.Request(prompt, greedy, max_tokens=warmup + steps + 8, ignore_eos=True), f"r{s}")
+        request = ch.engine.Request(prompt, greedy, max_tokens=warmup + settle + steps + 8, ignore_eos=True)
+        engine.add(request, f"r{s}")
+    news = []  # of the latest step: a (request id, events, finished) per request it gave a token
     for _ in range(warmup):
-        engine.step()
-    return engine
+        news = engine.step()
+    # Then steps until one decodes every sequence: the timed steps are decode steps, no prompt in them.
+    for _ in range(settle + 1):  # the checks: before each of `settle` steps, and after the last
+        if len(news) == sequences:
+            return engine
+        news = engine.step()
+    raise RuntimeError(f"{sequences} sequences of {prompt_tokens}-token prompts: not all decoding after the warm-up")
 
 
 def time_steps(engine, n: int) -> float:
