@@ -138,7 +138,8 @@ def profile_prefill(ch, n_tokens: int, rounds: int, clock) -> dict:
     return result
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path) -> bool:
+    """The attention part's figure at `path`. -> whether there was one to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,7 +147,7 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result.get("attention", {})
     if not rows:
-        return
+        return False
     lengths = list(rows)
     fig, ax = plt.subplots(figsize=(6, 4))
     x = range(len(lengths))
@@ -160,6 +161,7 @@ def plot(result: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> int:
@@ -191,8 +193,8 @@ def main() -> int:
     out = args.out or RESULTS_DIR / f"chunk_attention_{result['isa']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
-    print(f"saved {out} and {out.with_suffix('.png').name}")
+    drawn = plot(result, out.with_suffix(".png"))
+    print(f"saved {out}" + (f" and {out.with_suffix('.png').name}" if drawn else " (the plot is the attention part's)"))
     return 0
 
 

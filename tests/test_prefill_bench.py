@@ -1,5 +1,6 @@
 """bench/prefill.py times a prompt's first token and a step of 16 sequences against a step of one;
-bench/gemm.py the CPU matrix product against the FMA peak. Here on the tiny model and small sizes:
+bench/gemm.py the CPU matrix product against the FMA peak; bench/chunk_attention.py the chunk
+kernel against gather + SDPA and a prompt's profile. Here on the tiny model and small sizes:
 what they record, not how fast (llama.cpp runs beside SmolLM2 only, and only where installed)."""
 
 from __future__ import annotations
@@ -50,3 +51,13 @@ def test_gemm_bench_reports_each_kind_against_the_peak(tmp_path):
         assert row["gflops"]["int4 pairs"] is None and row["gflops"]["bf16 pairs"] is None  # AVX512-BF16 only
         assert row["gflops"]["int4 int8-x amx"] is None and row["gflops"]["int8 int8-x amx"] is None  # likewise
     assert out.with_suffix(".png").exists()
+
+
+def test_chunk_attention_saves_each_part_and_names_only_the_plot_it_drew(tmp_path):
+    for parts, drawn in [("attention", True), ("profile", False)]:
+        out = tmp_path / f"{parts}.json"
+        args = ["--parts", parts, "--prompt-tokens", "40", "--profile-tokens", "40", "--rounds", "1", "--out", str(out)]
+        r = run_python(["bench/chunk_attention.py", *args], cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        assert parts in json.loads(out.read_text()) and out.with_suffix(".png").exists() is drawn
+        assert (f"and {parts}.png" in r.stdout) is drawn, r.stdout
