@@ -182,8 +182,13 @@ format:
 notebooks: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests/test_notebooks.py
 
+# Each chapter's bench.py, once: chapters 08 and 09 carry chapter 07's unchanged (it would run three
+# times). Their figures go to bench/results/, over the committed ones (git diff shows what moved).
 bench: setup
-	@for d in $(CHAPTERS); do if [ -f $$d/bench.py ]; then echo "=== $$d/bench.py"; $(PY) $$d/bench.py --model "$(MODEL)" || exit 1; fi; done
+	@prev=; for d in $(CHAPTERS); do \
+	  if [ -f $$d/bench.py ] && ! { [ -n "$$prev" ] && cmp -s $$prev/bench.py $$d/bench.py; }; then \
+	    echo "=== $$d/bench.py"; $(PY) $$d/bench.py --model "$(MODEL)" || exit 1; \
+	  fi; prev=$$d; done
 
 serve: setup
 	@$(if $(CHAPTER_DIR),,$(NO_CHAPTER))
