@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from common.tools.bench import RESULTS_DIR, machine
-from common.tools.chapters import load_chapter, newest_chapter
+from common.tools.chapters import chapter_number, load_chapter, newest_chapter
 
 
 def attention_case(n_tokens: int, dtype=torch.bfloat16, block_size: int = 16, seed: int = 0):
@@ -168,7 +168,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--chapter", type=int, default=newest_chapter())
+    ap.add_argument("--chapter", type=chapter_number, default=newest_chapter(), help="06 on (default: the newest)")
     ap.add_argument("--parts", default="attention,profile")
     ap.add_argument("--prompt-tokens", default="128,512,2000")
     ap.add_argument("--profile-tokens", type=int, default=2000)
@@ -176,6 +176,8 @@ def main() -> int:
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.chapter < 6:
+        ap.error("--chapter: the chunk attention kernel starts in chapter 06")
     torch.set_num_threads(1)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     ch = load_chapter(args.chapter, "engine", "loading", "sampling", "request", "batch", "paged_attention", "ops")

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from common.tools.bench import RESULTS_DIR, add_int8_activations, isa_line, machine
-from common.tools.chapters import load_chapter, newest_chapter
+from common.tools.chapters import chapter_number, load_chapter, newest_chapter
 from common.tools.decoding import decoding_engine
 
 
@@ -42,7 +42,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--chapter", type=int, default=newest_chapter())
+    ap.add_argument("--chapter", type=chapter_number, default=newest_chapter(), help="06 on (default: the newest)")
     ap.add_argument("--model", default="smollm2-135m", help="llama.cpp runs beside smollm2-135m only (its GGUF)")
     ap.add_argument("--quant", choices=["int4", "none"], default="int4")
     ap.add_argument("--prompt-tokens", default="128,2000")
@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     add_int8_activations(ap)
     args = ap.parse_args()
+    if args.chapter < 6:
+        ap.error("--chapter: the kernels this bench times start in chapter 06")
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     lengths = [int(n) for n in args.prompt_tokens.split(",")]

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 
 from common.tools.bench import add_int8_activations, fmt, isa_line, machine
+from common.cli import positive_int
 from common.tools.chapters import chapter_exists, load_chapter, newest_chapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,16 +245,16 @@ def main() -> int:
     ap.add_argument("--quant", default="int4", choices=["int4", "none"])
     ap.add_argument("--dtype", default="bfloat16", help="activations and KV cache (float32 for exact comparisons)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=positive_int, default=64)
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=32, help="our engines' batch, and llama.cpp's slots")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=32, help="our engines' batch, and llama.cpp's slots")
     add_int8_activations(ap, "chapters 06 on: ")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    ap.add_argument("--hf-batch", type=int, default=16, help="requests per static batch of HF generate")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
+    ap.add_argument("--hf-batch", type=positive_int, default=16, help="requests per static batch of HF generate")
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="llama.cpp's threads")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "workload.json")
     args = ap.parse_args()
     args.quant = None if args.quant == "none" else args.quant

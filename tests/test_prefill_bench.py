@@ -61,3 +61,12 @@ def test_chunk_attention_saves_each_part_and_names_only_the_plot_it_drew(tmp_pat
         assert r.returncode == 0, r.stderr
         assert parts in json.loads(out.read_text()) and out.with_suffix(".png").exists() is drawn
         assert (f"and {parts}.png" in r.stdout) is drawn, r.stdout
+
+
+@pytest.mark.parametrize("script", ["bench/prefill.py", "bench/chunk_attention.py"])
+def test_a_chapter_without_the_kernels_is_refused(script):
+    # chapter 05 has no ops.py: a ModuleNotFoundError; "ch06" was not a number
+    r = run_python([script, "--chapter", "5"], cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "start in chapter 06" in r.stderr.replace("starts", "start"), r.stderr
+    r = run_python([script, "--chapter", "ch06", "--help"], cwd=REPO, timeout=120)
+    assert r.returncode == 0

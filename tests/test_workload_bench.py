@@ -44,6 +44,8 @@ def test_bad_lengths_and_engines_are_usage_errors():
     # chapter 04's engine does not batch; there is no chapter 99; an older batching one is fine
     r = run_python(["bench/workload.py", "--engines", "ch06,ch04,ch99,hf"], cwd=REPO, timeout=120)
     assert r.returncode == 2 and "unknown engines ['ch04', 'ch99']" in r.stderr
+    r = run_python(["bench/workload.py", "--max-num-seqs", "0"], cwd=REPO, timeout=120)  # was a ValueError
+    assert r.returncode == 2 and "--max-num-seqs: must be at least 1, got 0" in r.stderr
 
 
 @pytest.mark.parametrize("int8_x", [True, False], ids=["int8-activations", "float"])

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cli import run_main
+from common.cli import positive_int, run_main
 from common.models import resolve_model
-from common.tools.bench import RESULTS_DIR
+from common.tools.bench import RESULTS_DIR, int_list
 from model import forward, load_model
 
 
@@ -38,14 +38,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", default="16,64,128,256,512,1024")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
     model = load_model(model_dir)
     rows = []
     print(f"{'context':>8} {'ms / token':>11} {'tok/s':>8}")
-    for n in [int(x) for x in args.lengths.split(",")]:
+    for n in int_list(args.lengths):
         seconds = time_forward(model, n, args.repeats)
         rows.append({"context_tokens": n, "ms_per_token": seconds * 1e3, "tokens_per_s": 1 / seconds})
         print(f"{n:>8} {seconds * 1e3:>11.1f} {1 / seconds:>8.1f}")

@@ -144,6 +144,11 @@ def main() -> int:
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine in this process
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args()
+    unknown = sorted(set(args.engines.split(",")) - {"ch02", "hf", "ch01"})
+    if unknown:
+        ap.error(f"--engines: no engine {', '.join(map(repr, unknown))}; there are ch02, hf and ch01")
+    if args.new_tokens < 2:
+        ap.error("--new-tokens: at least 2 (decode is timed from the second token; the first ends the prompt)")
     if args.engine:
         child(args)
         return 0

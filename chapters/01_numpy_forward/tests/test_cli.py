@@ -77,3 +77,13 @@ def test_engine_imports_numpy_only():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=CHAPTER, env={"PATH": "/usr/bin:/bin"}
     )
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--lengths", "0"], "expected positive integers, got '0'"), (["--repeats", "0"], "must be at least 1, got 0")],
+)
+def test_bench_refuses_what_it_cannot_time(flags, message):
+    # --lengths 0: an IndexError; --repeats 0: "Infinity" ms per token in the JSON
+    r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", *flags)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -35,3 +35,10 @@ def test_bench_runs_and_saves_figures(tmp_path):
     for e in result["engines"]:
         assert e["decode_tok_s"] > 0 and e["ttft_ms"] > 0 and e["itl_p50_ms"] > 0
     assert (tmp_path / "ch02_decode_tiny-llama3_float32.png").stat().st_size > 1000
+
+
+def test_bench_refuses_what_it_cannot_time():
+    r = run(str(CHAPTER / "bench.py"), "--engines", "ch02,foo")
+    assert r.returncode == 2 and "--engines: no engine 'foo'; there are ch02, hf and ch01" in r.stderr
+    r = run(str(CHAPTER / "bench.py"), "--new-tokens", "1")  # decode columns of nan
+    assert r.returncode == 2 and "--new-tokens: at least 2" in r.stderr
