@@ -56,15 +56,27 @@ class ShardPlan:
 
     @staticmethod
     def check(config: LlamaConfig, world: int, quant: QuantSpec | None = None) -> None:
-        """Refuses a size that does not split the model evenly, naming the numbers."""
+        """Refuses a size that does not split the model evenly, naming the numbers and the sizes that do."""
+        if world < 1:
+            raise UserError(f"--tensor-parallel-size must be at least 1, got {world}")
+        problems = ShardPlan.problems(config, world, quant)
+        if problems:
+            nh = config.num_attention_heads
+            sizes = [n for n in range(1, nh + 1) if not ShardPlan.problems(config, n, quant)]
+            raise UserError(
+                f"--tensor-parallel-size {world} does not fit this model: {'; '.join(problems)} "
+                f"(sizes that split it: {', '.join(map(str, sizes))})"
+            )
+
+    @staticmethod
+    def problems(config: LlamaConfig, world: int, quant: QuantSpec | None = None) -> list[str]:
+        """Why `world` ranks do not split the model evenly; [] where they do."""
         nh, nkv, inter, vocab = (
             config.num_attention_heads,
             config.num_key_value_heads,
             config.intermediate_size,
             config.vocab_size,
         )
-        if world < 1:
-            raise UserError(f"--tensor-parallel-size must be at least 1, got {world}")
         problems = []
         if nh % world:
             problems.append(f"{nh} query heads do not split into {world} equal parts")
@@ -83,12 +95,7 @@ class ShardPlan:
                 g = group_size_for(n_in, quant.group_size)
                 if (n_in // world) % g:
                     problems.append(f"{what}'s {n_in // world} inputs per rank are not whole int4 groups of {g}")
-        if problems:
-            sizes = [n for n in range(1, nh + 1) if nh % n == 0 and (nkv % n == 0 if n <= nkv else n % nkv == 0)]
-            raise UserError(
-                f"--tensor-parallel-size {world} does not fit this model: {'; '.join(problems)} "
-                f"(sizes that split its {nh} query and {nkv} KV heads: {', '.join(map(str, sizes))})"
-            )
+        return problems
 
     @classmethod
     def of(cls, config: LlamaConfig, rank: int, world: int) -> ShardPlan:

@@ -48,9 +48,12 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers():
     config = load_config(resolve_model("smollm2-135m"))  # 9 query heads, 3 KV heads
     with pytest.raises(UserError, match=r"9 query heads do not split into 2.*3 KV heads do not split into 2"):
         ShardPlan.check(config, 2)
-    with pytest.raises(UserError, match=r"sizes that split its 9 query and 3 KV heads: 1, 3, 9"):
+    # 9 splits the heads but not the MLP's 1536 features: only sizes that pass every check are offered
+    with pytest.raises(UserError, match=r"\(sizes that split it: 1, 3\)"):
         ShardPlan.check(config, 4)
     ShardPlan.check(config, 3)
+    with pytest.raises(UserError, match=r"int4 groups of 128 \(sizes that split it: 1, 2\)"):
+        ShardPlan.check(load_config(resolve_model("tiny-llama3")), 4, QuantSpec(4, 128))
     with pytest.raises(UserError, match="16 ranks are not a multiple of the 2 KV heads|8 query heads"):
         ShardPlan.check(load_config(resolve_model("tiny-llama3")), 16)
 
