@@ -64,6 +64,7 @@ from shm_channel import TOO_BIG, ShmChannel
 from weights import spec_of
 
 DEFAULT_TIMEOUT_S = 60.0  # a collective that takes longer: a rank is gone
+RENDEZVOUS_S = 120.0  # the ranks' meeting at start (python and torch to import): whatever the step timeout
 NO_TIMEOUT = timedelta(days=20)  # the plan broadcast: workers wait as long as rank 0 idles (gloo takes
 # milliseconds in 32 bits: a year hung its connect)
 
@@ -73,10 +74,12 @@ class RankLost(RunError):
 
 
 def seconds(text: str) -> float:
-    """--tensor-parallel-timeout: positive, and at most NO_TIMEOUT (gloo counts milliseconds in 32 bits)."""
+    """--tensor-parallel-timeout: at least a second (a step of a long prompt chunk, or making the
+    compute group, takes longer than a millisecond without any rank being gone), and at most
+    NO_TIMEOUT (gloo counts milliseconds in 32 bits)."""
     value = float(text)
-    if not 0 < value <= NO_TIMEOUT.total_seconds():  # NaN too
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {NO_TIMEOUT.total_seconds():.0f} seconds, got {text}")
+    if not 1 <= value <= NO_TIMEOUT.total_seconds():  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 1 and at most {NO_TIMEOUT.total_seconds():.0f} seconds, got {text}")
     return value
 
 
@@ -108,6 +111,14 @@ def size_from(args) -> int:
     return size
 
 
+def transport() -> str:
+    """TP_TRANSPORT: "shm" (the default: CPU ranks of one host talk through /dev/shm) or "gloo"."""
+    value = os.environ.get("TP_TRANSPORT", "shm")
+    if value not in ("shm", "gloo"):
+        raise UserError(f"TP_TRANSPORT={value!r}: shm (the default) or gloo")
+    return value
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "TP_SPAWNED" not in os.environ
 
@@ -122,6 +133,8 @@ def become_worker_if_torchrun() -> None:
             "run `torchrun --standalone` (it picks a free port) or give --master-port a free port"
         )
     if int(os.environ["RANK"]) > 0:
+        if {"-h", "--help"} & set(sys.argv[1:]):  # rank 0 prints it and exits 0, never calling the ranks
+            sys.exit(0)
         sys.exit(worker_main())
 
 
@@ -263,11 +276,14 @@ class Group:
         """Rank 0: every worker told to stop, waited for (killed after 10 s); idempotent."""
         if self.closed:
             return
-        if self.lost_reason is None and self.rank == 0:
+        if self.lost_reason is None and self.rank == 0 and dist.is_initialized():
             try:
                 self.send(("stop",))
             except Exception:  # noqa: BLE001  (lost on the way: the children are killed below)
                 pass
+        elif not dist.is_initialized():  # ended before the group existed (Ctrl-C at start): nothing to tell
+            self.closed = True
+            self._kill_children()
         self.closed = True
         deadline = time.monotonic() + 10
         for child in self.children:
@@ -375,7 +391,8 @@ def start(world: int, timeout_s: float) -> Group:
         group = Group(0, world)
         atexit.register(group.close)  # the workers' "stop"; torchrun reaps the processes
         return group
-    addr, store = _store(world, timeout)
+    # The rendezvous is no step: a tiny --tensor-parallel-timeout would fail it as a busy port.
+    addr, store = _store(world, max(timeout, timedelta(seconds=RENDEZVOUS_S)))
     env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(store.port), WORLD_SIZE=str(world))
     env |= {"TP_SPAWNED": "1", "TP_PARENT_PID": str(os.getpid())}
     children = []
@@ -387,7 +404,7 @@ def start(world: int, timeout_s: float) -> Group:
     try:
         _wait_for_workers(store, children)
         dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=NO_TIMEOUT)
-    except Exception:
+    except BaseException:  # Ctrl-C included
         group._kill_children()
         raise
     return group
@@ -408,7 +425,7 @@ def _join(world: int, rank: int) -> Group:
     store object to init_process_group, which then adds no key prefix: env:// would), else torchrun's."""
     if "TP_SPAWNED" in os.environ:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=120))
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_S))
         store.set(f"tp-alive-{rank}", "1")  # rank 0 waits for this, watching that we still run
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=NO_TIMEOUT)
     else:
@@ -458,6 +475,8 @@ def load(
     each loads its shard. -> (rank 0's Model, its directory, the Group)."""
     from loading import resolve  # (loading imports model loading; here only the name resolution)
 
+    if spec is not None and Path(str(name_or_path or "")).suffix == ".gguf":  # as loading.load, before conversion
+        raise UserError(f"{name_or_path} is already quantized (a GGUF file); --quant applies to a plain checkpoint")
     model_dir = resolve(name_or_path)
     config = load_config(model_dir)
     stored = spec_of(model_dir)  # a quantized directory, or a converted .gguf
@@ -469,18 +488,18 @@ def load(
     quantized = spec is not None or stored is not None
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
-    group = start(world, timeout_s)
     one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
-    shm = dev.type == "cpu" and one_host and os.environ.get("TP_TRANSPORT", "shm") == "shm"
-    shm_path = f"/dev/shm/llm-tp-{os.getpid()}-{time.monotonic_ns()}" if shm else None
-    if shm_path is not None:
-        ShmChannel.create(shm_path, world)
-    args = LoadArgs(str(model_dir), dev.type, dt, spec, matmul, flags, timeout_s, shm_path)
+    shm = transport() == "shm" and dev.type == "cpu" and one_host
+    shm_path = ShmChannel.create("/dev/shm", world) if shm else None  # before any rank starts
+    group = None
     try:
+        group = start(world, timeout_s)
+        args = LoadArgs(str(model_dir), dev.type, dt, spec, matmul, flags, timeout_s, shm_path)
         group.send(("load", args))
         model, sizes = group._guard(_load, group, args)
     except BaseException:
-        group.lost("a rank failed to load its shard")
+        if group is not None:
+            group.lost("a rank failed to load its shard")
         if shm_path is not None and os.path.exists(shm_path):
             os.unlink(shm_path)
         raise
@@ -568,22 +587,23 @@ def build_engine(
             # N ranks on one host share its memory: each takes its part of the default budget.
             budget = default_kv_bytes(loaded.device)
             limits["kv_cache_bytes"] = None if budget is None else budget // tensor_parallel_size
-        elif limits.get("kv_cache_bytes") is not None and loaded.device.type == "cpu":
-            # --kv-cache-memory-gb is each rank's pool (as on GPUs, each its own memory); here they
-            # share one host's: all N of them must fit, which rank 0's own check would not see.
-            total = limits["kv_cache_bytes"] * tensor_parallel_size
-            free = free_memory(loaded.device)
-            if free is not None and total > free:
-                raise UserError(
-                    f"--kv-cache-memory-gb is each rank's: {tensor_parallel_size} ranks on this host take "
-                    f"{total / GiB:.2f} GiB, more than the {free / GiB:.2f} GiB free; lower it"
-                )
         if draft is not None and limits.get("num_blocks") is None:
             limits["kv_cache_bytes"] = draft.target_share(limits.get("kv_cache_bytes"), loaded)
         limits["cuda_graphs"] = False  # a captured step would hold collectives: not yet (see README)
         engine = engine_module.Engine(
             loaded, tokenizer, engine_module.Engine.read_generation_config(model_dir), proposer=make_proposer(speculative, draft), **limits
         )
+        if limits.get("kv_cache_bytes") is not None and loaded.device.type == "cpu":
+            # --kv-cache-memory-gb is each rank's pool (as on GPUs, each its own memory), capped as at
+            # size 1 at what its sequences could ever use; here the ranks share one host's memory:
+            # all N pools must fit, which rank 0's own check would not see.
+            total = engine.runner.cache.nbytes * tensor_parallel_size
+            free = free_memory(loaded.device)
+            if free is not None and total > free:
+                raise UserError(
+                    f"--kv-cache-memory-gb is each rank's: {tensor_parallel_size} ranks on this host take "
+                    f"{total / GiB:.2f} GiB, more than the {free / GiB:.2f} GiB free; lower it"
+                )
         engine.runner = ParallelRunner(group, engine.runner)
         engine.tensor_parallel = group
     except BaseException:

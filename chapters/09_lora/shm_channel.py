@@ -19,7 +19,10 @@ Waiting spins (the other ranks arrive within microseconds in a step), yielding t
 looks; a worker waiting for the next plan (an idle server, for hours) backs off to sleeping.
 x86 keeps stores in order, so a flag is seen only after the data written before it (an ARM host
 would need a fence before each flag). The file is unlinked once every rank has mapped it: nothing
-is left behind whatever way the ranks end.
+is left behind whatever way the ranks end; a file whose rank 0 was killed before that (SIGKILL, the
+out-of-memory killer, during the seconds the ranks load) is removed by the next group that starts.
+Its space is reserved when it is made: a /dev/shm too small for it (Docker's default 64 MB, at 8
+ranks) is an error at start, not a SIGBUS in the middle of a long prompt.
 
 The hot path is NumPy on the flags and one or two torch operators on cached views of the slots:
 each torch operator costs a few microseconds, and ten of them per call took ~90 µs where the wait
@@ -40,11 +43,31 @@ import time
 import numpy as np
 import torch
 
+from common.errors import UserError
+
+PREFIX = "llm-tp-"  # the files: PREFIX + rank 0's pid + "-" + a timestamp, in /dev/shm
 SLOT_BYTES = 4 << 20  # a bigger tensor or plan (a long prompt chunk) goes through the process group
 CHECK_S = 0.1  # while waiting, look this often whether a rank is gone
 SPIN_S = 0.05  # a worker waiting for a plan spins this long, then sleeps between looks (idle)
 TOO_BIG_LENGTH = -1  # a plan's length that says: this one comes through the process group
 TOO_BIG = object()  # what recv returns then
+
+
+def remove_orphans(folder: str) -> None:
+    """Unlinks the channel files of rank-0 processes that no longer run."""
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        pid = name.removeprefix(PREFIX).split("-")[0]
+        if not (name.startswith(PREFIX) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: is it alive? (another user's process: PermissionError)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+        except OSError:
+            pass
 
 
 class ShmChannel:
@@ -55,10 +78,30 @@ class ShmChannel:
         return flags, flags + 2 * world * SLOT_BYTES
 
     @classmethod
-    def create(cls, path: str, world: int) -> None:
-        """Rank 0, before the others look for it: the file, zeros (every flag at call 0)."""
-        with open(path, "wb") as f:
-            f.truncate(cls.size(world)[1])
+    def create(cls, folder: str, world: int) -> str:
+        """Rank 0, before it starts the others: the file, zeros (every flag at call 0), its space
+        reserved. -> its path."""
+        remove_orphans(folder)
+        path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{time.monotonic_ns()}")
+        size = cls.size(world)[1]
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise UserError(
+                f"cannot make the ranks' shared-memory file in {folder} ({e.strerror}): "
+                "TP_TRANSPORT=gloo runs the ranks without it"
+            ) from None
+        try:
+            os.posix_fallocate(fd, 0, size)  # a sparse file would fail later, page by page, with SIGBUS
+        except OSError as e:
+            os.unlink(path)
+            raise UserError(
+                f"{folder} has no room for the ranks' shared memory ({size / 2**20:.0f} MiB for {world} ranks: "
+                f"{e.strerror}): free some, give the machine more (docker run --shm-size), or TP_TRANSPORT=gloo"
+            ) from None
+        finally:
+            os.close(fd)
+        return path
 
     def __init__(self, path: str, rank: int, world: int, timeout_s: float, check=None):
         """check: called every CHECK_S while waiting; raises if a rank is known to be gone (rank 0

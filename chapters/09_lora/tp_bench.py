@@ -77,8 +77,7 @@ def allreduce_part(calls: int) -> dict:
     shapes = [(r, h, d) for h in (256, 576) for r in (1, 16) for d in (torch.float32, torch.bfloat16)]
     from shm_channel import ShmChannel
 
-    shm_path = f"/dev/shm/llm-tp-bench-{os.getpid()}"
-    ShmChannel.create(shm_path, 2)
+    shm_path = ShmChannel.create("/dev/shm", 2)
     ctx = mp.get_context("spawn")
     try:
         with ctx.Manager() as m:

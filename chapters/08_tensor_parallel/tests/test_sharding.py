@@ -2,8 +2,10 @@
 slice, bytes read per rank, and the sharded forward pass against the whole model layer by layer
 (ranks as threads, an all-reduce as a barrier and a sum: the arithmetic of the processes' run)."""
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,8 +206,7 @@ def test_shared_memory_all_reduce_sums_in_one_order_on_every_rank(tmp_path):
     and dtypes (the slots alternate), every rank gets slot 0 + slot 1, bit for bit the same."""
     from shm_channel import ShmChannel
 
-    path = str(tmp_path / "shm")
-    ShmChannel.create(path, 2)
+    path = ShmChannel.create(str(tmp_path), 2)
     calls = [(torch.randn(rows, 64, generator=torch.Generator().manual_seed(i)), dtype) for i, (rows, dtype) in
              enumerate([(1, torch.float32), (16, torch.bfloat16), (3, torch.float32)] * 20)]
     got = [[], []]
@@ -237,8 +238,7 @@ def test_shared_memory_carries_plans_all_reduces_and_gathers_in_a_step_s_order(t
 
     loads = pickle.loads
     monkeypatch.setattr(shm_channel.pickle, "loads", lambda b: time.sleep(0.002) or loads(b))
-    path = str(tmp_path / "shm")
-    ShmChannel.create(path, 3)
+    path = ShmChannel.create(str(tmp_path), 3)
     plans = [("run", i, list(range(i * 7))) for i in range(30)]
     got = [[], [], []]
 
@@ -280,8 +280,7 @@ def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(
     from ops import resolve
     from shm_channel import ShmChannel
 
-    path = str(tmp_path / "shm")
-    ShmChannel.create(path, 2)
+    path = ShmChannel.create(str(tmp_path), 2)
     ops = resolve("on", torch.device("cpu"))
     parts = lambda i, r: (torch.randn(3, 40, generator=torch.Generator().manual_seed(i)) * 10.0 ** (4 * r - 2))  # noqa: E731
     got = [[], []]
@@ -312,11 +311,40 @@ def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(
             assert torch.equal(gathered, torch.cat([parts(i, 0)[:1], parts(i, 1)[:1]], -1) if r == 0 else parts(i, 1)[:1])
 
 
+def test_the_shared_memory_file_is_reserved_whole_and_orphans_are_removed(tmp_path, monkeypatch):
+    import errno
+    import subprocess
+
+    import shm_channel
+    from shm_channel import ShmChannel
+
+    # A file of a rank 0 killed while its ranks loaded (nothing unlinked it) goes at the next start;
+    # a running process's stays.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, alive = tmp_path / f"llm-tp-{dead.pid}-1", tmp_path / f"llm-tp-{os.getpid()}-1"
+    orphan.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    path = ShmChannel.create(str(tmp_path), 2)
+    assert not orphan.exists() and alive.exists()
+    assert os.stat(path).st_blocks * 512 >= ShmChannel.size(2)[1]  # reserved, not sparse
+
+    # No room (a small /dev/shm), or no folder to write in: one line, and no file left
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shm_channel.os, "posix_fallocate", no_room)
+    with pytest.raises(UserError, match=r"has no room for the ranks' shared memory \(16 MiB for 2 ranks: No space"):
+        ShmChannel.create(str(tmp_path), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(path).name, alive.name])
+    with pytest.raises(UserError, match=r"cannot make the ranks' shared-memory file in /nonexistent .*TP_TRANSPORT=gloo"):
+        ShmChannel.create("/nonexistent", 2)
+
+
 def test_shared_memory_all_reduce_gives_up_when_a_rank_is_gone(tmp_path):
     from shm_channel import ShmChannel
 
-    path = str(tmp_path / "shm")
-    ShmChannel.create(path, 2)
+    path = ShmChannel.create(str(tmp_path), 2)
     gone = RuntimeError("rank 1 is gone")
 
     def check():

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.errors import UserError
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from common.tools.warm_python import run_python, start_python
@@ -88,6 +89,9 @@ def test_generate_tp3_from_the_gguf_equals_tp1():
     assert r.returncode == 0, r.stderr
     assert "tensor parallel: 3 ranks" in r.stderr
     assert r.stdout.rstrip("\n") == tp1_texts(str(resolve(str(gguf))), PROMPTS[:1], 6)[0]
+    # --quant on it is refused as at size 1 (it was let through when it named the GGUF's own format)
+    r = generate_py("--model", str(gguf), "--quant", "int4", "--prompt", "hi", "--tensor-parallel-size", "3")
+    assert r.returncode == 2 and "is already quantized (a GGUF file); --quant applies to a plain" in r.stderr
 
 
 def test_cli_chat_at_tp2_says_what_tp1_says():
@@ -126,6 +130,12 @@ def test_torchrun_starts_the_ranks_and_generate_says_what_tp1_says():
     assert r.stdout.splitlines() == [line for text in want for line in text.split("\n")]
 
 
+def test_torchrun_help_ends():
+    # rank 0 prints the help and exits 0; the others waited for it to join, forever
+    r = torchrun("--standalone", "--nproc-per-node", "2", "cli.py", "--help", timeout=120)
+    assert r.returncode == 0 and "--tensor-parallel-size" in r.stdout, r.stderr[-3000:]
+
+
 def test_torchrun_with_master_port_0_is_refused_instead_of_hanging():
     r = torchrun("--nproc-per-node", "2", "--master-port", "0", "generate.py", "--model", "tiny-llama3", "--prompt", "hi", timeout=120)
     assert r.returncode != 0  # and within the timeout: a rank said why and stopped
@@ -156,10 +166,11 @@ def test_a_rendezvous_port_in_use_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    "flag, value", [("--tensor-parallel-size", "0"), *[("--tensor-parallel-timeout", v) for v in ("0", "-1", "nan", "1e30")]]
+    "flag, value", [("--tensor-parallel-size", "0"), *[("--tensor-parallel-timeout", v) for v in ("0", "0.001", "-1", "nan", "1e30")]]
 )
 def test_a_size_or_timeout_that_means_nothing_is_a_usage_error(flag, value):
-    # 0 ranks used to mean 1, unseen; a timeout of 0 or NaN reached gloo's rendezvous as a C++ stack
+    # 0 ranks used to mean 1, unseen; a timeout of 0 or NaN reached gloo's rendezvous as a C++ stack,
+    # one of 1 ms failed the rendezvous as if its port were in use
     import argparse
 
     import parallel
@@ -171,15 +182,37 @@ def test_a_size_or_timeout_that_means_nothing_is_a_usage_error(flag, value):
     assert ap.parse_args([flag, "2"]) is not None  # the parser itself is fine
 
 
+def test_a_transport_that_is_none_is_refused(monkeypatch):
+    import parallel
+
+    monkeypatch.setenv("TP_TRANSPORT", "shmem")  # read as gloo, unseen
+    with pytest.raises(UserError, match="TP_TRANSPORT='shmem': shm \\(the default\\) or gloo"):
+        parallel.transport()
+    monkeypatch.setenv("TP_TRANSPORT", "gloo")
+    assert parallel.transport() == "gloo"
+
+
 def test_an_explicit_kv_budget_counts_once_per_rank_on_one_host():
     # --kv-cache-memory-gb is each rank's pool: 2 ranks of 60 % of the free memory do not fit together
+    # (256 sequences of tiny-llama3's 131,072 tokens could use all of it)...
     from memory import GiB, free_memory
+    from parallel import build_engine
 
-    each = 0.6 * free_memory(torch.device("cpu")) / GiB
-    args = ["server.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2"]
-    r = run_python([*args, "--kv-cache-memory-gb", f"{each:.2f}"], cwd=CHAPTER, timeout=300)
+    free = free_memory(torch.device("cpu"))
+    args = ["server.py", "--model", "tiny-llama3", "--device", "cpu", "--tensor-parallel-size", "2", "--max-num-seqs"]
+    r = run_python([*args, "256", "--kv-cache-memory-gb", f"{0.6 * free / GiB:.2f}"], cwd=CHAPTER, timeout=300)
     assert r.returncode == 2 and "--kv-cache-memory-gb is each rank's: 2 ranks on this host take" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+    # ... but a pool is capped first, as at size 1, at what its sequences could ever use: 4 sequences
+    # of 1,024 tokens take a few MB of the 60 % (the budget alone was refused)
+    engine, _ = build_engine(
+        "tiny-llama3", "cpu", "float32", tensor_parallel_size=2, max_num_seqs=4, max_model_len=1024,
+        kv_cache_bytes=int(0.6 * free),
+    )
+    try:
+        assert engine.runner.cache.nbytes < free / 100
+    finally:
+        engine.tensor_parallel.close()
 
 
 def test_a_rank_0_error_while_loading_is_its_own_one_line_error_as_at_size_1():
