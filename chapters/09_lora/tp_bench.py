@@ -56,9 +56,10 @@ def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, cal
         for _ in range(20):
             for fn in ways.values():
                 fn(t)
-        for _ in range(max(1, calls // 50)):  # interleaved in runs of 50: both see the same machine, and
+        run = min(calls, 50)
+        for _ in range(max(1, calls // run)):  # interleaved in runs of 50: both see the same machine, and
             for name, fn in ways.items():  # a call right after the other way's pays its skew between ranks
-                for _ in range(50):
+                for _ in range(run):
                     t0 = time.perf_counter()
                     fn(t)
                     times[name].append(time.perf_counter() - t0)
@@ -145,14 +146,33 @@ def positive_ints(text: str) -> list[int]:
     return [positive_int(part) for part in text.split(",")]
 
 
+def parts(text: str) -> list[str]:
+    """An argparse type: --parts, each of them a part there is."""
+    names = text.split(",")
+    if not names or any(n not in ("allreduce", "decode") for n in names):
+        raise argparse.ArgumentTypeError(f"the parts are allreduce and decode, got {text!r}")
+    return names
+
+
+def cases(text: str) -> list[tuple[str, int]]:
+    """An argparse type: --cases "model:N,..." -> [(model, N)], N at least 2."""
+    found = []
+    for case in text.split(","):
+        model, _, tp = case.rpartition(":")
+        if not model or not tp.isdigit() or int(tp) < 2:
+            raise argparse.ArgumentTypeError(f"each case is model:N with N at least 2 (tiny-llama3:2), got {case!r}")
+        found.append((model, int(tp)))
+    return found
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="allreduce,decode")
+    ap.add_argument("--parts", type=parts, default="allreduce,decode", help="allreduce, decode or both")
     ap.add_argument("--calls", type=positive_int, default=500)
     ap.add_argument("--new-tokens", type=positive_int, default=32)
     ap.add_argument("--batches", type=positive_ints, default="1,16", help="batch sizes, comma-separated")
     ap.add_argument("--quant", choices=["int4", "none"], default="int4")
-    ap.add_argument("--cases", default="tiny-llama3:2,smollm2-135m:3", help="model:TP pairs compared with TP=1")
+    ap.add_argument("--cases", type=cases, default="tiny-llama3:2,smollm2-135m:3", help="model:TP pairs compared with TP=1")
     ap.add_argument("--rounds", type=positive_int, default=7, help="alternating TP=1 / TP=N runs per batch size")
     ap.add_argument("--out", type=Path, default=OUT, help="where the JSON and .png go (default: %(default)s)")
     args = ap.parse_args()
@@ -167,8 +187,7 @@ def main() -> int:
     if "decode" in args.parts:
         batches = args.batches
         result["decode_tok_s"], result["quant"] = {}, args.quant  # the weights of this part (the other has none)
-        for case in args.cases.split(","):
-            model, tp = case.split(":")
+        for model, tp in args.cases:
             # each case in a fresh process: one process group per process, threads set at start
             import subprocess
 

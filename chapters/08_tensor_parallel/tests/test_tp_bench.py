@@ -41,3 +41,15 @@ def test_tp_bench_runs_both_parts_and_saves_figures(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads(out.with_suffix(".json").read_text())
     assert again["decode_tok_s"] == result["decode_tok_s"] and again["quant"] == "int4"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cases", "tiny-llama3"], "each case is model:N with N at least 2"),  # a ValueError
+        (["--parts", "nothing"], "the parts are allreduce and decode"),  # wrote the JSON of nothing
+    ],
+)
+def test_tp_bench_refuses_what_it_cannot_run(tmp_path, flags, message):
+    proc = run_python([str(CHAPTER / "tp_bench.py"), *flags, "--out", str(tmp_path / "tp")], cwd=CHAPTER)
+    assert proc.returncode == 2 and message in proc.stderr and not (tmp_path / "tp.json").exists()
