@@ -79,7 +79,9 @@ def main() -> int:
     theirs = llama_cpp_prefill(ch, args, max(lengths), clock) if args.model == "smollm2-135m" else None
     rng = random.Random(0)
     result = {"chapter": args.chapter, "model": args.model, "quant": args.quant, "clock": args.clock}
-    result |= {"threads": args.threads, "int8_activations": args.int8_activations, "ttft": {}}
+    # int8 activations meet int4 and int8 weights only: bf16 weights (--quant none) take x as it is
+    int8_x = args.int8_activations and args.quant != "none"
+    result |= {"threads": args.threads, "int8_activations": int8_x, "ttft": {}}
     for n in lengths:
         ids = [rng.randrange(100, engine.model.config.vocab_size) for _ in range(n)]
         ours(ids), theirs and theirs(ids)  # warm-up
@@ -118,8 +120,7 @@ def main() -> int:
     print(f"decode step: 1 sequence {steps[1]:.1f} ms, 16 sequences {steps[16]:.1f} ms ({steps[16] / steps[1]:.2f}x)")
     isa = result["machine"]["isa"]
     print(isa_line(isa))
-    int8_x = "_int8_x" if args.int8_activations else ""
-    out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}{int8_x}.json"
+    out = args.out or RESULTS_DIR / f"prefill_ch{args.chapter:02d}_{args.quant}_{isa['ours']}{'_int8_x' * int8_x}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")

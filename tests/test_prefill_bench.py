@@ -32,6 +32,14 @@ def test_prefill_records_ttft_per_prompt_length_and_the_step_ratio(tmp_path, int
         assert ("int8 activations" in r.stdout) == int8_x
 
 
+def test_prefill_of_bf16_weights_records_no_int8_activations(tmp_path):
+    # they meet int4 and int8 weights only: a bf16 run was saved as an int8-activation one
+    args = ["--chapter", "6", "--model", "tiny-llama3", "--quant", "none", "--prompt-tokens", "5", "--rounds", "1"]
+    r = run_python(["bench/prefill.py", *args, "--out", str(tmp_path / "p.json")], cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["int8_activations"] is False
+
+
 def test_gemm_bench_reports_each_kind_against_the_peak(tmp_path):
     out = tmp_path / "g.json"
     args = ["--isa", "avx2", "--rows", "16", "--repeats", "1", "--threads", "1", "--clock", "cpu", "--out", str(out)]
