@@ -285,6 +285,9 @@ def main() -> int:
         r["output_tokens"], r["tok_s"] = expected, expected / r["wall_s"]
         runs[name] = r
         print(f"[workload] {name}: {r['tok_s']:.1f} tok/s ({r['wall_s']:.1f} s)", file=sys.stderr, flush=True)
+    if not runs:  # nothing to save: an earlier result at --out stays as it was
+        print(f"error: no engine ran ({'; '.join(f'{k}: {v}' for k, v in skipped.items())})", file=sys.stderr)
+        return 1
 
     weights = "int4 G=32 (llama.cpp: Q4_1)" if args.quant else "bf16 weights (llama.cpp: BF16)"
     result = {

@@ -5,6 +5,7 @@ engines by default: the newest chapter's, whichever that is, and chapter 05's.""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def test_bad_lengths_and_engines_are_usage_errors():
     assert r.returncode == 2 and "unknown engines ['ch04', 'ch99']" in r.stderr
     r = run_python(["bench/workload.py", "--max-num-seqs", "0"], cwd=REPO, timeout=120)  # was a ValueError
     assert r.returncode == 2 and "--max-num-seqs: must be at least 1, got 0" in r.stderr
+
+
+def test_a_run_where_no_engine_ran_saves_nothing(tmp_path, monkeypatch):
+    # every engine skipped: it saved a JSON and a plot of nothing over the last result
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    (tmp_path / "llama_cpp.py").write_text("raise ImportError('not here')\n")  # llama.cpp absent, here or not
+    out = tmp_path / "w.json"
+    r = run_python(["bench/workload.py", "--engines", "llama.cpp", "--out", str(out)], cwd=REPO, timeout=120)
+    assert r.returncode == 1 and "error: no engine ran (llama.cpp: " in r.stderr and not out.exists(), r.stderr
 
 
 @pytest.mark.parametrize("int8_x", [True, False], ids=["int8-activations", "float"])
