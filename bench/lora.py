@@ -1,7 +1,10 @@
 """What many LoRA adapters cost in one batch on the CPU: the library's shrink + expand
 (kernels/csrc/cpu/lora.cpp) on SmolLM2-135M's seven projections, against the int4 linear of the
 base model (int4_linear) that they ride on, at 16 rows each with its own rank-16 adapter (16
-adapters in one decode step) and at 1 row.
+adapters in one decode step) and at 1 row. The base runs as the engines run it by default: bf16 x
+quantized to int8 and multiplied in integers on the weight's tiles (--int8-activations, where this
+CPU has the integer product); --no-int8-activations times the float product instead (float32 x
+always takes it).
 
     python bench/lora.py                                   # one thread, CPU time, rows 1 and 16
     python bench/lora.py --rows 16 --rank 16 --adapters 16 --isa avx2
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common.tools.bench import RESULTS_DIR, machine
+from common.tools.bench import RESULTS_DIR, add_int8_activations, machine
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 query heads and 3 KV heads of 64. (n_out, n_in)
 PROJECTIONS = {
@@ -46,11 +49,14 @@ PROJECTIONS = {
 ENGINE_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
 
-def int4_weights(n_out: int, n_in: int, g: torch.Generator) -> tuple:
-    """Random int4 codes, scales and mins (bench/gemm.py's): the speed does not depend on the values."""
+def int4_weights(n_out: int, n_in: int, g: torch.Generator, ops, tiles: bool) -> tuple:
+    """Random int4 codes, scales and mins (bench/gemm.py's: the speed does not depend on the values),
+    and with `tiles` their layout for int8 x (ops.KernelInt4Linear's; None where this CPU has none)."""
     codes = torch.randint(0, 256, (n_out, n_in // 2), generator=g, dtype=torch.uint8)
     scale = (torch.rand(n_out, n_in // 32, generator=g) * 0.01).half()
-    return codes, scale, (-8 * scale.float()).half()
+    mins = (-8 * scale.float()).half()
+    laid = ops.int4_tiles(codes, scale, mins, 32) if tiles else None
+    return codes, scale, mins, laid if laid is not None and laid.numel() else None
 
 
 def adapter_table(n_out: int, n_in: int, adapters: int, rank: int, dtype: torch.dtype, g: torch.Generator):
@@ -75,11 +81,13 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
     seg_slots = torch.tensor(row_slots, dtype=torch.int32)
     index = seg_slots.long()
     kinds = {}  # name -> callable
+    tiles = args.int8_activations and dtype == torch.bfloat16  # as ops.KernelOps.quant_linear
     for name, (n_out, n_in) in PROJECTIONS.items():
         x = torch.randn(rows, n_in, generator=g).to(dtype)
-        w = int4_weights(n_out, n_in, g)
+        codes, s, m, laid = int4_weights(n_out, n_in, g, ops, tiles)
+        w = (codes, s, m, 32, laid)
         a, b_t, ranks, scale = adapter_table(n_out, n_in, args.adapters, args.rank, dtype, g)
-        y = ops.int4_linear(x, *w, 32)
+        y = ops.int4_linear(x, *w)
 
         def lora(x=x, y=y, a=a, b_t=b_t, ranks=ranks, scale=scale):
             ops.lora_expand_(y, ops.lora_shrink(x, a, ranks, starts, seg_slots), b_t, ranks, scale, starts, seg_slots)
@@ -88,14 +96,14 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
             v = torch.bmm(a[index], x[:, :, None])  # [rows, r, 1]
             y.add_((torch.bmm(v.transpose(1, 2), b_t[index])[:, 0] * scale[index, None]).to(y.dtype))
 
-        kinds[f"base {name}"] = lambda x=x, w=w: ops.int4_linear(x, *w, 32)
+        kinds[f"base {name}"] = lambda x=x, w=w: ops.int4_linear(x, *w)
         kinds[f"lora {name}"] = lora
         kinds[f"torch {name}"] = torch_bmm
         kinds[f"shrink {name}"] = lambda x=x, a=a, ranks=ranks: ops.lora_shrink(x, a, ranks, starts, seg_slots)
     for name, (n_out, n_in) in ENGINE_LINEARS.items():
         x = torch.randn(rows, n_in, generator=g).to(dtype)
-        w = int4_weights(n_out, n_in, g)
-        kinds[f"engine {name}"] = lambda x=x, w=w: ops.int4_linear(x, *w, 32)
+        codes, s, m, laid = int4_weights(n_out, n_in, g, ops, tiles)
+        kinds[f"engine {name}"] = lambda x=x, w=(codes, s, m, 32, laid): ops.int4_linear(x, *w)
     samples = {k: [] for k in kinds}
     for fn in kinds.values():
         fn()  # warm: caches, the kernels' scratch
@@ -116,7 +124,8 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
     engine = sum(us[f"engine {n}"] for n in ENGINE_LINEARS)
     lora_all = sum(p["lora_us"] for p in per.values())
     layer = {"base_us": engine, "lora_us": lora_all, "ratio": engine / (engine + lora_all)}
-    return {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "projections": per, "layer": layer}
+    base = "int8 x, integer product" if laid is not None else "float product"
+    return {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "base": base, "projections": per, "layer": layer}
 
 
 def main() -> int:
@@ -128,6 +137,7 @@ def main() -> int:
     ap.add_argument("--isa", default=None, help="the library's CPU level (default: the best here)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--calls", type=int, default=40)
+    add_int8_activations(ap)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "lora.json")
     args = ap.parse_args()
     import kernels
@@ -149,6 +159,7 @@ def main() -> int:
     print(f"{'dtype':<9}{'rows':>5} {'proj':<7}{'n_out x n_in':>13}{'base':>9}{'lora':>9}{'shrink':>9}"
           f"{'torch bmm':>11}{'base/(base+lora)':>18}")  # fmt: skip
     for r in results:
+        print(f"{r['dtype']} x, {r['rows']} rows: the base int4 linear as {r['base']}")
         for name, p in r["projections"].items():
             n_out, n_in = PROJECTIONS[name]
             print(f"{r['dtype']:<9}{r['rows']:>5} {name:<7}{f'{n_out} x {n_in}':>13}{p['base_us']:>9.1f}"
@@ -165,6 +176,7 @@ def main() -> int:
         "gemm": ops.cpu_gemm(),
         "rank": args.rank,
         "adapters": args.adapters,
+        "int8_activations": args.int8_activations,
         "repeats": args.repeats,
         "calls": args.calls,
         "projections": PROJECTIONS,

@@ -24,3 +24,20 @@ def test_lora_bench_records_each_projection_and_the_layer(tmp_path):
         assert p["base_us"] > 0 and p["lora_us"] > 0 and 0 < p["ratio"] < 1
     assert record["threads"] == 1 and record["adapters"] == 3 and "layer" in r.stdout
     assert out.with_suffix(".png").exists()
+
+
+def test_the_base_is_the_engines_default_product_unless_told_otherwise(tmp_path):
+    # bf16 x meets the int4 weight as int8 on its tiles in the engines (where the CPU has the integer
+    # product): against the float product the adapters' share looked half as large
+    common = ["--rows", "2", "--dtypes", "bfloat16", "--repeats", "1", "--calls", "1", "--adapters", "2"]
+    bases = {}
+    for flag in ("--int8-activations", "--no-int8-activations"):
+        out = tmp_path / f"{flag}.json"
+        r = run_python(["bench/lora.py", *common, flag, "--out", str(out)], cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        record = json.loads(out.read_text())
+        bases[flag] = record["results"][0]["base"]
+        assert record["int8_activations"] is (flag == "--int8-activations")
+    assert bases["--no-int8-activations"] == "float product"
+    if record["isa"] != "scalar":  # the portable C++ has no integer product
+        assert bases["--int8-activations"] == "int8 x, integer product"
