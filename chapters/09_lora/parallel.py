@@ -466,7 +466,7 @@ def _load(group: Group, a: LoadArgs):
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     group.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=a.timeout_s))
-    if "OMP_NUM_THREADS" not in os.environ:
+    if not os.environ.get("OMP_NUM_THREADS", "").isdigit():  # unset (or not a number, which torch ignores)
         # the ranks that share this host's cores: torchrun's LOCAL_WORLD_SIZE over several nodes
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", group.world))))
     if a.shm_path is not None:
