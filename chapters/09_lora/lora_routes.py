@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.errors import UserError
 from errors import APIError
-from lora_slots import AdapterNameError
+from lora_slots import AdapterNameError, NoAdapterSlots
 
 router = APIRouter()
 
@@ -59,8 +59,9 @@ async def load_lora_adapter(body: LoadLoraRequest, http: HTTPRequest):
         await _on_engine(
             state, lambda adapters: adapters.register(name, body.lora_path, replace=replace), name, body.lora_path
         )
-    except UserError as e:
-        raise APIError(400, str(e), param="lora_name" if isinstance(e, AdapterNameError) else "lora_path") from None
+    except UserError as e:  # the field at fault: the name, the path, or neither (a server with no slots)
+        field = "lora_name" if isinstance(e, AdapterNameError) else "lora_path"
+        raise APIError(400, str(e), param=None if isinstance(e, NoAdapterSlots) else field) from None
     return f"Success: LoRA adapter '{name}' added successfully."
 
 

@@ -42,6 +42,17 @@ class AdapterNameError(UserError):
     """The name given to an adapter cannot be used (the HTTP route says which field is wrong)."""
 
 
+class UnknownAdapter(UserError):
+    """A request names an adapter the engine does not serve (never loaded, or unloaded since): for
+    the HTTP server a model it does not serve, a 404 whichever check catches it."""
+
+    status, param, code = 404, "model", "model_not_found"
+
+
+class NoAdapterSlots(UserError):
+    """The engine has no slots (max_loras 0): no adapter can be loaded into it."""
+
+
 @dataclass
 class Registration:
     """One load of an adapter: what a sequence that names it when it is added keeps to its end."""
@@ -94,7 +105,7 @@ class AdapterSlots:
         """Reads and checks the adapter (UserError for a bad one). A name already loaded is refused,
         or with `replace` given the new weights: its running sequences finish with the old ones."""
         if not self.n_slots:
-            raise UserError("this engine serves no LoRA adapters: start it with max_loras of 1 or more")
+            raise NoAdapterSlots("this engine serves no LoRA adapters: start it with --max-loras (max_loras) of 1 or more")
         if not isinstance(name, str) or not name.strip() or not name.isprintable():
             raise AdapterNameError(f"a LoRA adapter needs a name of printable characters, got {name!r}")
         if name in self.current and not replace:
@@ -118,10 +129,10 @@ class AdapterSlots:
         """A request's adapter: None (the base model) or a loaded name, else UserError. Reads only:
         a server's threads call it too."""
         if name is not None and not self.n_slots:
-            raise UserError(f"LoRA adapter {name!r}: this engine serves no adapters (max_loras is 0)")
+            raise UnknownAdapter(f"LoRA adapter {name!r}: this engine serves no adapters (max_loras is 0)")
         if name is not None and name not in self.current:
             loaded = ", ".join(self.names()) or "none"
-            raise UserError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+            raise UnknownAdapter(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
 
     # --- sequences: by the uid `enter` gave them -------------------------------------------------
 

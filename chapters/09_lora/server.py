@@ -205,8 +205,15 @@ def engine_request(engine: Engine, build, body, adapter: str | None = None) -> R
             req.adapter = adapter
         engine.validate(req)
     except ValueError as e:  # protocol's RequestError and sampling's SamplingError name the field
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        raise refused(e) from None
     return req
+
+
+def refused(e: ValueError) -> APIError:
+    """The engine's refusal of a request: a 400 naming the field, or the status and code the error
+    carries (lora_slots.UnknownAdapter: a 404, as for any model this server does not serve; an
+    unload can come between the server's check of the name and the engine's)."""
+    return APIError(getattr(e, "status", 400), str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
 
 
 # --- waiting on the worker while watching the client ----------------------------------------
@@ -248,7 +255,7 @@ async def first_events(http: HTTPRequest, job: Job) -> list[Event] | None:
     except (ClientGone, APIError):  # an APIError is an answer already (a shutdown's 503)
         raise
     except ValueError as e:  # the engine refused it (validated before too: a change in between)
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        raise refused(e) from None
     except Exception as e:  # the worker has logged it
         raise internal_error(e) from None
 

@@ -251,3 +251,25 @@ def test_at_tensor_parallel_size_2_adapters_load_and_answer_as_at_1(tmp_path, pa
             assert text_of(complete(url, model).json()) == expected[None if model == MODEL else model], model
         assert http.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=60).status_code == 200
         assert complete(url, "late").status_code == 404
+
+
+def test_an_adapter_gone_between_the_servers_check_and_the_engines_is_a_404(paths):
+    # An unload can land between the server's look at its list and the engine's: that request got
+    # a 400 "unknown LoRA adapter" with no field, where the same name a moment later is a 404
+    from lora_slots import UnknownAdapter
+    from server import refused
+
+    engine, _ = build_engine(MODEL, "cpu", "float32", lora_modules={"a": paths["a"]}, num_blocks=8)
+    engine.adapters.unregister("a")
+    with pytest.raises(UnknownAdapter) as caught:
+        engine.validate(Request(PROMPT, adapter="a"))
+    error = refused(caught.value)
+    assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+    assert error.message == "unknown LoRA adapter 'a' (loaded: none)"
+
+
+def test_a_load_into_a_server_without_slots_names_the_flag_not_the_path(tmp_path, paths):
+    with serve(tmp_path, MODEL, "--max-loras", "0") as (url, _proc, _log):
+        r = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(paths["a"])}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+    assert "start it with --max-loras (max_loras) of 1 or more" in r.json()["error"]["message"]
