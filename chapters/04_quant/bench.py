@@ -109,6 +109,10 @@ def child(args) -> dict:
             prompt_ids(tokenizer, args.prompt_tokens),
             args.new_tokens,
         )
+        # the bytes a token reads: every distinct weight tensor once (a tied head is the embedding)
+        tensors = {id(t): t for t in (model.embed, model.norm, model.lm_head)}
+        tensors |= {id(t): t for layer in model.layers for t in vars(layer).values()}
+        result["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     else:
         spec, dtype = FORMATS[args.format]
         model, model_dir = load(args.dir, "cpu", dtype)
