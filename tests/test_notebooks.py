@@ -51,6 +51,17 @@ def _with_parameters(nb, name: str):
     return nb
 
 
+def _skip_without_the_kernel_library(name: str) -> None:
+    """A notebook about the kernel library needs it built: where it cannot be (no C++ compiler),
+    the skip says why, as the notebook's first kernels.load() would."""
+    import kernels
+
+    try:
+        kernels.load()
+    except kernels.KernelBuildError as e:
+        pytest.skip(f"{name} runs kernels/, which cannot be built here: {str(e).splitlines()[0]}")
+
+
 def _failing_cell(nb) -> str:
     for index, cell in enumerate(nb.cells):
         if any(out.get("output_type") == "error" for out in cell.get("outputs", [])):
@@ -67,6 +78,8 @@ def test_notebook_executes(path: Path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     nb = _with_parameters(nbformat.read(path, as_version=4), path.name)
+    if any("kernels.load()" in cell.source for cell in nb.cells):
+        _skip_without_the_kernel_library(path.name)
     client = NotebookClient(
         nb,
         kernel_name="python3",
@@ -84,3 +97,14 @@ def test_notebook_executes(path: Path, monkeypatch):
         failure = f"the kernel died (out of memory, or a crash in native code): {e}"
     if failure:  # reported outside the except block, so the message is not followed by a chained traceback
         pytest.fail(f"{path.name}: {failure}", pytrace=False)
+
+
+def test_a_notebook_of_the_kernel_library_skips_where_it_cannot_be_built(monkeypatch):
+    import kernels
+
+    def no_compiler():
+        raise kernels.KernelBuildError("no C++ compiler: `c++` is not on PATH. Install one\n(more)")
+
+    monkeypatch.setattr(kernels, "load", no_compiler)
+    with pytest.raises(pytest.skip.Exception, match=r"06_cuda_kernel.ipynb runs kernels/, .*: no C\+\+ compiler: .*one$"):
+        _skip_without_the_kernel_library("06_cuda_kernel.ipynb")
