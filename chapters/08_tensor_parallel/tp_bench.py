@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from common.cli import positive_int
+from common.tools.bench import RESULTS_DIR
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "bench" / "results" / f"ch{Path(__file__).resolve().parent.name[:2]}_tensor_parallel"  # chNN: this chapter
+OUT = RESULTS_DIR / f"ch{Path(__file__).resolve().parent.name[:2]}_tensor_parallel"  # chNN: this chapter
 
 
 def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, calls: int, out: dict) -> None:

@@ -32,14 +32,13 @@ import torch
 from safetensors.torch import save_file
 
 from common.prepare_models import find_gguf
-from common.tools.bench import add_int8_activations, command_line, isa_line, machine, save_json
+from common.tools.bench import RESULTS_DIR, add_int8_activations, command_line, isa_line, machine, save_json
 from engine import Request, build_engine
 from lora import PROJECTIONS, projection_shapes
 from ops import KernelFlags
 from sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "bench" / "results" / "ch09_lora"
+OUT = RESULTS_DIR / "ch09_lora"
 RANK, ALPHA = 16, 32
 # llama.cpp's names of the seven projections inside `blk.N.`
 GGUF_NAMES = {

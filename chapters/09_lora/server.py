@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException
 
 from common.cli import positive_float
 from common.errors import UserError
+from common.models import ADAPTERS, ModelNotFoundError, resolve_adapter
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, model_name
 from errors import APIError, ErrorResponse, internal_error
@@ -733,7 +734,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=[],
         metavar="NAME=PATH",
-        help="PEFT adapter directories to serve from the start; a request's `model` names one",
+        help="PEFT adapter directories (or the name of one `make models` prepares, smollm2-135m-lora-pirate) to "
+        "serve from the start; a request's `model` names one",
     )
     lora.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (default: %(default)s)")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank served (default: %(default)s)")
@@ -750,8 +752,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def lora_modules(ap: argparse.ArgumentParser, pairs: list[str], base: str) -> dict[str, str]:
-    """--lora-modules NAME=PATH ... -> {name: path}; a malformed or repeated name, or the base
-    model's (`base`: a request naming it gets the base model), is a usage error."""
+    """--lora-modules NAME=PATH ... -> {name: path}; PATH a PEFT folder or the name of an adapter
+    `make models` prepares (cli.py's --lora takes the same); a malformed or repeated name, or the
+    base model's (`base`: a request naming it gets the base model), is a usage error."""
     modules = {}
     for pair in pairs:
         name, sep, path = pair.partition("=")
@@ -761,6 +764,11 @@ def lora_modules(ap: argparse.ArgumentParser, pairs: list[str], base: str) -> di
             ap.error(f"--lora-modules names {name!r} twice")
         if name == base:
             ap.error(f"--lora-modules {name}=...: {name!r} is the base model's name; give the adapter another")
+        if path in ADAPTERS:
+            try:
+                path = str(resolve_adapter(path))
+            except ModelNotFoundError as e:
+                ap.error(f"--lora-modules {name}={path}: {e}")
         try:  # before minutes of loading and a KV pool, not after
             adapter_directory(path)
         except UserError:

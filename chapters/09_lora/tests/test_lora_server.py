@@ -273,3 +273,16 @@ def test_a_load_into_a_server_without_slots_names_the_flag_not_the_path(tmp_path
         r = http.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(paths["a"])}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
     assert "start it with --max-loras (max_loras) of 1 or more" in r.json()["error"]["message"]
+
+
+def test_lora_modules_take_a_prepared_adapters_name_as_cli_lora_does():
+    # a path relative to the repository (the README's) is no path in a chapter copied out
+    import argparse
+
+    from common.models import MODELS_DIR, is_adapter_prepared
+    from server import lora_modules
+
+    if not is_adapter_prepared(MODELS_DIR / "smollm2-135m-lora-pirate"):
+        pytest.skip("the pirate adapter is not prepared here (make models)")
+    got = lora_modules(argparse.ArgumentParser(), ["pirate=smollm2-135m-lora-pirate"], "smollm2-135m")
+    assert got == {"pirate": str(MODELS_DIR / "smollm2-135m-lora-pirate")}
