@@ -1,6 +1,6 @@
-"""A reader copies the newest chapter and common/ out of the repository as the start of their own
-engine (from chapter 06 on, with kernels/): it must run and pass its own tests there, with no
-PYTHONPATH and no sys.path edits."""
+"""A reader copies the newest chapter, common/ and kernels/ out of the repository as the start of
+their own engine: it must run and pass its own tests there, on the copy's own common/ and kernels/
+(ARCHITECTURE.md's recipe installs them, `pip install -e .`), with no sys.path edits."""
 
 from __future__ import annotations
 
@@ -23,19 +23,22 @@ def copy_out(tmp_path: Path) -> Path:
     root = tmp_path / "my_engine"
     ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache")
     shutil.copytree(REPO / "common", root / "common", ignore=ignore)
-    if (NEWEST / "ops.py").exists():  # from chapter 06 on, the engine runs on kernels/ (built in the copy)
-        shutil.copytree(REPO / "kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__", "build"))
+    shutil.copytree(REPO / "kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__", "build"))
     shutil.copytree(NEWEST, root / NEWEST.name, ignore=ignore)
     return root
 
 
-def clean_env() -> dict:
-    """This environment without PYTHONPATH; MODELS_DIR says where the prepared models are, as a
-    reader with a copy would set it (the copy has no models/ of its own). KERNELS_BUILD_DIR points
-    at the repository's build of kernels/: the copy's sources are the same bytes, so it loads that
-    build instead of compiling its own (a minute), as a copy with changed sources would not."""
+def clean_env(root: Path) -> dict:
+    """This environment with the copy's root first on PYTHONPATH: what its own `pip install -e .`
+    gives, without a venv of its own (this one's editable install would otherwise import the
+    repository's common/ and kernels/, and a file the copy lacks would go unnoticed). MODELS_DIR says
+    where the prepared models are, as a reader with a copy would set it (the copy has no models/ of
+    its own). KERNELS_BUILD_DIR points at the repository's build of kernels/: the copy's sources
+    are the same bytes, so it loads that build instead of compiling its own (a minute), as a copy
+    with changed sources would not."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(
+        PYTHONPATH=str(root),
         MODELS_DIR=str(MODELS_DIR),
         TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",
@@ -69,7 +72,7 @@ def test_copied_chapter_answers_a_chat_prompt(tmp_path):
             "float32",
         ],
         cwd=root / NEWEST.name,
-        env=clean_env(),
+        env=clean_env(root),
         capture_output=True,
         text=True,
         timeout=300,
@@ -80,7 +83,7 @@ def test_copied_chapter_answers_a_chat_prompt(tmp_path):
 
 def test_copied_chapter_says_where_models_are_looked_for(tmp_path):
     root = copy_out(tmp_path)
-    env = clean_env() | {"MODELS_DIR": str(tmp_path / "no_models")}
+    env = clean_env(root) | {"MODELS_DIR": str(tmp_path / "no_models")}
     r = subprocess.run(
         [sys.executable, "generate.py", "--model", "tiny-llama3"],
         cwd=root / NEWEST.name,
@@ -95,11 +98,13 @@ def test_copied_chapter_says_where_models_are_looked_for(tmp_path):
 
 def test_copied_chapter_passes_its_own_tests(tmp_path):
     root = copy_out(tmp_path)
-    # `python -m pytest` from the copy's root puts that root first on sys.path, so the copy's own
-    # common/ is the one imported; tests that compare with another chapter skip (none is there).
-    code = "import common; print(common.__file__)"
-    where = subprocess.run([sys.executable, "-c", code], cwd=root, env=clean_env(), capture_output=True, text=True)
-    assert where.stdout.strip() == str(root / "common" / "__init__.py"), where.stderr
+    # The copy's own common/ and kernels/ are the ones imported, from its chapter's folder too (where
+    # its scripts and the servers its tests start run); tests that compare with another chapter skip.
+    code = "import common, kernels; print(common.__file__, kernels.__file__)"
+    env = clean_env(root)
+    where = subprocess.run([sys.executable, "-c", code], cwd=root / NEWEST.name, env=env, capture_output=True, text=True)
+    own = [str(root / "common" / "__init__.py"), str(root / "kernels" / "__init__.py")]
+    assert where.stdout.split() == own, where
     # Every test module of the copy must import there, and the tests that reach what a copy
     # changes run: the kernels it loads, a server it starts as a subprocess (two requests are
     # enough to show it serves), the engine beside the comparisons that must skip. The rest of the
@@ -120,7 +125,7 @@ def test_copied_chapter_passes_its_own_tests(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *select, NEWEST.name],
         cwd=root,
-        env=clean_env(),
+        env=clean_env(root),
         capture_output=True,
         text=True,
         timeout=1200,
