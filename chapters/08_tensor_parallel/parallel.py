@@ -133,8 +133,8 @@ def become_worker_if_torchrun() -> None:
             "run `torchrun --standalone` (it picks a free port) or give --master-port a free port"
         )
     if int(os.environ["RANK"]) > 0:
-        if {"-h", "--help"} & set(sys.argv[1:]):  # rank 0 prints it and exits 0, never calling the ranks
-            sys.exit(0)
+        if any(a == "-h" or (len(a) >= 3 and "--help".startswith(a)) for a in sys.argv[1:]):  # argparse's
+            sys.exit(0)  # abbreviations too: rank 0 prints the help and exits 0, never calling the ranks
         sys.exit(worker_main())
 
 
@@ -441,14 +441,14 @@ def _load(group: Group, a: LoadArgs):
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     group.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=a.timeout_s))
-    if not os.environ.get("OMP_NUM_THREADS", "").isdigit():  # unset (or not a number, which torch ignores)
+    if not os.environ.get("OMP_NUM_THREADS", "").strip().split(",")[0].isdigit():  # unset, or not a count
         # the ranks that share this host's cores: torchrun's LOCAL_WORLD_SIZE over several nodes
         torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", group.world))))
     if a.shm_path is not None:
         group.shm = ShmChannel(a.shm_path, group.rank, group.world, a.timeout_s, group.raise_if_lost)
         dist.barrier()  # every rank has it mapped: rank 0 unlinks the file below
         if group.rank == 0:
-            os.unlink(a.shm_path)
+            ShmChannel.remove(a.shm_path)
     ops = a.kernels.ops(device, load_config(a.model_dir).head_dim)
     model, read = load_shard(a.model_dir, group.rank, group.world, group, device, a.dtype, a.quant, a.matmul, ops)
     if group.shm is not None:
@@ -489,7 +489,7 @@ def load(
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
     one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
-    shm = transport() == "shm" and dev.type == "cpu" and one_host
+    shm = dev.type == "cpu" and one_host and transport() == "shm"  # (checked where it is read)
     shm_path = ShmChannel.create("/dev/shm", world) if shm else None  # before any rank starts
     group = None
     try:
@@ -500,8 +500,8 @@ def load(
     except BaseException:
         if group is not None:
             group.lost("a rank failed to load its shard")
-        if shm_path is not None and os.path.exists(shm_path):
-            os.unlink(shm_path)
+        if shm_path is not None:
+            ShmChannel.remove(shm_path)
         raise
     group.watch()
     per_rank = ", ".join(f"{held / 1e6:.1f}" for held, _ in sizes)
@@ -583,7 +583,8 @@ def build_engine(
         tokenizer, draft = Tokenizer(model_dir), None
         if speculative == "draft":
             draft = load_draft(draft_model or model, loaded, tokenizer, device, dtype, draft_quant, matmul, kernels)
-        if limits.get("num_blocks") is None and limits.get("kv_cache_bytes") is None and loaded.device.type == "cpu":
+        explicit = limits.get("kv_cache_bytes") is not None  # --kv-cache-memory-gb
+        if limits.get("num_blocks") is None and not explicit and loaded.device.type == "cpu":
             # N ranks on one host share its memory: each takes its part of the default budget.
             budget = default_kv_bytes(loaded.device)
             limits["kv_cache_bytes"] = None if budget is None else budget // tensor_parallel_size
@@ -593,7 +594,7 @@ def build_engine(
         engine = engine_module.Engine(
             loaded, tokenizer, engine_module.Engine.read_generation_config(model_dir), proposer=make_proposer(speculative, draft), **limits
         )
-        if limits.get("kv_cache_bytes") is not None and loaded.device.type == "cpu":
+        if explicit and loaded.device.type == "cpu":
             # --kv-cache-memory-gb is each rank's pool (as on GPUs, each its own memory), capped as at
             # size 1 at what its sequences could ever use; here the ranks share one host's memory:
             # all N pools must fit, which rank 0's own check would not see.

@@ -19,8 +19,10 @@ Waiting spins (the other ranks arrive within microseconds in a step), yielding t
 looks; a worker waiting for the next plan (an idle server, for hours) backs off to sleeping.
 x86 keeps stores in order, so a flag is seen only after the data written before it (an ARM host
 would need a fence before each flag). The file is unlinked once every rank has mapped it: nothing
-is left behind whatever way the ranks end; a file whose rank 0 was killed before that (SIGKILL, the
-out-of-memory killer, during the seconds the ranks load) is removed by the next group that starts.
+is left behind whatever way the ranks end. Until then rank 0 holds a lock on it (flock), which the
+kernel lets go when rank 0 dies however it dies: a file nobody holds (its rank 0 killed while the
+ranks loaded: SIGKILL, the out-of-memory killer) is removed by the next group that starts. A lock,
+not a pid: a container sharing /dev/shm with another (docker --ipc=host) sees none of its pids.
 Its space is reserved when it is made: a /dev/shm too small for it (Docker's default 64 MB, at 8
 ranks) is an error at start, not a SIGBUS in the middle of a long prompt.
 
@@ -35,6 +37,7 @@ side made it: the two take turns on one file.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import pickle
@@ -46,6 +49,7 @@ import torch
 from common.errors import UserError
 
 PREFIX = "llm-tp-"  # the files: PREFIX + rank 0's pid + "-" + a timestamp, in /dev/shm
+_held: dict[str, int] = {}  # path -> the descriptor whose lock says its rank 0 runs (ShmChannel.remove)
 SLOT_BYTES = 4 << 20  # a bigger tensor or plan (a long prompt chunk) goes through the process group
 CHECK_S = 0.1  # while waiting, look this often whether a rank is gone
 SPIN_S = 0.05  # a worker waiting for a plan spins this long, then sleeps between looks (idle)
@@ -54,20 +58,23 @@ TOO_BIG = object()  # what recv returns then
 
 
 def remove_orphans(folder: str) -> None:
-    """Unlinks the channel files of rank-0 processes that no longer run."""
+    """Unlinks the channel files whose rank 0 no longer holds their lock (another user's files
+    cannot be opened or unlinked here: left alone)."""
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        pid = name.removeprefix(PREFIX).split("-")[0]
-        if not (name.startswith(PREFIX) and pid.isdigit()):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
             continue
         try:
-            os.kill(int(pid), 0)  # signal 0: is it alive? (another user's process: PermissionError)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its rank 0 runs
+            os.unlink(path)
         except OSError:
             pass
+        finally:
+            os.close(fd)
 
 
 class ShmChannel:
@@ -82,26 +89,38 @@ class ShmChannel:
         """Rank 0, before it starts the others: the file, zeros (every flag at call 0), its space
         reserved. -> its path."""
         remove_orphans(folder)
-        path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{time.monotonic_ns()}")
+        name = f"{os.getpid()}-{time.monotonic_ns()}"
+        making, path = os.path.join(folder, f".{PREFIX}{name}"), os.path.join(folder, f"{PREFIX}{name}")
         size = cls.size(world)[1]
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
             raise UserError(
                 f"cannot make the ranks' shared-memory file in {folder} ({e.strerror}): "
                 "TP_TRANSPORT=gloo runs the ranks without it"
             ) from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # before its name is one a sweep looks at (the rename)
             os.posix_fallocate(fd, 0, size)  # a sparse file would fail later, page by page, with SIGBUS
+            os.rename(making, path)
         except OSError as e:
-            os.unlink(path)
+            os.close(fd)
+            os.unlink(making)
             raise UserError(
                 f"{folder} has no room for the ranks' shared memory ({size / 2**20:.0f} MiB for {world} ranks: "
                 f"{e.strerror}): free some, give the machine more (docker run --shm-size), or TP_TRANSPORT=gloo"
             ) from None
-        finally:
-            os.close(fd)
+        _held[path] = fd
         return path
+
+    @staticmethod
+    def remove(path: str) -> None:
+        """Rank 0, once every rank has mapped the file (or the group failed): its name and its lock."""
+        if os.path.exists(path):
+            os.unlink(path)
+        fd = _held.pop(path, None)
+        if fd is not None:
+            os.close(fd)
 
     def __init__(self, path: str, rank: int, world: int, timeout_s: float, check=None):
         """check: called every CHECK_S while waiting; raises if a rank is known to be gone (rank 0

@@ -90,7 +90,7 @@ def allreduce_part(calls: int) -> dict:
                 p.join()
             return dict(out)
     finally:
-        os.unlink(shm_path)
+        ShmChannel.remove(shm_path)
 
 
 def decode_rate(engine, batch: int, new_tokens: int) -> float:

@@ -42,7 +42,8 @@ def decoding_engine(
     )
     greedy = ch.sampling.SamplingParams(temperature=0)
     # The prompts take as many steps as the step's token budget needs (16 x 256 tokens: 16 steps at
-    # 256 a step), during which the first sequences decode: at most that many tokens more.
+    # the engine's 256 a step), during which the first sequences decode, a token a step: `settle`
+    # bounds those steps at 16 prompt tokens a step, a budget no engine here goes below.
     settle = -(-sequences * prompt_tokens // 16)
     for s in range(sequences):
         prompt = list(range(1000 + 7 * s, 1000 + 7 * s + prompt_tokens))

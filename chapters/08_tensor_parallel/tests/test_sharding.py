@@ -313,21 +313,36 @@ def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(
 
 def test_the_shared_memory_file_is_reserved_whole_and_orphans_are_removed(tmp_path, monkeypatch):
     import errno
+    import signal
     import subprocess
 
     import shm_channel
     from shm_channel import ShmChannel
 
-    # A file of a rank 0 killed while its ranks loaded (nothing unlinked it) goes at the next start;
-    # a running process's stays.
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    orphan, alive = tmp_path / f"llm-tp-{dead.pid}-1", tmp_path / f"llm-tp-{os.getpid()}-1"
+    # A file of a rank 0 killed while its ranks loaded (nothing unlinked it, and its lock went with
+    # it) goes at the next start; one whose rank 0 runs (holds its lock) stays, whatever its pid says
+    # (a container sharing /dev/shm sees none of another's pids).
+    orphan, alive = tmp_path / "llm-tp-999999999-1", tmp_path / "llm-tp-999999999-2"
     orphan.write_bytes(b"x")
     alive.write_bytes(b"x")
-    path = ShmChannel.create(str(tmp_path), 2)
-    assert not orphan.exists() and alive.exists()
+    # -o: flock itself holds the lock, not its sleep; a session of their own, to end both
+    holder = subprocess.Popen(["flock", "-o", str(alive), "sleep", "60"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the holder has its lock
+            if subprocess.run(["flock", "-n", str(alive), "true"]).returncode != 0:
+                break
+            time.sleep(0.05)
+        path = ShmChannel.create(str(tmp_path), 2)
+        assert not orphan.exists() and alive.exists()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # the lock goes with flock
+        holder.wait()
     assert os.stat(path).st_blocks * 512 >= ShmChannel.size(2)[1]  # reserved, not sparse
+    second = ShmChannel.create(str(tmp_path), 2)  # this process holds the first: it stays
+    assert Path(path).exists()
+    ShmChannel.remove(path)
+    assert not Path(path).exists()
 
     # No room (a small /dev/shm), or no folder to write in: one line, and no file left
     def no_room(fd, offset, length):
@@ -336,7 +351,9 @@ def test_the_shared_memory_file_is_reserved_whole_and_orphans_are_removed(tmp_pa
     monkeypatch.setattr(shm_channel.os, "posix_fallocate", no_room)
     with pytest.raises(UserError, match=r"has no room for the ranks' shared memory \(16 MiB for 2 ranks: No space"):
         ShmChannel.create(str(tmp_path), 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(path).name, alive.name])
+    # (the file whose holder has gone since went with this sweep; the failed one left nothing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(second).name]
+    ShmChannel.remove(second)
     with pytest.raises(UserError, match=r"cannot make the ranks' shared-memory file in /nonexistent .*TP_TRANSPORT=gloo"):
         ShmChannel.create("/nonexistent", 2)
 

@@ -131,8 +131,9 @@ def test_torchrun_starts_the_ranks_and_generate_says_what_tp1_says():
 
 
 def test_torchrun_help_ends():
-    # rank 0 prints the help and exits 0; the others waited for it to join, forever
-    r = torchrun("--standalone", "--nproc-per-node", "2", "cli.py", "--help", timeout=120)
+    # rank 0 prints the help and exits 0; the others waited for it to join, forever (argparse takes
+    # --hel for --help as well)
+    r = torchrun("--standalone", "--nproc-per-node", "2", "cli.py", "--hel", timeout=120)
     assert r.returncode == 0 and "--tensor-parallel-size" in r.stdout, r.stderr[-3000:]
 
 
