@@ -311,6 +311,7 @@ def test_the_kernel_library_s_channel_and_the_python_one_take_turns_on_one_file(
             assert torch.equal(gathered, torch.cat([parts(i, 0)[:1], parts(i, 1)[:1]], -1) if r == 0 else parts(i, 1)[:1])
 
 
+@pytest.mark.reaches()  # its subprocess is flock(1), no script of the chapter (common/tools/carried.py)
 def test_the_shared_memory_file_is_reserved_whole_and_orphans_are_removed(tmp_path, monkeypatch):
     import errno
     import signal
