@@ -10,7 +10,10 @@ QUANT ?= int4
 CHAPTERS := $(sort $(wildcard chapters/[0-9][0-9]_*))
 LATEST := $(lastword $(CHAPTERS))
 CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
-CHAPTER_DIR = $(firstword $(wildcard chapters/$(shell (printf '%02d' $$((10#$(firstword $(subst _, ,$(CHAPTER)))))) 2>/dev/null)_*))
+# A chapter's folder from "8", "08" or "08_tensor_parallel" (10#: "08" and "09" are no octal numbers;
+# printf said so, and test-chapter08 ran chapter 00's tests); empty where there is no such chapter.
+chapter_dir = $(firstword $(wildcard chapters/$(shell (printf '%02d' $$((10#$(firstword $(subst _, ,$(1)))))) 2>/dev/null)_*))
+CHAPTER_DIR = $(call chapter_dir,$(CHAPTER))
 PYTEST_FLAGS ?= -q
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 # make test runs its suites (each chapter's tests/, kernels/tests, tests/, the -Werror compile) as
@@ -162,11 +165,9 @@ suite-%:
 	{ $(call suite_cmd,$*); } || touch .test-results/$*.failed; \
 	printf '%-22s %4d s\n' "$*" $$(( $$(date +%s) - start )) > .test-results/$*.time
 
-# 10#: "08" and "09" are not octal numbers (printf said so and pytest ran chapter 00's tests).
-chapter_tests = $(wildcard chapters/$(shell (printf '%02d' $$((10#$(1)))) 2>/dev/null)_*/tests)
 test-chapter%: setup
-	@$(if $(call chapter_tests,$*),,echo "error: test-chapter$*: no such chapter here ($(notdir $(CHAPTERS)))" >&2; exit 2)
-	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(call chapter_tests,$*)
+	@$(if $(call chapter_dir,$*),,echo "error: test-chapter$*: no such chapter here ($(notdir $(CHAPTERS)))" >&2; exit 2)
+	$(PY) -m pytest $(PYTEST_FLAGS) $(XDIST) $(call chapter_dir,$*)/tests
 
 # The lesson of chapter N: its engine code against chapter N-1's (new files in full), code first;
 # ALL=1 adds README, tests, benches and figures. Needs only the standard library.

@@ -50,13 +50,14 @@ ENGINE_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "d
 
 
 def int4_weights(n_out: int, n_in: int, g: torch.Generator, ops, tiles: bool) -> tuple:
-    """Random int4 codes, scales and mins (bench/gemm.py's: the speed does not depend on the values),
-    and with `tiles` their layout for int8 x (ops.KernelInt4Linear's; None where this CPU has none)."""
+    """int4_linear's arguments after x: random int4 codes, scales and mins (bench/gemm.py's: the
+    speed does not depend on the values), the group size, and with `tiles` their layout for int8 x
+    (ops.KernelInt4Linear's; None where this CPU has none, and without `tiles`)."""
     codes = torch.randint(0, 256, (n_out, n_in // 2), generator=g, dtype=torch.uint8)
     scale = (torch.rand(n_out, n_in // 32, generator=g) * 0.01).half()
     mins = (-8 * scale.float()).half()
     laid = ops.int4_tiles(codes, scale, mins, 32) if tiles else None
-    return codes, scale, mins, laid if laid is not None and laid.numel() else None
+    return codes, scale, mins, 32, laid if laid is not None and laid.numel() else None
 
 
 def adapter_table(n_out: int, n_in: int, adapters: int, rank: int, dtype: torch.dtype, g: torch.Generator):
@@ -84,8 +85,7 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
     tiles = args.int8_activations and dtype == torch.bfloat16  # as ops.KernelOps.quant_linear
     for name, (n_out, n_in) in PROJECTIONS.items():
         x = torch.randn(rows, n_in, generator=g).to(dtype)
-        codes, s, m, laid = int4_weights(n_out, n_in, g, ops, tiles)
-        w = (codes, s, m, 32, laid)
+        w = int4_weights(n_out, n_in, g, ops, tiles)
         a, b_t, ranks, scale = adapter_table(n_out, n_in, args.adapters, args.rank, dtype, g)
         y = ops.int4_linear(x, *w)
 
@@ -102,8 +102,8 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
         kinds[f"shrink {name}"] = lambda x=x, a=a, ranks=ranks: ops.lora_shrink(x, a, ranks, starts, seg_slots)
     for name, (n_out, n_in) in ENGINE_LINEARS.items():
         x = torch.randn(rows, n_in, generator=g).to(dtype)
-        codes, s, m, laid = int4_weights(n_out, n_in, g, ops, tiles)
-        kinds[f"engine {name}"] = lambda x=x, w=(codes, s, m, 32, laid): ops.int4_linear(x, *w)
+        w = int4_weights(n_out, n_in, g, ops, tiles)
+        kinds[f"engine {name}"] = lambda x=x, w=w: ops.int4_linear(x, *w)
     samples = {k: [] for k in kinds}
     for fn in kinds.values():
         fn()  # warm: caches, the kernels' scratch
@@ -124,7 +124,7 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
     engine = sum(us[f"engine {n}"] for n in ENGINE_LINEARS)
     lora_all = sum(p["lora_us"] for p in per.values())
     layer = {"base_us": engine, "lora_us": lora_all, "ratio": engine / (engine + lora_all)}
-    base = "int8 x, integer product" if laid is not None else "float product"
+    base = "int8 x, integer product" if w[-1] is not None else "float product"
     return {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "base": base, "projections": per, "layer": layer}
 
 

@@ -276,14 +276,13 @@ class Group:
         """Rank 0: every worker told to stop, waited for (killed after 10 s); idempotent."""
         if self.closed:
             return
-        if self.lost_reason is None and self.rank == 0 and dist.is_initialized():
+        if not dist.is_initialized():  # ended before the group existed (Ctrl-C at start): nothing to tell
+            self._kill_children()
+        elif self.lost_reason is None and self.rank == 0:
             try:
                 self.send(("stop",))
             except Exception:  # noqa: BLE001  (lost on the way: the children are killed below)
                 pass
-        elif not dist.is_initialized():  # ended before the group existed (Ctrl-C at start): nothing to tell
-            self.closed = True
-            self._kill_children()
         self.closed = True
         deadline = time.monotonic() + 10
         for child in self.children:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from common.cli import positive_int
-from common.tools.bench import RESULTS_DIR
+from common.cli import positive_int, run_main
+from common.tools.bench import RESULTS_DIR, int_list
 
 OUT = RESULTS_DIR / f"ch{Path(__file__).resolve().parent.name[:2]}_tensor_parallel"  # chNN: this chapter
 
@@ -57,7 +57,7 @@ def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, cal
             for fn in ways.values():
                 fn(t)
         run = min(calls, 50)
-        for _ in range(max(1, calls // run)):  # interleaved in runs of 50: both see the same machine, and
+        for _ in range(calls // run):  # interleaved in runs of 50: both see the same machine, and
             for name, fn in ways.items():  # a call right after the other way's pays its skew between ranks
                 for _ in range(run):
                     t0 = time.perf_counter()
@@ -141,11 +141,6 @@ def decode_part(model: str, tp: int, batches: list[int], new_tokens: int, quant,
     return out
 
 
-def positive_ints(text: str) -> list[int]:
-    """An argparse type: comma-separated whole numbers of at least 1."""
-    return [positive_int(part) for part in text.split(",")]
-
-
 def parts(text: str) -> list[str]:
     """An argparse type: --parts, each of them a part there is."""
     names = text.split(",")
@@ -170,12 +165,13 @@ def main() -> int:
     ap.add_argument("--parts", type=parts, default="allreduce,decode", help="allreduce, decode or both")
     ap.add_argument("--calls", type=positive_int, default=500)
     ap.add_argument("--new-tokens", type=positive_int, default=32)
-    ap.add_argument("--batches", type=positive_ints, default="1,16", help="batch sizes, comma-separated")
+    ap.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
     ap.add_argument("--quant", choices=["int4", "none"], default="int4")
     ap.add_argument("--cases", type=cases, default="tiny-llama3:2,smollm2-135m:3", help="model:TP pairs compared with TP=1")
     ap.add_argument("--rounds", type=positive_int, default=7, help="alternating TP=1 / TP=N runs per batch size")
     ap.add_argument("--out", type=Path, default=OUT, help="where the JSON and .png go (default: %(default)s)")
     args = ap.parse_args()
+    batches = int_list(args.batches)  # a usage error before any part runs
     from quant import QuantSpec
 
     quant = QuantSpec(4, 32) if args.quant == "int4" else None
@@ -185,7 +181,6 @@ def main() -> int:
         for k, v in result["allreduce_us"].items():
             print(f"all-reduce {k}: {v:.0f} us per call (2 ranks)")
     if "decode" in args.parts:
-        batches = args.batches
         result["decode_tok_s"], result["quant"] = {}, args.quant  # the weights of this part (the other has none)
         for model, tp in args.cases:
             # each case in a fresh process: one process group per process, threads set at start
@@ -234,4 +229,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

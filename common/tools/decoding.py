@@ -21,11 +21,11 @@ def decoding_engine(
     int8_activations: bool = True,
 ):
     """A chapter's engine (05 on) on the CPU, decoding `sequences` greedy sequences together, each
-    a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken, and more until a step
-    decodes every sequence (no prompt chunk left); room for `steps` more decode steps (ignore_eos). -> the engine, whose step()
-    decodes the next token of every sequence. int8_activations: chapter 06's --int8-activations
-    (int4 x bf16 as int8 at every row count, in integers; the engines' default), False for
-    --no-int8-activations."""
+    a prompt of `prompt_tokens` ids (different ones), then `warmup` steps taken, and more until a
+    step decodes every sequence (no prompt chunk left); room for `steps` more decode steps
+    (ignore_eos). -> the engine, whose step() decodes the next token of every sequence.
+    int8_activations: chapter 06's --int8-activations (int4 x bf16 as int8 at every row count, in
+    integers; the engines' default), False for --no-int8-activations."""
     from types import SimpleNamespace
 
     from common.tools.chapters import load_chapter
