@@ -28,6 +28,7 @@ Which adapter sits in which slot, and when one is swapped out, is lora_slots.py'
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -51,24 +52,22 @@ GROUPS = {
     "down": ("down_proj",),
 }
 _MODULE = {p: ("self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for p in PROJECTIONS}
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# PEFT's key of a LoRA weight; a save of the whole state dict keeps the adapter's name (lora_A.default.weight)
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.([^.]+))?\.weight")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # read into the model's dtype
 
-# PEFT features this engine does not compute: refused by name, never served as plain LoRA.
+# PEFT features this engine does not compute: refused by name, never served as plain LoRA. (Served:
+# rank_pattern, alpha_pattern, layers_to_transform, a target_modules pattern; `bias` trains biases the
+# base's linears lack, so a trained one shows as a tensor, refused there; fan_in_fan_out is GPT-2's
+# Conv1D layout, which PEFT turns off for a Llama's nn.Linear.)
 # (config key, whether a value turns it on, what to say)
 _UNSUPPORTED = (
     ("use_dora", lambda v: bool(v), "DoRA (use_dora)"),
-    ("bias", lambda v: v not in (None, "none"), "trained biases (bias != 'none')"),
     ("lora_bias", lambda v: bool(v), "trained LoRA biases (lora_bias)"),
     ("modules_to_save", lambda v: bool(v), "fully trained modules (modules_to_save)"),
-    ("layers_to_transform", lambda v: v is not None, "a subset of layers (layers_to_transform)"),
-    ("layers_pattern", lambda v: bool(v), "a subset of layers (layers_pattern)"),
-    ("rank_pattern", lambda v: bool(v), "per-module ranks (rank_pattern)"),
-    ("alpha_pattern", lambda v: bool(v), "per-module alphas (alpha_pattern)"),
     ("exclude_modules", lambda v: bool(v), "excluded modules (exclude_modules)"),
     ("layer_replication", lambda v: bool(v), "replicated layers (layer_replication)"),
-    ("fan_in_fan_out", lambda v: bool(v), "transposed (fan_in_fan_out) weights"),
     ("use_qalora", lambda v: bool(v), "QA-LoRA (use_qalora)"),
     ("trainable_token_indices", lambda v: bool(v), "trained token embeddings (trainable_token_indices)"),
     # PEFT's variants whose forward is not W x + scale * B (A x) on every token: aLoRA switches on at
@@ -112,10 +111,12 @@ class Adapter:
     """One PEFT LoRA adapter as read from disk, kept on the host: what a slot is filled from."""
 
     path: Path
-    rank: int
+    rank: int  # the slot's rank: the largest of its modules' (a smaller one's A and B sit zero-padded)
     scale: float
-    # (layer, projection) -> (A [r, n_in], B [n_out, r]), in the model's dtype
+    # (layer, projection) -> (A [r, n_in], B [n_out, r]), in the model's dtype; B carries a module's
+    # own scale where rank_pattern / alpha_pattern make it differ from `scale` (B * its / scale)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    digest: str = ""  # of the bytes read: a later read of the folder must find the same adapter
 
     @property
     def targets(self) -> set[str]:
@@ -131,20 +132,16 @@ def read_adapter(path: str | Path, config: LlamaConfig, max_rank: int, dtype: to
     Raises UserError, one line naming the file and what is wrong, for anything it cannot serve
     exactly: a result computed without part of the adapter would be a wrong answer, not a worse one."""
     path = adapter_directory(path)
-    settings = _read_config(path)
-    rank, targets = _check_config(path, settings, max_rank)
-    alpha = settings.get("lora_alpha", 8)
-    # Python's JSON reader takes NaN and Infinity; a scale that is not a finite float32 makes every
-    # logit of the adapter's rows NaN.
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise UserError(f"LoRA adapter {path / CONFIG}: lora_alpha must be a finite number, got {alpha!r}")
-    scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    if abs(scale) > torch.finfo(torch.float32).max:
-        raise UserError(f"LoRA adapter {path / CONFIG}: lora_alpha {alpha!r} overflows float32 as a scale")
-    tensors = _read_tensors(path)
-    weights = _pair_up(path, tensors, config, rank, targets, dtype)
+    raw_config = _read_bytes(path, CONFIG)
+    settings = _parse_config(path, raw_config)
+    _check_config(path, settings, max_rank)
+    modules = _modules(path, settings, config)  # (layer, projection) -> (its rank, its scale)
+    scale = _slot_scale(modules)
+    raw_weights = _read_bytes(path, WEIGHTS)
+    weights = _pair_up(path, _parse_tensors(path, raw_weights), config, modules, scale, dtype)
     _check_delta(path, weights, scale)
-    return Adapter(path, rank, float(scale), weights)
+    digest = hashlib.sha256(raw_config + b"\0" + raw_weights).hexdigest()
+    return Adapter(path, max(r for r, _ in modules.values()), scale, weights, digest)
 
 
 def adapter_directory(path: str | Path) -> Path:
@@ -159,20 +156,38 @@ def adapter_directory(path: str | Path) -> Path:
 
 
 def config_rank(path: str | Path) -> int:
-    """The rank a PEFT directory's adapter_config.json declares (UserError for a missing or bad
-    config), for sizing a slot table before reading the adapter."""
+    """The largest rank a PEFT directory's adapter_config.json declares (r, rank_pattern; UserError
+    for a missing or bad config), for sizing a slot table before reading the adapter."""
     path = adapter_directory(path)
-    return _check_config(path, _read_config(path), max_rank=sys.maxsize)[0]
+    return _check_config(path, _parse_config(path, _read_bytes(path, CONFIG)), max_rank=sys.maxsize)
 
 
-def _read_config(path: Path) -> dict:
-    file = path / CONFIG
+def _shown(value) -> str:
+    """A config value in a message: its repr, cut where it would flood the line."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _read_bytes(path: Path, name: str) -> bytes:
+    file = path / name
     if not file.is_file():
-        raise UserError(f"LoRA adapter {path}: no {CONFIG} (a PEFT adapter directory holds {CONFIG} and {WEIGHTS})")
+        if name == CONFIG:
+            raise UserError(f"LoRA adapter {path}: no {CONFIG} (a PEFT adapter directory holds {CONFIG} and {WEIGHTS})")
+        pickled = (path / "adapter_model.bin").exists()
+        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if pickled else ""
+        raise UserError(f"LoRA adapter {path}: no {WEIGHTS}{hint}")
     try:
-        settings = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"LoRA adapter {file}: not valid JSON ({e})") from None
+        return file.read_bytes()
+    except OSError as e:
+        raise UserError(f"LoRA adapter {file}: cannot be read ({e.strerror or e})") from None
+
+
+def _parse_config(path: Path, raw: bytes) -> dict:
+    file = path / CONFIG
+    try:
+        settings = json.loads(raw)
+    except ValueError as e:  # bad JSON or UTF-8, or a number of more digits than Python converts
+        raise UserError(f"LoRA adapter {file}: not valid JSON ({str(e)[:200]})") from None
     except RecursionError:  # nesting deeper than the parser's stack
         raise UserError(f"LoRA adapter {file}: not a PEFT config (JSON nested too deeply to read)") from None
     if not isinstance(settings, dict):
@@ -180,67 +195,147 @@ def _read_config(path: Path) -> dict:
     return settings
 
 
-def _check_config(path: Path, settings: dict, max_rank: int) -> tuple[int, set[str]]:
-    """-> (rank, target projections); UserError for what cannot be served."""
+def _check_config(path: Path, settings: dict, max_rank: int) -> int:
+    """-> the largest rank it declares; UserError for what cannot be served."""
     where = f"LoRA adapter {path / CONFIG}"
     kind = settings.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
-        raise UserError(f"{where}: peft_type {kind!r} is not LoRA")
+        raise UserError(f"{where}: peft_type {_shown(kind)} is not LoRA")
     for key, is_on, what in _UNSUPPORTED:
         if key in settings and is_on(settings[key]):
-            raise UserError(
-                f"{where}: {what} is not supported ({key} = {settings[key]!r}); merge or retrain without it"
-            )
-    rank = settings.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise UserError(f"{where}: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise UserError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}; raise the limit to serve it")
+            raise UserError(f"{where}: {what} is not supported ({key} = {_shown(settings[key])}); merge or retrain without it")
+    ranks = [_positive_int(where, "r", settings.get("r", 8))]  # PEFT's defaults: r 8, lora_alpha 8
+    _finite(where, "lora_alpha", settings.get("lora_alpha", 8))
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = settings.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise UserError(f"{where}: {key} must map module names to values, got {_shown(pattern)}")
+        for name, value in pattern.items():
+            try:
+                re.compile(name)
+            except re.error as e:
+                raise UserError(f"{where}: {key} key {_shown(name)} is not a regular expression ({e})") from None
+            if key == "rank_pattern":
+                ranks.append(_positive_int(where, f"rank_pattern[{name!r}]", value))
+            else:
+                _finite(where, f"alpha_pattern[{name!r}]", value)
+    if max(ranks) > max_rank:
+        raise UserError(f"{where}: rank {max(ranks)} is over --max-lora-rank {max_rank}; raise the limit to serve it")
+    return max(ranks)
+
+
+def _positive_int(where: str, name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{where}: {name} must be a positive integer, got {_shown(value)}")
+    return value
+
+
+def _finite(where: str, name: str, value) -> None:
+    # Python's JSON reader takes NaN and Infinity; a scale that is not a finite float32 makes every
+    # logit of the adapter's rows NaN.
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        raise UserError(f"{where}: {name} must be a finite number, got {_shown(value)}")
+
+
+def _modules(path: Path, settings: dict, config: LlamaConfig) -> dict[tuple[int, str], tuple[int, float]]:
+    """The modules the config adapts, by PEFT's rules of matching (peft.tuners.tuners_utils'
+    check_target_module_exists, on the names a LlamaForCausalLM gives them), each with its rank and
+    scale: -> (layer, projection) -> (r, scale)."""
+    where = f"LoRA adapter {path / CONFIG}"
+    names = {(i, p): f"model.layers.{i}.{_MODULE[p]}.{p}" for i in range(config.num_hidden_layers) for p in PROJECTIONS}
     targets = settings.get("target_modules")
+    if targets is None:
+        targets = ["q_proj", "v_proj"]  # PEFT's default for a Llama
     if targets == "all-linear":
         targets = list(PROJECTIONS)  # PEFT's shorthand: every linear layer but the LM head
-    if isinstance(targets, str):
-        raise UserError(f"{where}: target_modules as a pattern ({targets!r}) is not supported; list the modules")
-    if not isinstance(targets, list) or not targets:
-        raise UserError(f"{where}: target_modules must list the adapted modules, got {targets!r}")
-    targets = [_short_name(t) if isinstance(t, str) else t for t in targets]
-    unknown = [t for t in targets if t not in PROJECTIONS]
-    if unknown:
+    if isinstance(targets, str):  # a regular expression over the whole name (layers_to_transform not applied)
+        try:
+            pattern = re.compile(targets)
+        except re.error as e:
+            raise UserError(f"{where}: target_modules {_shown(targets)} is not a regular expression ({e})") from None
+        chosen = {k for k, name in names.items() if pattern.fullmatch(name)}
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        hits = {t: {k for k, name in names.items() if name == t or name.endswith("." + t)} for t in targets}
+        unknown = [t for t, found in hits.items() if not found]
+        if unknown:
+            raise UserError(f"{where}: unknown target module {unknown[0]!r}; LoRA is served on {', '.join(PROJECTIONS)}")
+        chosen = {k for found in hits.values() for k in found if _in_layers(where, settings, names[k], config)}
+    else:
+        raise UserError(f"{where}: target_modules must list the adapted modules, got {_shown(targets)}")
+    if not chosen:
+        raise UserError(f"{where}: target_modules {_shown(targets)} adapt none of the decoder layers' projections")
+    r, alpha, rslora = settings.get("r", 8), settings.get("lora_alpha", 8), bool(settings.get("use_rslora"))
+    modules = {}
+    for k in sorted(chosen):
+        r_k = _pattern_value(settings.get("rank_pattern") or {}, names[k], r)
+        alpha_k = _pattern_value(settings.get("alpha_pattern") or {}, names[k], alpha)
+        try:
+            scale = alpha_k / math.sqrt(r_k) if rslora else alpha_k / r_k
+        except OverflowError:  # an integer alpha past float64
+            scale = math.inf
+        if not abs(scale) <= torch.finfo(torch.float32).max:
+            raise UserError(f"{where}: lora_alpha {_shown(alpha_k)} overflows float32 as a scale")
+        modules[k] = (r_k, float(scale))
+    return modules
+
+
+def _in_layers(where: str, settings: dict, name: str, config: LlamaConfig) -> bool:
+    """Whether layers_to_transform (with layers_pattern) keeps module `name`, as PEFT decides it."""
+    wanted = settings.get("layers_to_transform")
+    if wanted is None or wanted == []:
+        return True
+    wanted = [wanted] if isinstance(wanted, int) and not isinstance(wanted, bool) else wanted
+    if not isinstance(wanted, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in wanted):
+        raise UserError(f"{where}: layers_to_transform must be a layer index or a list of them, got {_shown(wanted)}")
+    outside = [i for i in wanted if not 0 <= i < config.num_hidden_layers]
+    if outside:
         raise UserError(
-            f"{where}: unknown target module {unknown[0]!r}; LoRA is served on {', '.join(PROJECTIONS)}"
+            f"{where}: layers_to_transform names layer {outside[0]}; the base model has {config.num_hidden_layers} layers"
         )
-    return rank, set(targets)
+    patterns = settings.get("layers_pattern") or []
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    if not patterns:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # the first numbered part of the name
+    else:
+        m = next(filter(None, (re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name) for p in patterns)), None)
+    return m is not None and int(m["idx"]) in wanted
 
 
+def _pattern_value(pattern: dict, name: str, default):
+    """rank_pattern's or alpha_pattern's value for module `name`: the first key that matches the
+    end of the name (peft.utils.other.get_pattern_key), else the default."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
 
-def _short_name(target: str) -> str:
-    """PEFT matches a target by the end of a module's name: "mlp.down_proj" is down_proj, where it
-    lives (a wrong parent, "mlp.q_proj", adapts nothing and stays unknown)."""
-    parent, _, proj = target.rpartition(".")
-    return proj if parent and _MODULE.get(proj) == parent else target
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _slot_scale(modules: dict) -> float:
+    """One scale for the slot: the one most modules use (every module's, without rank_pattern and
+    alpha_pattern); a module with another has B scaled by its own over this one."""
+    scales = [s for _, s in modules.values()]
+    nonzero = [s for s in scales if s != 0.0] or scales
+    return max(nonzero, key=nonzero.count)
+
+
+def _parse_tensors(path: Path, raw: bytes) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    file = path / WEIGHTS
-    if not file.is_file():
-        pickled = (path / "adapter_model.bin").exists()
-        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if pickled else ""
-        raise UserError(f"LoRA adapter {path}: no {WEIGHTS}{hint}")
     try:
-        return load_file(str(file))
+        return load(raw)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"LoRA adapter {file}: the safetensors library cannot read it ({first})") from None
+        raise UserError(f"LoRA adapter {path / WEIGHTS}: the safetensors library cannot read it ({first})") from None
 
 
-def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[str], dtype) -> dict:
-    """PEFT's tensors by (layer, projection), checked: every target of every layer has its A and
-    B, of the base model's shapes and the config's rank, finite."""
+def _pair_up(path, tensors: dict, config: LlamaConfig, modules: dict, scale: float, dtype) -> dict:
+    """PEFT's tensors by (layer, projection), checked: every module the config adapts has its A
+    and B and no other does, of the base model's shapes and the module's rank, finite."""
     file = path / WEIGHTS
     shapes = projection_shapes(config)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    infixes = set()  # PEFT's adapter name inside a key (lora_A.default.weight), where a save kept it
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
         if m is None and key.startswith("base_model.model.layers."):
@@ -248,43 +343,53 @@ def _pair_up(path, tensors: dict, config: LlamaConfig, rank: int, targets: set[s
                 f"LoRA adapter {file}: tensor {key!r} comes from an adapter saved on a bare LlamaModel; "
                 "this engine reads one saved on LlamaForCausalLM (base_model.model.model.layers...)"
             )
+        if m is None and key.endswith(".bias"):
+            raise UserError(f"LoRA adapter {file}: tensor {key!r} is a trained bias, which is not supported; merge or retrain without it")
         if m is None:
             raise UserError(f"LoRA adapter {file}: tensor {key!r} is not a LoRA A or B of a decoder layer's projection")
         layer, module, proj, which = int(m[1]), m[2], m[3], m[4]
+        infixes.add(m[5])
+        if len(infixes) > 1:
+            raise UserError(f"LoRA adapter {file}: its tensors belong to more than one adapter ({sorted(map(str, infixes))})")
         if proj not in PROJECTIONS or _MODULE[proj] != module:
             raise UserError(f"LoRA adapter {file}: unknown target module {module}.{proj} in {key!r}")
-        if proj not in targets:
-            raise UserError(f"LoRA adapter {file}: {key!r} adapts {proj}, which target_modules does not list")
         if layer >= config.num_hidden_layers:
             raise UserError(
                 f"LoRA adapter {file}: {key!r} adapts layer {layer}; "
                 f"the base model has {config.num_hidden_layers} layers"
             )
+        if (layer, proj) not in modules:
+            raise UserError(
+                f"LoRA adapter {file}: {key!r} adapts layer {layer}'s {proj}, which the config's "
+                "target_modules (and layers_to_transform) do not name"
+            )
+        rank, own_scale = modules[layer, proj]
         n_out, n_in = shapes[proj]
         want = (rank, n_in) if which == "A" else (n_out, rank)
         if tuple(t.shape) != want:
             raise UserError(
                 f"LoRA adapter {file}: {key} is {list(t.shape)}, the base model needs {list(want)} "
-                f"(rank {rank}; {proj} is {n_out} x {n_in}): an adapter for another model?"
+                f"(rank {rank} from {CONFIG}; {proj} is {n_out} x {n_in}): an adapter for another model, or another r?"
             )
         if t.dtype not in WEIGHT_DTYPES:
             raise UserError(
                 f"LoRA adapter {file}: {key} is {str(t.dtype).removeprefix('torch.')}; "
                 "LoRA weights are read as float32, float16, bfloat16 or float64"
             )
+        if which == "B" and own_scale != scale:
+            t = t.double() * (own_scale / scale)
         t = t.to(dtype)  # finite as stored is not enough: float32 values can overflow bfloat16
         if not torch.isfinite(t).all():
             raise UserError(
                 f"LoRA adapter {file}: {key} is not finite in {str(dtype).removeprefix('torch.')}, the model's dtype"
             )
         found.setdefault((layer, proj), {})[which] = t
-    for layer in range(config.num_hidden_layers):
-        for proj in sorted(targets):
-            pair = found.get((layer, proj), {})
-            if set(pair) != {"A", "B"}:
-                which = "A" if "A" not in pair else "B"
-                missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{which}.weight"
-                raise UserError(f"LoRA adapter {file}: {missing} is missing (target_modules lists {proj})")
+    for layer, proj in sorted(modules):
+        pair = found.get((layer, proj), {})
+        if set(pair) != {"A", "B"}:
+            which = "A" if "A" not in pair else "B"
+            missing = f"base_model.model.model.layers.{layer}.{_MODULE[proj]}.{proj}.lora_{which}.weight"
+            raise UserError(f"LoRA adapter {file}: {missing} is missing (the config's target_modules name it)")
     return {k: (v["A"].contiguous(), v["B"].contiguous()) for k, v in found.items()}
 
 
@@ -380,13 +485,12 @@ class LoraWeights:
         if not self.a:
             self._allocate()
         self.free(slot)
-        r = adapter.rank
-        for (layer, p), (a, b) in adapter.weights.items():
-            self.a[p][layer, slot, :r] = a.to(self.device)
-            self.b_t[p][layer, slot, :r] = b.T.to(self.device)
-        for p in adapter.targets:
-            self.ranks[p][slot] = r
-            self.rank_of[p][slot] = r
+        for (layer, p), (a, b) in adapter.weights.items():  # a module of a smaller rank: zero rows after
+            self.a[p][layer, slot, : a.shape[0]] = a.to(self.device)
+            self.b_t[p][layer, slot, : a.shape[0]] = b.T.to(self.device)
+        for p in adapter.targets:  # a layer the adapter leaves alone keeps zeros: a delta of exactly 0
+            self.ranks[p][slot] = adapter.rank
+            self.rank_of[p][slot] = adapter.rank
         self.scale[slot] = adapter.scale
         self.scale_of[slot] = adapter.scale
 

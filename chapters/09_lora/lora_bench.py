@@ -3,7 +3,7 @@ and batch 1 against llama.cpp with the same adapter.
 
     python lora_bench.py                      # JSON + plot: bench/results/ch09_lora.json, .png
     python lora_bench.py --repeats 5 --tokens 64
-    python lora_bench.py --no-int8-activations --out ../../bench/results/ch09_lora_float_x
+    python lora_bench.py --no-int8-activations --out float_x   # float_x.json and float_x.png here
 
 Rows (SmolLM2, the Q4_1 GGUF run directly: llama.cpp's weights, bit for bit, as int4 G=32):
 - 16 sequences of the base model, against 16 sequences with 16 different rank-16 adapters on all
@@ -162,7 +162,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="sequences (and adapters) of the batched rows")
     add_int8_activations(ap)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=OUT, help="the figures' path, .json and .png added (default: %(default)s)")
     args = ap.parse_args()
     gguf_model = find_gguf()
     kernels = KernelFlags("auto", False, args.int8_activations)

@@ -19,8 +19,8 @@ weights drain, the name is free to load again.
 
 With `max_cpu` (--max-cpu-loras), at most that many registered adapters keep their weights on the
 host while no sequence uses them: the least recently used beyond it drop theirs, and are read again
-from their folder when a request names them (vLLM's CPU LoRA cache). An adapter's files that changed
-since it was registered are refused then, not read: its uid would otherwise stand for other weights.
+from their folder when a request names them (vLLM's CPU LoRA cache). An adapter whose bytes changed
+since it was registered is refused then, not served: its uid would otherwise stand for other weights.
 
 Each registration gets a new `uid`: the prefix cache keys blocks by it (block_manager.py), so K/V
 computed with one adapter never serve another, nor the same name loaded again from new files.
@@ -59,7 +59,7 @@ class Registration:
 
     name: str
     path: Path
-    stamp: tuple  # its files' sizes and times when it was read (a later read must find the same)
+    digest: str  # of the files' bytes when it was read (a later read must find the same)
     adapter: Adapter | None  # None: its host copy was dropped (read again when a request needs it)
     users: int = 0  # sequences added and not finished, waiting or running
     retired: bool = False  # unloaded or replaced: dropped once no sequence uses it
@@ -114,7 +114,7 @@ class AdapterSlots:
         if name in self.current:
             self._retire(self.current[name])
         uid = next(self._uids)
-        self.loads[uid] = Registration(name, Path(path), _stamp(Path(path)), adapter)
+        self.loads[uid] = Registration(name, Path(path), adapter.digest, adapter)
         self.current[name] = uid
         self._keep_on_host(uid)
 
@@ -239,13 +239,20 @@ class AdapterSlots:
                 self.loads[uid].adapter = None
 
     def _read_again(self, load: Registration) -> Adapter:
-        if _stamp(load.path) != load.stamp:
+        """The registration's adapter from its folder again, if the folder still holds the same bytes
+        (a size and a time would miss a retrained adapter copied with its times: `cp -p`, rsync)."""
+        try:
+            adapter = self._read(load.path)
+        except UserError as e:
+            raise UserError(f"LoRA adapter {load.name!r} cannot be read again ({e}); unload it and load it again") from None
+        if adapter.digest != load.digest:
+            self._forget(adapter)  # (a tensor-parallel engine's other ranks read it too)
             raise UserError(
-                f"LoRA adapter {load.name!r}: its files in {load.path} changed (or went) since it was loaded; "
+                f"LoRA adapter {load.name!r}: its files in {load.path} changed since it was loaded; "
                 "unload it and load it again"
             )
         self.n_reads += 1
-        return self._read(load.path)
+        return adapter
 
     def stats(self) -> dict:
         if not self.n_slots:
@@ -259,12 +266,3 @@ class AdapterSlots:
             "lora_host_copies": len(self.on_host),
             "lora_reads": self.n_reads,
         }
-
-
-def _stamp(path: Path) -> tuple:
-    """The adapter folder's files by size and modification time: what a later read must find again."""
-    try:
-        files = [(f.name, f.stat()) for f in sorted(path.iterdir()) if f.is_file()]
-    except OSError:
-        return ()
-    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in files)

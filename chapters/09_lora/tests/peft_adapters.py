@@ -21,13 +21,18 @@ def hf_base(name: str = "tiny-llama3"):
 
 
 def make_adapter(
-    out: Path, rank: int, targets=EVERY, seed: int = 0, alpha: float = 16, rslora: bool = False, base=None, size=0.05
+    out: Path, rank: int, targets=EVERY, seed: int = 0, alpha: float = 16, rslora: bool = False, base=None, size=0.05,
+    **config,
 ) -> Path:
-    """A PEFT LoRA directory at `out` for the tiny model, with random non-zero A and B."""
+    """A PEFT LoRA directory at `out` for the tiny model, with random non-zero A and B; `targets` a
+    list or a pattern, `config` more of LoraConfig's fields (rank_pattern, layers_to_transform, ...)."""
     import peft
 
     base = base if base is not None else hf_base()
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, use_rslora=rslora)
+    targets = targets if isinstance(targets, str) else list(targets)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora, **config
+    )
     model = peft.get_peft_model(base, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

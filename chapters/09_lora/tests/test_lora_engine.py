@@ -3,6 +3,7 @@ base model in one run, with fewer slots than adapters, equal each request run al
 cache never crosses adapters; speculation gives the greedy tokens it gives off; load and unload
 while requests run."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -210,7 +211,7 @@ def test_slots_swap_least_recently_used_idle_first_and_never_a_running_one():
     from lora_slots import AdapterSlots
 
     writes = []
-    slots = AdapterSlots(2, read=lambda path: SimpleNamespace(path=path), write=lambda s, a: writes.append((s, a and a.path.name)))
+    slots = AdapterSlots(2, read=lambda path: SimpleNamespace(path=path, digest=""), write=lambda s, a: writes.append((s, a and a.path.name)))
     for name in "abc":
         slots.register(name, f"/x/{name}")
     ua, ub, uc = (slots.current[name] for name in "abc")  # a sequence holds its registration's uid
@@ -266,7 +267,7 @@ def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
 
     def read(path):
         reads.append(path.name)
-        return SimpleNamespace(path=path)
+        return SimpleNamespace(path=path, digest=(path / "adapter_config.json").read_text())
 
     with pytest.raises(UserError, match="--max-cpu-loras must be at least --max-loras"):
         AdapterSlots(2, read, lambda s, a: None, max_cpu=1)
@@ -297,19 +298,30 @@ def test_host_copies_beyond_max_cpu_are_dropped_and_read_again(tmp_path):
     assert slots.stats()["lora_reads"] == 2 and slots.stats()["lora_host_copies"] == 1
 
 
-def test_an_engine_that_keeps_two_host_copies_gives_the_same_tokens(engine, paths):
+def test_an_engine_that_keeps_two_host_copies_gives_the_same_tokens(engine, paths, tmp_path):
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     from common.errors import UserError
 
+    copies = {name: Path(shutil.copytree(path, tmp_path / name)) for name, path in paths.items()}
     few, _ = build_engine(
-        "tiny-llama3", "cpu", "float32", lora_modules=paths, max_loras=2, max_cpu_loras=2, num_blocks=256
+        "tiny-llama3", "cpu", "float32", lora_modules=copies, max_loras=2, max_cpu_loras=2, num_blocks=256
     )
     reqs = [request(i, NAMES[i % len(NAMES)]) for i in range(10)]
     got = [o[0].token_ids for o in few.generate(reqs)]
     assert got == [o[0].token_ids for o in engine.generate(reqs)]
     assert few.stats()["lora_reads"] > 0 and few.stats()["lora_host_copies"] <= 2
     # an adapter whose files changed while its host copy was dropped: the request is refused whole
+    # (retrained: the same shapes, so the same size, and copied with its times, as `cp -p` does)
     dropped = next(load.name for load in few.adapters.loads.values() if load.adapter is None)
-    (paths[dropped] / "adapter_config.json").touch()
+    file = copies[dropped] / "adapter_model.safetensors"
+    before = file.stat()
+    save_file({k: -v if "lora_A" in k else v for k, v in load_file(file).items()}, str(file), {"format": "pt"})
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert file.stat().st_size == before.st_size
     with pytest.raises(UserError, match="changed"):
         few.add(request(0, dropped))
     assert not few.requests and not few.has_work()

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,18 +59,39 @@ CASES = {
     "missing config": (dict(remove=["adapter_config.json"]), "no adapter_config.json"),
     "missing weights": (dict(remove=["adapter_model.safetensors"]), "no adapter_model.safetensors"),
     "unknown target": (dict(config={"target_modules": ["q_proj", "lm_head"]}), "unknown target module 'lm_head'"),
-    "target pattern": (dict(config={"target_modules": ".*proj"}), "as a pattern"),
+    "target pattern that is none": (dict(config={"target_modules": "(q_proj"}), "target_modules '(q_proj' is not a regular expression"),
+    "target pattern matching nothing": (dict(config={"target_modules": r"model\.q_proj"}), "adapt none of the decoder layers' projections"),
+    # the pattern names every projection, the file holds three
+    "target pattern beyond the tensors": (dict(config={"target_modules": ".*proj"}), "mlp.gate_proj.lora_A.weight is missing"),
     "rank over limit": (dict(config={"r": 16}), "rank 16 is over --max-lora-rank 8"),
     "dora": (dict(config={"use_dora": True}), "DoRA (use_dora) is not supported"),
-    "bias": (dict(config={"bias": "all"}), "trained biases"),
+    "bias": (dict(tensors=lambda t: t | {A0.replace("lora_A.weight", "bias"): torch.zeros(256)}), "is a trained bias"),
     "modules_to_save": (dict(config={"modules_to_save": ["lm_head"]}), "fully trained modules"),
-    "layers_to_transform": (dict(config={"layers_to_transform": [0, 1]}), "a subset of layers"),
-    "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "per-module ranks"),
+    "layers_to_transform past the model": (dict(config={"layers_to_transform": [0, 9]}), "names layer 9; the base model has 4"),
+    "a layer that layers_to_transform leaves out": (
+        dict(config={"layers_to_transform": [0, 1]}),
+        "which the config's target_modules (and layers_to_transform) do not name",
+    ),
+    "layers_pattern of another model": (
+        dict(config={"layers_to_transform": [0], "layers_pattern": "h"}),
+        "adapt none of the decoder layers' projections",
+    ),
+    "rank_pattern unlike the tensors": (
+        dict(config={"rank_pattern": {"q_proj": 4}}),
+        "(rank 4 from adapter_config.json; q_proj is 256 x 256)",
+    ),
+    "bad rank_pattern": (dict(config={"rank_pattern": {"q_proj": 0}}), "rank_pattern['q_proj'] must be a positive integer"),
+    "rank_pattern over limit": (dict(config={"rank_pattern": {"v_proj": 9}}), "rank 9 is over --max-lora-rank 8"),
+    "alpha_pattern not finite": (dict(config={"alpha_pattern": {"q_proj": float("nan")}}), "alpha_pattern['q_proj'] must be a finite number"),
+    "two adapter names": (
+        dict(tensors=lambda t: {k.replace(".weight", ".x.weight") if "layers.0." in k else k: v for k, v in t.items()}),
+        "belong to more than one adapter (['None', 'x'])",
+    ),
     "not lora": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3' is not LoRA"),
     "bad rank": (dict(config={"r": "eight"}), "r must be a positive integer"),
     "wrong shape": (
         dict(tensors=replaced(A0, torch.zeros(8, 576))),
-        f"{A0} is [8, 576], the base model needs [8, 256]",
+        f"{A0} is [8, 576], the base model needs [8, 256] (rank 8 from adapter_config.json; q_proj is 256 x 256)",
     ),
     "rank unlike the config": (dict(tensors=replaced(A0, torch.zeros(4, 256))), "is [4, 256], the base model needs [8, 256]"),
     "missing tensor": (
@@ -82,7 +104,7 @@ CASES = {
     ),
     "untargeted tensor": (
         dict(tensors=lambda t: t | {A0.replace("q_proj", "k_proj"): t[A0].clone()}),
-        "adapts k_proj, which target_modules does not list",
+        "adapts layer 0's k_proj, which the config's target_modules",
     ),
     "foreign tensor": (dict(tensors=lambda t: t | {"base_model.model.lm_head.weight": torch.zeros(2, 2)}), "is not a LoRA A or B"),
     "not finite": (dict(tensors=replaced(A0, torch.full((8, 256), float("nan")))), "not finite"),
@@ -90,6 +112,7 @@ CASES = {
     "alpha NaN": (dict(config={"lora_alpha": float("nan")}), "lora_alpha must be a finite number, got nan"),
     "alpha infinite": (dict(config={"lora_alpha": float("inf")}), "lora_alpha must be a finite number, got inf"),
     "alpha past float32": (dict(config={"lora_alpha": 1e300}), "lora_alpha 1e+300 overflows float32 as a scale"),
+    "alpha past float64": (dict(config={"lora_alpha": 10**400}), "lora_alpha 1000000000000000000000000000000000000000... (401 characters) overflows"),
     "finite only in float64": (
         dict(tensors=replaced(A0, torch.full((8, 256), 1e300, dtype=torch.float64))),
         f"{A0} is not finite in float32, the model's dtype",
@@ -160,6 +183,10 @@ def test_unreadable_files_are_refused(engine, good, tmp_path):
     (path / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(UserError, match="JSON nested too deeply"):
         engine.adapters.register("bad", path)
+    path = broken(good, tmp_path / "4")  # more digits than Python turns into an int: a ValueError of its own
+    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 1' + "0" * 5000 + "}")
+    with pytest.raises(UserError, match="not valid JSON .*Exceeds the limit"):
+        engine.adapters.register("bad", path)
     with pytest.raises(UserError, match="not a readable directory"):
         engine.adapters.register("bad", "~no-such-user-here/adapter")  # expanduser raises
     with pytest.raises(UserError, match="not a readable directory"):
@@ -204,7 +231,7 @@ def test_a_name_being_unloaded_can_be_loaded_again_at_once(good, tmp_path):
 def test_a_slot_whose_write_fails_stays_free():
     # A failed copy into a slot (out of memory, say) must not cost the slot: with every slot lost,
     # every later request of an adapter would wait for ever.
-    adapters = {"a": object(), "b": object()}
+    adapters = {"a": SimpleNamespace(digest="a"), "b": SimpleNamespace(digest="b")}
     failures = [MemoryError("no memory for the slot")]  # the first copy fails
 
     def write(slot, adapter):

@@ -100,6 +100,56 @@ def test_base_rows_of_a_mixed_step_are_the_base_models_bit_for_bit(engine):
     assert len(alone) == N_NEW
 
 
+# PEFT configs beyond a list of projections, each made by peft itself: per-module ranks and alphas,
+# a subset of layers, target_modules as a pattern (here over layers too), keys that kept the adapter's
+# name (a save of the whole state dict), target_modules left to PEFT's default for a Llama (q, v).
+CONFIGS = {
+    "rank and alpha patterns": dict(rank=8, seed=4, rank_pattern={"q_proj": 4, "down_proj": 12}, alpha_pattern={"v_proj": 3}),
+    "layers 1 and 3": dict(rank=8, targets=["q_proj", "v_proj", "gate_proj"], seed=5, layers_to_transform=[1, 3]),
+    "pattern": dict(rank=6, targets=r"model\.layers\.[02]\.(self_attn\.o|mlp\.up)_proj", seed=6),
+    "named keys": dict(rank=8, targets=["k_proj", "down_proj"], seed=7),
+    "default targets": dict(rank=8, targets=["q_proj", "v_proj"], seed=8),
+}
+
+
+def named_keys(path):
+    from safetensors.torch import load_file, save_file
+
+    file = str(path / "adapter_model.safetensors")
+    save_file({k.replace(".weight", ".default.weight"): v for k, v in load_file(file).items()}, file)
+
+
+def default_targets(path):
+    import json
+
+    settings = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(settings | {"target_modules": None}))
+
+
+def test_peft_configs_beyond_a_list_of_projections_equal_peft(tmp_path):
+    base = hf_base()
+    paths = {name: make_adapter(tmp_path / name.replace(" ", "-"), base=base, **spec) for name, spec in CONFIGS.items()}
+    named_keys(paths["named keys"])
+    default_targets(paths["default targets"])
+    eng, _ = build_engine("tiny-llama3", "cpu", "float32", num_blocks=64, max_loras=len(paths))
+    for name, path in paths.items():
+        eng.adapters.register(name, path)
+    outs = eng.generate([greedy(name) for name in paths])
+    for (name, path), out in zip(paths.items(), outs):
+        model = hf_with_adapter(path)
+        assert out[0].token_ids == hf_greedy(model, PROMPT, N_NEW), name
+        slot = eng.adapters.acquire(eng.adapters.current[name])
+        try:
+            ours = {}
+            with torch.inference_mode():
+                ours["logits"] = forward_sequence(eng.model, PROMPT, ours, lora_slot=slot).float().numpy()
+        finally:
+            eng.adapters.release(slot)
+        assert_parity(ours, hf_capture(model, PROMPT), atol=1e-4, min_top1=1.0)
+    plain = eng.generate([greedy(None)])[0][0].token_ids
+    assert all(out[0].token_ids != plain for out in outs)  # every adapter changes the answer
+
+
 def int4_dequantized_hf(spec: QuantSpec):
     """The HF tiny model whose seven projections hold what our int4 codes dequantize to."""
     base = hf_base()
