@@ -52,6 +52,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535 (bind() refused more with a traceback)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, got {value}")
+    return value
+
+
 def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         return tokenizer.encode_chat([{"role": "user", "content": prompt}])

@@ -6,6 +6,8 @@ It is a ValueError, so code that catches ValueError around a call (a server vali
 request, argparse calling a type function) still catches it.
 """
 
+import math
+
 
 class UserError(ValueError):
     """Bad input, with a message that says what was wrong and what to do instead."""
@@ -15,3 +17,15 @@ class RunError(RuntimeError):
     """A run that cannot go on, for a reason its message says whole (a rank of a tensor-parallel
     group was lost): entry points print it as `error: ...` and exit 1, without a traceback, as a
     failure of the run rather than of the user's input (exit 2)."""
+
+
+def check_logits(logits) -> None:
+    """RunError where a step's logits (a torch tensor or a NumPy array) hold NaN or +inf: an
+    argmax still picks a token there (NaN's place, or the first), and greedy decoding would go on
+    printing tokens the model never chose. The max of all of them is not finite exactly then."""
+    top = float(logits.max())
+    if not math.isfinite(top):
+        raise RunError(
+            "the model's logits are not finite (NaN or inf): its activations overflow (in float16? try "
+            "--dtype bfloat16 or float32), or its weights hold such values"
+        )

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import base_parser, check_prompt, prompt_ids, run_main
+from common.errors import check_logits
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from model import Model, forward, load_model
@@ -35,6 +36,7 @@ def generate(model: Model, prompt: list[int], max_new_tokens: int, step_times: l
             return
         t0 = time.perf_counter()
         logits = forward(model, tokens, last_only=True)  # [1, vocab]
+        check_logits(logits)
         next_id = int(np.argmax(logits[0]))
         if step_times is not None:
             step_times.append(time.perf_counter() - t0)

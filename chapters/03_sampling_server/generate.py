@@ -16,7 +16,7 @@ import torch
 
 from common.cli import DEFAULT_PROMPT, base_parser, check_prompt, positive_int, prompt_ids, run_main
 from common.device import pick_device, pick_dtype, synchronize
-from common.errors import UserError
+from common.errors import UserError, check_logits
 from common.models import resolve_model
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
@@ -52,6 +52,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
     for i in range(max_new_tokens):
         if cache.length >= max_seq:  # the next token would sit past the context, as in chapter 01
             return
+        check_logits(logits)
         next_ids = logits[:, -1].argmax(-1)  # [batch]
         step = []
         for b, token in enumerate(next_ids.tolist()):

@@ -17,7 +17,7 @@ import torch
 
 from common.cli import DEFAULT_PROMPT, base_parser, check_prompt, positive_int, prompt_ids, run_main
 from common.device import synchronize
-from common.errors import UserError
+from common.errors import UserError, check_logits
 from common.tokenizer import Tokenizer
 from kv_cache import KVCache
 from loading import add_quant_args, load, quant_spec
@@ -53,6 +53,7 @@ def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, max_se
     for i in range(max_new_tokens):
         if cache.length >= max_seq:  # the next token would sit past the context, as in chapter 01
             return
+        check_logits(logits)
         next_ids = logits[:, -1].argmax(-1)  # [batch]
         step = []
         for b, token in enumerate(next_ids.tolist()):

@@ -17,7 +17,7 @@ import torch
 
 from common.cli import DEFAULT_PROMPT, base_parser, check_prompt, positive_int, prompt_ids, run_main
 from common.device import synchronize
-from common.errors import UserError
+from common.errors import UserError, check_logits
 from common.tokenizer import Tokenizer
 from batch import Work, build_step
 from loading import add_quant_args, load, quant_spec
@@ -54,28 +54,24 @@ def generate(
 
     work = [Work(list(p), 0, tables[b]) for b, p in enumerate(prompts)]
     logits = forward(model, build_step(work, block_size, device), cache)  # prefill: [batch, vocab]
-    lengths = [len(p) for p in prompts]
-    finished = [False] * len(prompts)
+    lengths = [len(p) for p in prompts]  # tokens in each sequence's blocks
+    rows = list(range(len(prompts)))  # the prompt of each row of logits
     for i in range(max_new_tokens):
-        if max(lengths) >= max_seq:  # the next token would sit past the context, as in chapter 01
-            return
-        next_ids = logits.argmax(-1).tolist()  # [live sequences]
-        step, live = [], iter(next_ids)
-        for b in range(len(prompts)):
-            if finished[b]:
-                step.append(None)
-                continue
-            token = next(live)
-            finished[b] = token in config.eos_token_ids
-            step.append(None if finished[b] else token)
-        if all(finished):
+        check_logits(logits)
+        step = [None] * len(prompts)
+        for b, token in zip(rows, logits.argmax(-1).tolist()):  # [live sequences]
+            step[b] = None if token in config.eos_token_ids else token
+        if all(t is None for t in step):
             return
         yield step
-        if i + 1 == max_new_tokens:
+        # Each one goes on unless its next token would sit past the context, as in chapter 01 (a
+        # long prompt's end is not the others': they have blocks of their own).
+        rows = [b for b, t in enumerate(step) if t is not None and lengths[b] + 1 < max_seq]
+        if i + 1 == max_new_tokens or not rows:
             return
-        work = [Work([t], lengths[b], tables[b]) for b, t in enumerate(step) if t is not None]
-        for b, t in enumerate(step):
-            lengths[b] += t is not None
+        work = [Work([step[b]], lengths[b], tables[b]) for b in rows]
+        for b in rows:
+            lengths[b] += 1
         logits = forward(model, build_step(work, block_size, device), cache)  # decode: [live, vocab]
 
 

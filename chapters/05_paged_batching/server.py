@@ -42,7 +42,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from common.cli import positive_float
+from common.cli import port_number, positive_float, positive_int
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
@@ -612,7 +612,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=port_number, default=8000)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: --model)")
@@ -627,37 +627,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     limits.add_argument(
         "--max-body-mb",
-        type=float,
+        type=positive_float,
         default=None,
         help="request body size limit, over it a 413 (default: 32 bytes per token of context + 64 KiB)",
     )
     limits.add_argument(
         "--limit-concurrency",
-        type=int,
+        type=positive_int,
         default=128,
         help="requests in progress (/health aside); more get a 503 (default: %(default)s)",
     )
     limits.add_argument(
         "--max-connections",
-        type=int,
+        type=positive_int,
         default=1024,
         help="open connections; when full, the longest idle one is closed for a new one (default: %(default)s)",
     )
     limits.add_argument(
         "--max-connections-per-client",
-        type=int,
+        type=positive_int,
         default=64,
         help="open connections from one client address; more get a 503 (default: %(default)s)",
     )
     limits.add_argument(
         "--timeout-headers",
-        type=float,
+        type=positive_float,
         default=10.0,
         help="seconds for a request's headers to arrive (default: %(default)s)",
     )
     limits.add_argument(
         "--timeout-body",
-        type=float,
+        type=positive_float,
         default=BODY_TIMEOUT_S,
         help="seconds for a request's body to arrive, over it a 408 (default: %(default)s)",
     )

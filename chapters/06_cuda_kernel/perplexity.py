@@ -37,7 +37,7 @@ import torch
 from common.cli import run_main
 from common.config import load_config
 from common.device import pick_device, synchronize
-from common.errors import UserError
+from common.errors import UserError, check_logits
 from common.models import DEFAULT_MODEL
 from common.tokenizer import Tokenizer
 from loading import add_quant_args, load, quant_spec, resolve
@@ -151,6 +151,7 @@ def score(
     t0 = time.perf_counter()
     for i, w in enumerate(plan):
         logits = logits_of(tokens[None, w.start : w.end])[0]  # [n, vocab]
+        check_logits(logits)  # a NaN would make the perplexity nan, printed as a result
         # Row p - start - 1 predicts token p. Log-softmax in float32: in bf16 the log of a
         # probability near 1 rounds to 0 and the sum over 50k exponentials loses digits.
         rows = logits[w.first - w.start - 1 : w.end - w.start - 1].float().log_softmax(-1)
@@ -160,7 +161,10 @@ def score(
         if progress:
             progress(i + 1, len(plan))
     synchronize(device)
-    return Result(math.exp(nll_sum / n_scored), nll_sum, n_scored, time.perf_counter() - t0)
+    mean = nll_sum / n_scored
+    # finite logits far apart can give a mean NLL whose exp is past float64 (math.exp raises)
+    ppl = math.exp(mean) if mean < math.log(sys.float_info.max) else math.inf
+    return Result(ppl, nll_sum, n_scored, time.perf_counter() - t0)
 
 
 def perplexity(model, ids: list[int], context: int, stride: int, progress=None) -> Result:
@@ -218,7 +222,11 @@ def main(argv=None) -> int:
         ids = ids[: args.max_tokens]
     # Argument errors before the (slower) model load:
     n_windows = len(window_plan(len(ids), args.context, args.stride))
-    check_context(args.context, load_config(model_dir).max_position_embeddings)
+    config = load_config(model_dir)
+    check_context(args.context, config.max_position_embeddings)
+    outside = sorted({t for t in ids if not 0 <= t < config.vocab_size})
+    if outside:  # a tokenizer larger than the model's vocabulary: an IndexError in the embedding
+        raise UserError(f"token ids {outside[:5]} of the text are outside the model's vocabulary (0..{config.vocab_size - 1})")
     if args.hf:
         if spec_of(model_dir) is not None or args.quant:
             raise UserError("--hf scores a plain checkpoint in float32; it takes no quantized model")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.errors import UserError
+from common.errors import RunError, UserError
 
 # Below this temperature sampling is argmax in all but name (a logit gap of 1e-3 becomes e^100),
 # while logits / temperature heads for overflow: such rows are decoded greedily, as vLLM does.
@@ -69,8 +69,9 @@ class SamplingError(UserError):
         self.param = param
 
 
-class NoTokenError(RuntimeError):
-    """A row of logits where every token is impossible (all -inf or NaN): nothing to sample."""
+class NoTokenError(RunError):
+    """A row of logits where every token is impossible (all -inf or NaN): nothing to sample. (A
+    RunError: a script ends on it with one line, not a traceback; a server fails the request alone.)"""
 
 
 @dataclass

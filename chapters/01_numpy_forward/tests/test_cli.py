@@ -87,3 +87,17 @@ def test_bench_refuses_what_it_cannot_time(flags, message):
     # --lengths 0: an IndexError; --repeats 0: "Infinity" ms per token in the JSON
     r = run(str(CHAPTER / "bench.py"), "--model", "tiny-llama3", *flags)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_logits_that_are_not_finite_end_the_run_instead_of_printing_a_token():
+    # An overflow (weights that hold inf) made every logit NaN, and argmax answered token 0 each
+    # step: an empty reply (token 0 is special), exit status 0.
+    from common.errors import RunError
+    from common.models import resolve_model
+    from generate import generate
+    from model import load_model
+
+    model = load_model(resolve_model("tiny-llama3"))
+    model.norm[:] = float("nan")
+    with pytest.raises(RunError, match="logits are not finite"):
+        list(generate(model, [300, 301, 302], 4))

@@ -130,3 +130,20 @@ def test_generation_stops_where_the_context_ends():
     prompt = list(range(300, 312))  # 12 tokens: room for 4
     assert len(generate_all(model, [prompt], 20)[0]) == 4
     assert len(generate_all(model, [prompt, prompt[:9]], 20)[0]) == 4
+
+
+def test_logits_that_are_not_finite_end_the_run_instead_of_printing_a_token():
+    # An overflow (float16 activations, or weights that hold inf) made every logit NaN, and argmax
+    # answered token 0 each step: an empty reply (token 0 is special), exit status 0.
+    import torch
+
+    from common.errors import RunError
+    from common.models import resolve_model
+    from generate import generate_all
+    from model import load_model
+
+    model = load_model(resolve_model("tiny-llama3"))
+    with torch.no_grad():
+        model.norm.fill_(float("nan"))
+    with pytest.raises(RunError, match="logits are not finite"):
+        generate_all(model, [[300, 301, 302]], 4)

@@ -468,3 +468,16 @@ def test_from_generation_config():
     assert SamplingParams.from_generation_config({"do_sample": False, "temperature": 0.6}).temperature == 0.0
     # Absent or null keys keep our defaults.
     assert SamplingParams.from_generation_config({"bos_token_id": 1, "top_k": None}) == SamplingParams()
+
+
+def test_a_row_with_no_token_to_sample_ends_a_script_in_one_line(capsys):
+    # cli.py on a model whose logits went NaN printed a traceback of NoTokenError
+    from common.cli import run_main
+    from sampling import NoTokenError
+
+    def main():
+        raise NoTokenError("no token can be sampled")
+
+    with pytest.raises(SystemExit) as e:
+        run_main(main)
+    assert e.value.code == 1 and capsys.readouterr().err == "error: no token can be sampled\n"

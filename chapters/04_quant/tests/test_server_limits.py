@@ -385,3 +385,24 @@ def test_health_says_stopping_with_a_503_once_a_shutdown_begins(tiny_engine):
         r = client.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "stopping", "model": MODEL}
         assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
+
+
+# Flags that started a server refusing every request (a concurrency limit of 0: a 503 for each while
+# /health said ok; a negative body limit: a 413 for each), or failed after the model loaded with a
+# traceback (a port past 65535, a limit of nan): refused by argparse, before anything loads.
+BAD_FLAGS = [
+    ("--port", "99999", "must be a port number, 0 to 65535, got 99999"),
+    ("--max-body-mb", "nan", "must be a finite number above 0, got nan"),
+    ("--max-body-mb", "-1", "must be a finite number above 0, got -1"),
+    ("--limit-concurrency", "0", "must be at least 1, got 0"),
+    ("--max-connections", "0", "must be at least 1, got 0"),
+    ("--timeout-body", "-1", "must be a finite number above 0, got -1"),
+    ("--timeout-headers", "0", "must be a finite number above 0, got 0"),
+    ("--memory-budget-gb", "inf", "must be a finite number above 0, got inf"),
+]
+
+
+@pytest.mark.parametrize("flag, value, message", BAD_FLAGS, ids=lambda x: str(x)[:20])
+def test_a_limit_that_refuses_every_request_is_refused_at_startup(flag, value, message):
+    r = run_python(["server.py", "--model", MODEL, flag, value], cwd=CHAPTER, timeout=120)
+    assert r.returncode == 2 and f"argument {flag}: {message}" in r.stderr and "Traceback" not in r.stderr, r.stderr

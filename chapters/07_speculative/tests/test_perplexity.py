@@ -274,3 +274,36 @@ def test_cli_bad_arguments_exit_2(tmp_path):
     r = run("--model", "tiny-llama3", "--text", str(text))
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr == "error: the text has 1 token(s); perplexity needs at least 2\n"
+
+
+def test_logits_that_are_not_finite_end_the_run_and_a_perplexity_past_float64_is_inf():
+    import perplexity as ppl
+
+    from common.errors import RunError
+
+    ids = list(range(300, 340))
+    nan = lambda window: torch.full((1, window.shape[1], 512), float("nan"))  # noqa: E731
+    with pytest.raises(RunError, match="logits are not finite"):  # it printed "perplexity nan"
+        ppl.score(nan, ids, 16, 8, torch.device("cpu"))
+
+    def spread(window):  # finite, but every target's log-probability about -1e30: exp() overflowed
+        logits = torch.zeros(1, window.shape[1], 512)
+        logits[..., 0] = 1e30
+        return logits
+
+    assert ppl.score(spread, ids, 16, 8, torch.device("cpu")).ppl == math.inf
+
+
+def test_text_outside_the_models_vocabulary_is_a_clear_error(monkeypatch, tmp_path):
+    # a tokenizer larger than the model's vocabulary: an IndexError in the embedding, as a traceback
+    import perplexity as ppl
+
+    from common.config import load_config
+    from common.errors import UserError
+
+    small = lambda model_dir: dataclasses.replace(load_config(model_dir), vocab_size=100)  # noqa: E731
+    monkeypatch.setattr(ppl, "load_config", small)
+    text = tmp_path / "text.txt"
+    text.write_text("The sea is calm tonight, and the tide is full.")
+    with pytest.raises(UserError, match=r"token ids \[.*\] of the text are outside the model's vocabulary \(0..99\)"):
+        main(["--model", "tiny-llama3", "--text", str(text)])
