@@ -191,7 +191,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
     if model_type is None and set(map(str, archs)) & set(SUPPORTED_ARCHITECTURES):
         model_type = "llama"  # transformers reads such a config by its architectures: so do we
     if model_type != "llama" or (archs and not set(map(str, archs)) & set(SUPPORTED_ARCHITECTURES)):
-        shown = ", ".join(map(str, archs)) or f"model_type={model_type!r}"
+        parts = [f"model_type {model_type!r}"] if model_type != "llama" else []  # the field at fault first
+        shown = ", ".join(parts + [f"architectures {', '.join(map(str, archs))}"] * bool(archs))
         raise ConfigError(
             f"{source}: unsupported architecture {shown}; this engine runs Llama-architecture models "
             f"(model_type 'llama', {', '.join(SUPPORTED_ARCHITECTURES)})"

@@ -24,6 +24,7 @@ The GGUF's metadata gives config.json, and transformers converts its tokenizer.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from common.checkpoint import CheckpointError
+from common.config import config_from_dict
 from quant import Int4Weight, Int8Weight, QuantSpec, pack_int4, quantize_int8
 from weights import save_quantized
 
@@ -105,6 +107,40 @@ def _size(reader, path: Path, key: str) -> int:
     return value
 
 
+def _positive(reader, path: Path, key: str, default=None) -> float:
+    """A metadata entry that is a positive number (llama.cpp requires the RMS epsilon: without it
+    the config said NaN, and the error named a config.json the user never wrote)."""
+    value = _field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{path}: metadata {key} is {value!r}; a Llama GGUF gives a positive number")
+    return float(value)
+
+
+def _token_id(reader, path: Path, key: str, vocab_size: int) -> int | None:
+    value = _field(reader, key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
+        raise CheckpointError(f"{path}: metadata {key} is {value!r}, outside its vocabulary of {vocab_size} tokens")
+    return value
+
+
+def expected_shapes(config: dict) -> dict[str, list[int]]:
+    """Every tensor of a Llama checkpoint with `config`'s sizes: name -> [rows, inputs] (or [n])."""
+    hidden, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": [config["vocab_size"], hidden], "model.norm.weight": [hidden]}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = [config["vocab_size"], hidden]
+    layer = {
+        "input_layernorm": [hidden], "post_attention_layernorm": [hidden],
+        "self_attn.q_proj": [q, hidden], "self_attn.k_proj": [kv, hidden], "self_attn.v_proj": [kv, hidden],
+        "self_attn.o_proj": [hidden, q],
+        "mlp.gate_proj": [inter, hidden], "mlp.up_proj": [inter, hidden], "mlp.down_proj": [hidden, inter],
+    }  # fmt: skip
+    for i in range(config["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()}
+    return shapes
+
+
 def _check_layout(reader, path: Path) -> None:
     """Each tensor's bytes start on the file's alignment and overlap no other's: the reader takes
     the offsets as written, so a shifted one would read its neighbour's bytes as its own."""
@@ -149,6 +185,9 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
     if embedding is None or int(embedding.shape[0]) != hidden:
         width = None if embedding is None else int(embedding.shape[0])
         raise CheckpointError(f"{path}: token_embd.weight has rows of {width}, llama.embedding_length says {hidden}")
+    rope_key = "llama.rope.dimension_count"  # absent: the hidden size over the heads
+    head_dim = _size(reader, path, rope_key) if rope_key in reader.fields else hidden // heads
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -157,19 +196,33 @@ def read_gguf(path: str | Path) -> tuple[dict, dict]:
         "num_hidden_layers": _size(reader, path, "llama.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": _field(reader, "llama.rope.dimension_count", hidden // heads),
-        "rms_norm_eps": float(np.float32(_field(reader, "llama.attention.layer_norm_rms_epsilon"))),
-        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, "llama.context_length"),
-        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(np.float32(_positive(reader, path, "llama.attention.layer_norm_rms_epsilon"))),
+        "rope_theta": _positive(reader, path, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": _size(reader, path, "llama.context_length"),
+        "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _token_id(reader, path, "tokenizer.ggml.bos_token_id", vocab),
+        "eos_token_id": _token_id(reader, path, "tokenizer.ggml.eos_token_id", vocab),
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
     }
     if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
         raise CheckpointError(f"{path}: RoPE scaling in GGUF metadata is not supported by this loader")
+    config_from_dict(config, f"{path} (the config its metadata gives)")  # the checks of any config.json
+    # Each tensor against the sizes the metadata gives, before any is read: a wrong head count or
+    # feed_forward_length failed in a reshape, or as hundreds of shape errors after the conversion.
+    want = expected_shapes(config)
+    for t in reader.tensors:
+        name, shape = hf_name(t.name), [int(x) for x in reversed(t.shape)]
+        if name not in want:
+            raise CheckpointError(f"{path}: tensor {t.name} is past the {config['num_hidden_layers']} layers of llama.block_count")
+        if shape != want[name]:
+            raise CheckpointError(
+                f"{path}: tensor {t.name} is {shape}, its metadata's sizes make it {want[name]} (embedding_length "
+                f"{hidden}, feed_forward_length {config['intermediate_size']}, head_count {heads} and head_count_kv "
+                f"{kv_heads} of {head_dim} dimensions, {vocab} tokens)"
+            )
 
     weights = {}
     for t in reader.tensors:

@@ -56,8 +56,11 @@ def test_non_llama_architecture_is_rejected_by_name(tmp_path):
     raw = json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
     raw |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="unsupported architecture MistralForCausalLM"):
+    with pytest.raises(ConfigError, match="unsupported architecture model_type 'mistral', architectures MistralForCausalLM"):
         load_config(tmp_path)
+    # a Qwen2 config with a Llama class name: the model_type is what is wrong, and it is named
+    with pytest.raises(ConfigError, match="unsupported architecture model_type 'qwen2', architectures LlamaForCausalLM"):
+        config_from_dict(raw | {"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]})
 
 
 def test_a_config_without_model_type_is_read_by_its_architectures():
@@ -65,9 +68,9 @@ def test_a_config_without_model_type_is_read_by_its_architectures():
     raw = json.loads((resolve_model("smollm2-135m") / "config.json").read_text())
     del raw["model_type"]
     assert config_from_dict(raw).num_hidden_layers == 30
-    with pytest.raises(ConfigError, match="unsupported architecture MistralForCausalLM"):
+    with pytest.raises(ConfigError, match="unsupported architecture model_type None, architectures MistralForCausalLM"):
         config_from_dict(raw | {"architectures": ["MistralForCausalLM"]})
-    with pytest.raises(ConfigError, match="unsupported architecture model_type=None"):
+    with pytest.raises(ConfigError, match="unsupported architecture model_type None;"):
         config_from_dict({k: v for k, v in raw.items() if k != "architectures"})
 
 

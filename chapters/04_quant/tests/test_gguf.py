@@ -179,9 +179,10 @@ def test_quantize_from_gguf_writes_a_loadable_directory(tmp_path):
     assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], Int4Weight)
 
 
-def tiny_gguf(path: Path, drop: str = "", **values) -> Path:
+def tiny_gguf(path: Path, drop: str = "", tensors: dict | None = None, **values) -> Path:
     """A small GGUF of a Llama's metadata and two F32 tensors (enough for the checks that come
-    before any weight is read): `values` replace metadata entries, `drop` leaves one out."""
+    before any weight is read): `values` replace metadata entries, `drop` leaves one out, `tensors`
+    adds F32 ones (numpy's [rows, inputs] order)."""
     import gguf
 
     meta = {
@@ -196,11 +197,14 @@ def tiny_gguf(path: Path, drop: str = "", **values) -> Path:
     for key, value in meta.items():
         if key != drop:
             writer.add_uint32(key, value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    if drop != "llama.attention.layer_norm_rms_epsilon":
+        writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     if drop != "tokenizer.ggml.tokens":
         writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(32)])
     writer.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))  # [vocab, hidden]
     writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    for name, value in (tensors or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -233,11 +237,34 @@ def cut_short(path: Path, keep: int) -> None:
         (lambda p: tiny_gguf(p, drop="tokenizer.ggml.tokens"), r"no tokenizer in its metadata"),
         (lambda p: tiny_gguf(p, **{"llama.embedding_length": 32}), "rows of 64, llama.embedding_length says 32"),
         (lambda p: shift_offset(tiny_gguf(p), "output_norm.weight", -4), "misaligned or overlaps"),
+        (
+            lambda p: tiny_gguf(p, drop="llama.attention.layer_norm_rms_epsilon"),
+            "llama.attention.layer_norm_rms_epsilon is None; a Llama GGUF gives a positive number",
+        ),
+        (lambda p: tiny_gguf(p, drop="llama.context_length"), "llama.context_length is None"),
+        (
+            lambda p: tiny_gguf(p, **{"tokenizer.ggml.eos_token_id": 99}),
+            "tokenizer.ggml.eos_token_id is 99, outside its vocabulary of 32 tokens",
+        ),
+        (
+            lambda p: tiny_gguf(p, tensors={"blk.0.ffn_down.weight": np.zeros((64, 100), dtype=np.float32)}),
+            r"blk.0.ffn_down.weight is \[64, 100\], its metadata's sizes make it \[64, 128\] \(embedding_length 64, feed_forward_length 128",
+        ),
+        (
+            lambda p: tiny_gguf(p, tensors={"blk.0.attn_k.weight": np.zeros((64, 64), dtype=np.float32)}),
+            r"blk.0.attn_k.weight is \[64, 64\], its metadata's sizes make it \[32, 64\]",
+        ),
+        (
+            lambda p: tiny_gguf(p, tensors={"blk.3.attn_norm.weight": np.ones(64, dtype=np.float32)}),
+            "blk.3.attn_norm.weight is past the 1 layers of llama.block_count",
+        ),
         (lambda p: cut_short(tiny_gguf(p), 100), r"\(\d+ bytes\): cut short \(an interrupted download\?\)"),
         (lambda p: cut_short(tiny_gguf(p), -16), r"\(\d+ bytes\): cut short"),
     ],
     ids=[
         "no head count", "head count 0", "no tokenizer", "embedding width", "overlapping tensors",
+        "no epsilon", "no context length", "eos past the vocabulary", "feed-forward width", "kv heads",
+        "layer past the blocks",
         "cut in the header", "cut in a tensor",
     ],  # fmt: skip
 )
