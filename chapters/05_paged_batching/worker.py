@@ -161,6 +161,8 @@ class Worker:
                 deliveries.setdefault(job.loop, []).append((job, events, done))
                 if done:
                     del self._jobs[rid]
+            # Before the deliveries: a client that reads /health as its reply ends sees the step that ended it.
+            self.stats = self.engine.stats()
             # One wake-up of the event loop per step, not one per request: with 32 streams, 32
             # cross-thread calls per step would each write to the loop's wake-up pipe.
             for loop, batch in deliveries.items():
@@ -169,4 +171,3 @@ class Worker:
                 except RuntimeError:  # the loop is closed (the server is shutting down): nobody waits
                     for job, _, _ in batch:
                         job.cancelled.set()
-            self.stats = self.engine.stats()

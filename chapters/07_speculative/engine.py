@@ -264,6 +264,9 @@ class Engine:
         for seq, tokens, logprobs in new_tokens:
             state = self.requests[seq.request_id]
             event = append_tokens(seq, tokens, logprobs, state.stop_ids, state.request.min_tokens)
+            # A stop inside a run of kept guesses (the guesses, then the target's token): the guesses
+            # after it were never given, so they do not count as kept (a kept guess is a token gained).
+            self.speculator.stats.drop(len(tokens) - 1 - len(event.token_ids))
             if event.finish_reason is not None:
                 self.scheduler.finish(seq)
                 state.n_finished += 1

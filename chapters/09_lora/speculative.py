@@ -136,12 +136,16 @@ class SpeculationStats:
 
     verifies: int = 0  # (sequence, step) pairs that ran a draft
     drafted: int = 0  # draft tokens run
-    accepted: int = 0  # ... and kept
+    accepted: int = 0  # ... and kept, up to where the reply stopped
 
     def count(self, drafted: int, accepted: int) -> None:
         self.verifies += 1
         self.drafted += drafted
         self.accepted += accepted
+
+    def drop(self, n: int) -> None:
+        """n of the kept guesses came after a stop (EOS, a stop token or string): never given."""
+        self.accepted -= max(0, n)
 
     def report(self) -> dict:
         return {

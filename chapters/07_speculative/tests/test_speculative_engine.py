@@ -190,6 +190,23 @@ def test_rejected_drafts_hold_no_blocks_and_are_never_cached(small):
     assert lookup <= n_real
 
 
+def test_kept_guesses_after_a_stop_are_not_counted_as_kept(small):
+    # A run of right guesses that a stop token cuts: the guesses after it were counted as kept
+    # ("drafts kept 6/6" for a reply of 2 tokens), though no client ever saw them.
+    prompt = small.tokenizer.encode_chat([{"role": "user", "content": "Count from one to ten."}])
+    plain = small.generate([Request(prompt, GREEDY, max_tokens=16, ignore_eos=True)])[0][0].token_ids
+    stop = plain[2]
+    assert stop not in plain[:2]
+    engine = Engine(
+        small.model, small.tokenizer, {}, num_blocks=64, block_size=4, proposer=Oracle([prompt + plain]), num_speculative_tokens=5
+    )
+    out = engine.generate([Request(prompt, GREEDY, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])])[0][0]
+    assert out.token_ids == plain[:3] and out.finish_reason == "stop"
+    stats = engine.speculator.stats
+    # the prompt's step gave plain[0]; one verify of 5 right guesses gave plain[1] and the stop
+    assert (stats.verifies, stats.drafted, stats.accepted) == (1, 5, 2)
+
+
 def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
     blocks = BlockManager(num_blocks=8, block_size=4)
     table = []

@@ -137,6 +137,35 @@ def test_health_reports_the_engine(server):
     assert h["kv_blocks_used"] + h["kv_blocks_free"] == h["kv_blocks_total"] > 0
 
 
+def test_health_counts_a_finished_reply_as_soon_as_the_client_has_it():
+    # /health's figures were refreshed after the step's replies went out: a client reading it as its
+    # reply ended could still see its request running (and, with speculation, its last drafts
+    # uncounted). A slow stats() makes the old order lose that race every time.
+    import asyncio as aio
+    import time
+
+    from common.models import resolve_model
+    from common.tokenizer import Tokenizer
+    from engine import Engine, Request
+    from model import load_model
+    from sampling import SamplingParams
+    from worker import Worker
+
+    d = resolve_model(MODEL)
+    engine = Engine(load_model(d), Tokenizer(d), {}, num_blocks=64)
+    real_stats = engine.stats
+    engine.stats = lambda: (time.sleep(0.2), real_stats())[1]
+
+    async def run():
+        job = worker.submit(Request([5, 6, 7], SamplingParams(temperature=0), max_tokens=2, ignore_eos=True))
+        while await job.next_events() is not None:
+            pass
+        return dict(worker.stats)
+
+    worker = Worker(lambda: engine)
+    seen = aio.run(run())
+    assert (seen["running"], seen["waiting"]) == (0, 0), seen
+
 def test_health_counts_a_request_while_its_first_step_runs(tmp_path):
     """The engine loop refreshes /health's figures when it takes requests in, not only after the step."""
     import asyncio as aio
