@@ -67,18 +67,22 @@ def _stop(value):
 
 
 # A plain decimal token id: int() would also read "1_000", " 5", "+5" and "١" (Arabic-Indic one).
-_TOKEN_ID = re.compile(r"[0-9]+")
+_TOKEN_ID = re.compile(r"[0-9]{1,12}")  # more digits than any vocabulary needs (int() refuses 4,300)
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    for key in bias:
+    out: dict[int, float] = {}
+    for key, value in bias.items():
         if not _TOKEN_ID.fullmatch(key):
             raise PydanticCustomError(
                 "logit_bias_key",
                 'keys must be token ids written as decimal digits, like "1234"; got {key}',
-                {"key": repr(key)},
+                {"key": repr(key) if len(key) <= 40 else f"{key[:20]!r}... ({len(key)} characters)"},
             )
-    return {int(key): value for key, value in bias.items()}
+        if int(key) in out:  # "1" and "0001": one token, two biases, and one of them silently lost
+            raise PydanticCustomError("logit_bias_key", "token id {id} is given twice", {"id": int(key)})
+        out[int(key)] = value
+    return out
 
 
 class _Common(_Strict):

@@ -147,10 +147,16 @@ def test_json_integers_are_numbers_too():
     assert sampling_params(body, SamplingParams(), None).logit_bias == {5: -100.0}
 
 
-@pytest.mark.parametrize("key", ["1_000", " 5", "5 ", "+5", "-1", "5.0", "0x10", "\u0661", "", "1e3"])
+@pytest.mark.parametrize("key", ["1_000", " 5", "5 ", "+5", "-1", "5.0", "0x10", "\u0661", "", "1e3", "1" * 5000])
 def test_logit_bias_keys_are_plain_decimal_token_ids(key):
     error = rejected(ChatRequest, {"messages": HI, "logit_bias": {key: 1}})
-    assert error["loc"] == ("logit_bias",) and "token id" in error["msg"]
+    assert error["loc"] == ("logit_bias",) and "token id" in error["msg"] and len(error["msg"]) < 200
+    assert "set_int_max_str_digits" not in error["msg"]  # Python's own words about 4,300 digits
+
+
+def test_a_token_id_given_twice_in_logit_bias_is_refused():
+    error = rejected(ChatRequest, {"messages": HI, "logit_bias": {"1": 5, "0001": -5}})
+    assert error["loc"] == ("logit_bias",) and "token id 1 is given twice" in error["msg"]
 
 
 def test_logit_bias_keys_read_as_token_ids(tokenizer):
