@@ -85,12 +85,19 @@ def chat_loop(engine: Engine, args) -> None:
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
     print("chat with the model: /reset to forget, /quit to leave", file=sys.stderr)
+    # A line of bytes that are not UTF-8 (a terminal in another encoding) is refused alone; strict
+    # decoding ended the whole chat on it.
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("you> ")
         except EOFError:
             print(file=sys.stderr)
             return
+        if any("\udc80" <= ch <= "\udcff" for ch in line):  # bytes that are not UTF-8 (surrogateescape)
+            print("error: that line is not UTF-8 text; the chat goes on without it", file=sys.stderr)
+            continue
         if line.strip() in ("/quit", "/exit"):
             return
         if line.strip() == "/reset":

@@ -91,3 +91,21 @@ def test_sampling_flags_override_the_model_defaults():
     params = request_params(args, engine)
     # 0.0 is a value (greedy), not "unset"; what the flags leave out stays the model's
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.0, 0.9, 50, 3)
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on():
+    # bytes from a terminal in another encoding: strict decoding ended the whole chat (exit 2)
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, str(CHAPTER / "cli.py"), "--model", "tiny-llama3", "--max-new-tokens", "4", "--temperature", "0"],
+        input=b"caf\xe9 au lait\nHi\n/quit\n",
+        capture_output=True,
+        cwd=CHAPTER,
+        timeout=300,
+    )
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 0, err
+    assert "error: that line is not UTF-8 text; the chat goes on without it" in err
+    assert r.stdout.decode(errors="replace").count("model> ") == 1  # "Hi" was answered
