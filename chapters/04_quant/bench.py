@@ -179,7 +179,7 @@ def prepare(formats: list[str], model: str, tmp: Path) -> dict[str, dict]:
         else:
             d = tmp / fmt
             quantize_dir(model, spec, d)
-        weights = [d] if d.suffix == ".gguf" else sorted(d.glob("*.safetensors"))
+        weights = [d] if d.suffix.lower() == ".gguf" else sorted(d.glob("*.safetensors"))
         out[fmt] = {"dir": str(d), "file_bytes": sum(f.stat().st_size for f in weights)}
     return out
 

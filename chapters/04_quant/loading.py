@@ -64,7 +64,7 @@ def quant_spec(args) -> QuantSpec | None:
 def resolve(name_or_path: str | None) -> Path:
     """A model directory for a name, a directory, or a .gguf file (converted on first use)."""
     path = Path(str(name_or_path or "")).expanduser()
-    if path.suffix != ".gguf":
+    if path.suffix.lower() != ".gguf":
         return resolve_model(name_or_path)
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: no such GGUF file")
@@ -87,7 +87,7 @@ def load(
 ):
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py)."""
-    if spec is not None and Path(str(name_or_path or "")).suffix == ".gguf":  # before its conversion
+    if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # before its conversion
         raise UserError(f"{name_or_path} is already quantized (a GGUF file); --quant applies to a plain checkpoint")
     model_dir = resolve(name_or_path)
     dev = pick_device(device)

@@ -474,7 +474,7 @@ def load(
     each loads its shard. -> (rank 0's Model, its directory, the Group)."""
     from loading import resolve  # (loading imports model loading; here only the name resolution)
 
-    if spec is not None and Path(str(name_or_path or "")).suffix == ".gguf":  # as loading.load, before conversion
+    if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # as loading.load, before conversion
         raise UserError(f"{name_or_path} is already quantized (a GGUF file); --quant applies to a plain checkpoint")
     model_dir = resolve(name_or_path)
     config = load_config(model_dir)

@@ -297,6 +297,8 @@ def test_a_gguf_is_converted_again_when_its_file_changes(tmp_path, monkeypatch):
     assert loading.resolve(str(path)) == first and len(converted) == 1  # the same file: converted once
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # same name and size
     assert loading.resolve(str(path)) != first and len(converted) == 2
+    upper = tiny_gguf(tmp_path / "M.GGUF")  # a suffix in capitals is a GGUF file too, not a missing folder
+    assert loading.resolve(str(upper)).parent == first.parent and converted[-1] == upper
 
 
 def test_quant_on_a_gguf_is_refused_before_its_conversion(tmp_path, monkeypatch):
