@@ -41,6 +41,10 @@ def is_adapter_prepared(adapter_dir: Path) -> bool:
 
 def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
     """`None` means the default model (or $MODEL when set)."""
+    if name_or_path is not None and not str(name_or_path).strip():  # `--model ""` ran the default model
+        raise ModelNotFoundError(
+            f"the model name is empty: give a name ({', '.join(REGISTRY)}), a checkpoint folder or a .gguf file"
+        )
     name_or_path = str(name_or_path or os.environ.get("MODEL") or DEFAULT_MODEL)
     if name_or_path in REGISTRY:
         path = MODELS_DIR / name_or_path

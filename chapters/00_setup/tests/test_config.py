@@ -94,6 +94,12 @@ def test_missing_directory_and_files(tmp_path):
         load_config(tmp_path)
 
 
+def test_an_empty_model_name_is_refused_not_read_as_the_default():
+    for empty in ("", "  "):
+        with pytest.raises(ModelNotFoundError, match="the model name is empty: give a name"):
+            resolve_model(empty)
+
+
 def test_unknown_model_name():
     with pytest.raises(ModelNotFoundError, match="not a known name"):
         resolve_model("llama-9000")
