@@ -49,7 +49,8 @@ def lora_table_bytes(model: Model, n_slots: int, max_rank: int) -> int:
     if free is not None and table > free:
         raise UserError(
             f"a LoRA slot table of {n_slots} slots of rank up to {max_rank} takes {table / GiB:.2f} GiB, more "
-            f"than the {free / GiB:.2f} GiB free on {model.device}: lower --max-loras or --max-lora-rank"
+            f"than the {free / GiB:.2f} GiB free on {model.device}: fewer slots or a lower rank (a server's "
+            "--max-loras, --max-lora-rank; the CLI's one slot is as wide as its adapter's rank)"
         )
     return table
 
