@@ -76,7 +76,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
         if not _TOKEN_ID.fullmatch(key):
             raise PydanticCustomError(
                 "logit_bias_key",
-                'keys must be token ids written as decimal digits, like "1234"; got {key}',
+                'keys must be token ids written as decimal digits (at most 12), like "1234"; got {key}',
                 {"key": repr(key) if len(key) <= 40 else f"{key[:20]!r}... ({len(key)} characters)"},
             )
         if int(key) in out:  # "1" and "0001": one token, two biases, and one of them silently lost

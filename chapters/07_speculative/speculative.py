@@ -137,21 +137,26 @@ class SpeculationStats:
     verifies: int = 0  # (sequence, step) pairs that ran a draft
     drafted: int = 0  # draft tokens run
     accepted: int = 0  # ... and kept, up to where the reply stopped
+    gained: int = 0  # tokens the verifies gave: the kept drafts and the target's own, up to a stop
 
     def count(self, drafted: int, accepted: int) -> None:
         self.verifies += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.gained += accepted + 1
 
     def drop(self, n: int) -> None:
-        """n of the kept guesses came after a stop (EOS, a stop token or string): never given."""
-        self.accepted -= max(0, n)
+        """n of the kept guesses came after a stop (EOS, a stop token or string): never given, and
+        neither was the target's token after them."""
+        if n > 0:
+            self.accepted -= n
+            self.gained -= n + 1
 
     def report(self) -> dict:
         return {
             "spec_acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-            # tokens a verifying sequence gains per step: the kept drafts and the target's own
-            "spec_mean_accepted_length": round(1 + self.accepted / self.verifies, 4) if self.verifies else 0.0,
+            # tokens a verifying sequence gains per step
+            "spec_mean_accepted_length": round(self.gained / self.verifies, 4) if self.verifies else 0.0,
             "spec_draft_tokens": self.drafted,
             "spec_accepted_tokens": self.accepted,
         }

@@ -212,8 +212,8 @@ def _check_config(path: Path, settings: dict, max_rank: int) -> int:
             raise UserError(f"{where}: {key} must map module names to values, got {_shown(pattern)}")
         for name, value in pattern.items():
             try:
-                re.compile(name)
-            except re.error as e:
+                re.compile(rf"(.*\.)?({name})$")  # as _pattern_value uses it
+            except (re.error, TypeError) as e:
                 raise UserError(f"{where}: {key} key {_shown(name)} is not a regular expression ({e})") from None
             if key == "rank_pattern":
                 ranks.append(_positive_int(where, f"rank_pattern[{name!r}]", value))
@@ -259,7 +259,11 @@ def _modules(path: Path, settings: dict, config: LlamaConfig) -> dict[tuple[int,
         unknown = [t for t, found in hits.items() if not found]
         if unknown:
             raise UserError(f"{where}: unknown target module {unknown[0]!r}; LoRA is served on {', '.join(PROJECTIONS)}")
-        chosen = {k for found in hits.values() for k in found if _in_layers(where, settings, names[k], config)}
+        # a target that is a module's whole name adapts it whatever layers_to_transform says (PEFT's rule)
+        chosen = {
+            k for t, found in hits.items() for k in found
+            if names[k] == t or _in_layers(where, settings, names[k], config)
+        }  # fmt: skip
     else:
         raise UserError(f"{where}: target_modules must list the adapted modules, got {_shown(targets)}")
     if not chosen:
@@ -294,6 +298,13 @@ def _in_layers(where: str, settings: dict, name: str, config: LlamaConfig) -> bo
         )
     patterns = settings.get("layers_pattern") or []
     patterns = [patterns] if isinstance(patterns, str) else patterns
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise UserError(f"{where}: layers_pattern must be a name or a list of names, got {_shown(patterns)}")
+    for p in patterns:
+        try:
+            re.compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")  # as it is used below
+        except re.error as e:
+            raise UserError(f"{where}: layers_pattern {_shown(p)} is not a regular expression ({e})") from None
     if not patterns:
         m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # the first numbered part of the name
     else:

@@ -152,7 +152,8 @@ def test_stats_report_acceptance(runs):
     stats = runs["ngram"][1].stats()
     spec = runs["ngram"][1].speculator.stats
     assert stats["spec_acceptance_rate"] == round(spec.accepted / spec.drafted, 4)
-    assert stats["spec_mean_accepted_length"] == round(1 + spec.accepted / spec.verifies, 4)
+    assert stats["spec_mean_accepted_length"] == round(spec.gained / spec.verifies, 4)
+    assert spec.verifies + spec.accepted >= spec.gained  # a stop cuts a run: its target's token is not gained
     assert runs["off"][1].stats()["spec_draft_tokens"] == 0
 
 
@@ -204,7 +205,8 @@ def test_kept_guesses_after_a_stop_are_not_counted_as_kept(small):
     assert out.token_ids == plain[:3] and out.finish_reason == "stop"
     stats = engine.speculator.stats
     # the prompt's step gave plain[0]; one verify of 5 right guesses gave plain[1] and the stop
-    assert (stats.verifies, stats.drafted, stats.accepted) == (1, 5, 2)
+    assert (stats.verifies, stats.drafted, stats.accepted, stats.gained) == (1, 5, 2, 2)
+    assert engine.stats()["spec_mean_accepted_length"] == 2.0  # not 3: the target's 6th token was never given
 
 
 def test_truncate_gives_back_the_blocks_past_the_kept_tokens():

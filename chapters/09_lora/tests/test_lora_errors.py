@@ -80,6 +80,15 @@ CASES = {
         dict(config={"rank_pattern": {"q_proj": 4}}),
         "(rank 4 from adapter_config.json; q_proj is 256 x 256)",
     ),
+    "layers_pattern no pattern": (
+        dict(config={"layers_to_transform": [0], "layers_pattern": "layers("}),
+        "layers_pattern 'layers(' is not a regular expression",
+    ),
+    "layers_pattern a number": (dict(config={"layers_to_transform": [0], "layers_pattern": 5}), "layers_pattern must be a name"),
+    "rank_pattern key no pattern": (
+        dict(config={"rank_pattern": {"(?i)q_proj": 8}}),
+        "rank_pattern key '(?i)q_proj' is not a regular expression",
+    ),
     "bad rank_pattern": (dict(config={"rank_pattern": {"q_proj": 0}}), "rank_pattern['q_proj'] must be a positive integer"),
     "rank_pattern over limit": (dict(config={"rank_pattern": {"v_proj": 9}}), "rank 9 is over --max-lora-rank 8"),
     "alpha_pattern not finite": (dict(config={"alpha_pattern": {"q_proj": float("nan")}}), "alpha_pattern['q_proj'] must be a finite number"),

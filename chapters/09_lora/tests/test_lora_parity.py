@@ -106,6 +106,8 @@ def test_base_rows_of_a_mixed_step_are_the_base_models_bit_for_bit(engine):
 CONFIGS = {
     "rank and alpha patterns": dict(rank=8, seed=4, rank_pattern={"q_proj": 4, "down_proj": 12}, alpha_pattern={"v_proj": 3}),
     "layers 1 and 3": dict(rank=8, targets=["q_proj", "v_proj", "gate_proj"], seed=5, layers_to_transform=[1, 3]),
+    # a module's whole name is adapted whatever layers_to_transform says; "v_proj" only in layer 0
+    "a whole name": dict(rank=4, targets=["model.layers.3.self_attn.q_proj", "v_proj"], seed=9, layers_to_transform=[0]),
     "pattern": dict(rank=6, targets=r"model\.layers\.[02]\.(self_attn\.o|mlp\.up)_proj", seed=6),
     "named keys": dict(rank=8, targets=["k_proj", "down_proj"], seed=7),
     "default targets": dict(rank=8, targets=["q_proj", "v_proj"], seed=8),

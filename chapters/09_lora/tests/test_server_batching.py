@@ -166,6 +166,7 @@ def test_health_counts_a_finished_reply_as_soon_as_the_client_has_it():
     seen = aio.run(run())
     assert (seen["running"], seen["waiting"]) == (0, 0), seen
 
+
 def test_health_counts_a_request_while_its_first_step_runs(tmp_path):
     """The engine loop refreshes /health's figures when it takes requests in, not only after the step."""
     import asyncio as aio
