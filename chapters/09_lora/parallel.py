@@ -100,9 +100,18 @@ def add_arguments(ap) -> None:
     )
 
 
+def env_int(key: str) -> int:
+    """RANK or WORLD_SIZE, as torchrun sets them (a ValueError's traceback for anything else)."""
+    value = os.environ[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{key}={value!r} is not a whole number (torchrun sets it)") from None
+
+
 def size_from(args) -> int:
     """--tensor-parallel-size, or torchrun's WORLD_SIZE; a mismatch between them is refused."""
-    launched = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    launched = env_int("WORLD_SIZE") if under_torchrun() else None
     size = args.tensor_parallel_size if args.tensor_parallel_size is not None else launched or 1
     if launched is not None and size != launched:
         raise UserError(f"--tensor-parallel-size {size} under torchrun with WORLD_SIZE {launched}: make them equal")
@@ -127,12 +136,21 @@ def become_worker_if_torchrun() -> None:
     """At the top of an entry point's main: under torchrun, every rank but 0 serves rank 0 and exits."""
     if not under_torchrun():
         return
+    rank, world = env_int("RANK"), env_int("WORLD_SIZE")
+    if not 0 <= rank < world:  # a rank that no group has: it waited for ever, silent
+        raise UserError(f"RANK={rank} with WORLD_SIZE={world}: a rank is 0 to WORLD_SIZE - 1 (torchrun sets both)")
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if missing:
+        raise UserError(
+            f"RANK and WORLD_SIZE are set but {missing[0]} is not: start the ranks with torchrun, or unset "
+            "RANK and WORLD_SIZE and give --tensor-parallel-size"
+        )
     if os.environ.get("MASTER_PORT") == "0":  # every rank would wait forever for a store on port 0
         raise UserError(
             "torchrun passed MASTER_PORT=0 (--master-port 0): the ranks cannot meet on it; "
             "run `torchrun --standalone` (it picks a free port) or give --master-port a free port"
         )
-    if int(os.environ["RANK"]) > 0:
+    if rank > 0:
         if any(a == "-h" or (len(a) >= 3 and "--help".startswith(a)) for a in sys.argv[1:]):  # argparse's
             sys.exit(0)  # abbreviations too: rank 0 prints the help and exits 0, never calling the ranks
         sys.exit(worker_main())
@@ -411,6 +429,9 @@ def start(world: int, timeout_s: float) -> Group:
     """Rank 0: the group of `world` ranks, spawning the workers unless torchrun started them."""
     timeout = timedelta(seconds=timeout_s)
     if under_torchrun():
+        # torchrun starts the others: said, so that a rank that never comes is no silent wait
+        print(f"[tp] rank 0 of {world}: waiting for the other ranks at {os.environ['MASTER_ADDR']}:"
+              f"{os.environ['MASTER_PORT']}", file=sys.stderr, flush=True)  # fmt: skip
         dist.init_process_group("gloo", init_method="env://", timeout=NO_TIMEOUT)
         group = Group(0, world)
         atexit.register(group.close)  # the workers' "stop"; torchrun reaps the processes

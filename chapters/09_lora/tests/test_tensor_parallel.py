@@ -396,3 +396,19 @@ def test_a_killed_worker_makes_the_server_answer_503_and_exit(tmp_path):
     assert text.rstrip().splitlines()[-1] == f"error: tensor parallel: rank 1 (pid {worker}) exited with status -9; the server stopped"
     assert set(statuses) <= {503}, statuses
     assert group_of(pgid) == []
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2: a rank is 0 to WORLD_SIZE - 1"),  # waited for ever
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a whole number (torchrun sets it)"),
+        ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK and WORLD_SIZE are set but MASTER_ADDR is not: start the ranks with torchrun"),
+    ],
+    ids=["rank past the size", "rank not a number", "size not a number", "no master address"],
+)
+def test_torchrun_variables_that_make_no_group_are_clear_errors(env, message):
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = run_python(["generate.py", "--model", "tiny-llama3", "--prompt", "hi"], cwd=CHAPTER, env=base | env, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
