@@ -65,6 +65,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
 def resolve_adapter(name_or_path: str | os.PathLike) -> Path:
     """An adapter name from ADAPTERS (made under MODELS_DIR) or a path to a PEFT adapter folder."""
     name_or_path = str(name_or_path)
+    if not name_or_path.strip():  # Path("") is ".": the folder the command runs in
+        raise ModelNotFoundError(f"the adapter name is empty: give a name ({', '.join(ADAPTERS)}) or a PEFT folder")
     if name_or_path in ADAPTERS:
         path = MODELS_DIR / name_or_path
         if not is_adapter_prepared(path):

@@ -48,6 +48,7 @@ bench/results/ch06_bench.json) and a PNG beside it; tables on stdout, progress o
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import statistics
@@ -59,7 +60,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from common.cli import run_main
+from common.cli import positive_float, positive_int, run_main
 from common.errors import UserError
 from common.tools.bench import (
     LONG_TEXT,
@@ -91,6 +92,14 @@ LINEAR = "qkv:960x576,o:576x576,gate_up:3072x576,down:576x1536,head:49152x576"
 
 # --- part 1: kernels against PyTorch --------------------------------------------------------------
 
+
+
+def seconds_or_none(text: str) -> float:
+    """--budget-s: a finite number of seconds, 0 included (nan compared false and kept measuring)."""
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text}")
+    return value
 
 def time_us(fn, device: torch.device, calls: int, seconds: float) -> float:
     """Microseconds per call of fn(): the median of at least `calls` samples, taken for at least
@@ -877,9 +886,9 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128, help="part decode: new tokens (default: %(default)s)")
     ap.add_argument("--concurrency", default="16", help="part throughput: concurrent clients (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=64, help="part throughput: tokens per request")
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="the servers' KV pool")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--kv-cache-memory-gb", type=positive_float, default=1.0, help="the servers' KV pool")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
     ap.add_argument(
         "--out",
         default=str(RESULTS_DIR / f"{CH}_bench.json"),
@@ -902,7 +911,7 @@ def main() -> int:
     ap.add_argument("--partition-size", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument(
         "--budget-s",
-        type=float,
+        type=seconds_or_none,
         default=None,
         help="part kernels: stop starting new cases after this many seconds (the JSON says which were left)",
     )

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from common.cli import positive_int
 from common.prepare_models import find_gguf
 from common.tools.bench import RESULTS_DIR, add_int8_activations, command_line, isa_line, machine, save_json
 from engine import Request, build_engine
@@ -158,9 +159,9 @@ def llama_cpp_models(gguf_model: Path, gguf_lora: Path, tokens: int, threads: in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per sequence (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=16, help="sequences (and adapters) of the batched rows")
+    ap.add_argument("--tokens", type=positive_int, default=32, help="new tokens per sequence (default: %(default)s)")
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--batch", type=positive_int, default=16, help="sequences (and adapters) of the batched rows")
     add_int8_activations(ap)
     ap.add_argument("--out", type=Path, default=OUT, help="the figures' path, .json and .png added (default: %(default)s)")
     args = ap.parse_args()
@@ -178,13 +179,13 @@ def main() -> int:
     )
     config, work = engine.model.config, Path(tempfile.mkdtemp(prefix="lora_bench-"))
     names = [f"random-{i}" for i in range(args.batch)]
-    first = None
-    for i, name in enumerate(names):
-        weights = random_adapter(config, seed=i)
-        engine.adapters.register(name, write_peft(work / name, weights))
-        first = first or weights
-    gguf_lora = write_gguf_lora(work / "random-0.gguf", first, config)
     try:
+        first = None
+        for i, name in enumerate(names):
+            weights = random_adapter(config, seed=i)
+            engine.adapters.register(name, write_peft(work / name, weights))
+            first = first or weights
+        gguf_lora = write_gguf_lora(work / "random-0.gguf", first, config)
         record = measure(engine, names, gguf_model, gguf_lora, args)
     finally:
         shutil.rmtree(work)

@@ -22,20 +22,20 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request as HTTPRequest
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from common.errors import UserError
 from errors import APIError
-from lora_slots import AdapterNameError, NoAdapterSlots
+from lora_slots import MAX_NAME_CHARS, AdapterNameError, NoAdapterSlots
 
 router = APIRouter()
 
 
 class LoadLoraRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     lora_path: str = Field(min_length=1)
-    load_inplace: bool = False  # vLLM's: a loaded name takes the new weights instead of a 400
+    load_inplace: StrictBool = False  # vLLM's: a loaded name takes the new weights instead of a 400 ("yes" is no bool)
 
 
 class UnloadLoraRequest(BaseModel):

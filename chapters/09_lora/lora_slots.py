@@ -53,6 +53,9 @@ class NoAdapterSlots(UserError):
     """The engine has no slots (max_loras 0): no adapter can be loaded into it."""
 
 
+# A name goes back in every 404 that lists the loaded ones, and in /v1/models: not a 100,000-character one.
+MAX_NAME_CHARS = 256
+
 @dataclass
 class Registration:
     """One load of an adapter: what a sequence that names it when it is added keeps to its end."""
@@ -106,8 +109,11 @@ class AdapterSlots:
         or with `replace` given the new weights: its running sequences finish with the old ones."""
         if not self.n_slots:
             raise NoAdapterSlots("this engine serves no LoRA adapters: start it with --max-loras (max_loras) of 1 or more")
-        if not isinstance(name, str) or not name.strip() or not name.isprintable():
-            raise AdapterNameError(f"a LoRA adapter needs a name of printable characters, got {name!r}")
+        if not isinstance(name, str) or not name.strip() or not name.isprintable() or len(name) > MAX_NAME_CHARS:
+            shown = repr(name) if len(repr(name)) <= 80 else f"{repr(name)[:60]}... ({len(name)} characters)"
+            raise AdapterNameError(
+                f"a LoRA adapter needs a name of 1 to {MAX_NAME_CHARS} printable characters, got {shown}"
+            )
         if name in self.current and not replace:
             raise AdapterNameError(f"LoRA adapter {name!r} is already loaded; unload it first, or load it in place")
         adapter = self._read(Path(path))  # a bad adapter is refused here, the loaded one untouched

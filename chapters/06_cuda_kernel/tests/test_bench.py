@@ -211,6 +211,20 @@ def test_unknown_part_is_a_clear_error():
     assert r.returncode == 2 and "unknown part(s) speed" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--budget-s", "nan", "must be a finite number of seconds, 0 or more, got nan"),  # measured on, unbounded
+        ("--budget-s", "-1", "must be a finite number of seconds, 0 or more, got -1"),  # saved an empty table
+        ("--max-num-seqs", "0", "must be at least 1, got 0"),  # the server's refusal, as a traceback
+        ("--kv-cache-memory-gb", "nan", "must be a finite number above 0, got nan"),
+    ],
+)
+def test_bad_values_are_usage_errors_before_anything_runs(flag, value, message):
+    r, _ = run("--parts", "kernels", flag, value)
+    assert r.returncode == 2 and f"argument {flag}: {message}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_part_kernels_saves_each_case_as_it_is_measured_and_keeps_to_its_budget(tmp_path):
     # What slurm/gpu_check.sh relies on: a run its timeout stops still leaves what it measured.
     out = tmp_path / "k.json"

@@ -44,3 +44,12 @@ def test_no_int8_activations_reaches_the_engine(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["int8_activations"] is False
     assert "int8 activations" not in result["kernels"], result["kernels"]
+
+
+def test_bad_values_are_usage_errors_before_anything_runs():
+    # --batch 0 was an AttributeError after the model loaded, --repeats 0 a StatisticsError after the
+    # whole run, and --tokens 0 blamed max_tokens, a field the bench has no flag for
+    for flag in ("--batch", "--repeats", "--tokens"):
+        proc = run_python([str(CHAPTER / "lora_bench.py"), flag, "0"], cwd=CHAPTER, timeout=120)
+        assert proc.returncode == 2 and f"argument {flag}: must be at least 1, got 0" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -28,3 +28,5 @@ def test_a_bad_adapter_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     r = run("--lora", str(tmp_path / "empty"), "--prompt", "hi")
     assert r.returncode == 2 and "adapter_config.json" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("--lora", "", "--prompt", "hi")  # Path("") is ".": it read the folder the command ran in
+    assert r.returncode == 2 and "the adapter name is empty" in r.stderr, r.stderr

@@ -196,8 +196,13 @@ def test_a_load_in_place_and_an_unload_in_flight_at_once_leave_the_servers_list_
         ("load", {"lora_name": "x", "lora_path": "{a}", "rank": 3}, 400, "rank"),
         ("unload", {"lora_name": "never-loaded"}, 404, "no LoRA adapter named 'never-loaded' is loaded"),
         ("unload", {}, 400, "lora_name"),
+        ("load", {"lora_name": "x", "lora_path": "{a}", "load_inplace": "yes"}, 400, "load_inplace"),  # read as true
+        ("load", {"lora_name": "x" * 100_000, "lora_path": "{a}"}, 400, "lora_name"),  # then in every 404, whole
     ],
-    ids=["missing-dir", "name-in-use", "base-name", "no-path", "unknown-field", "unknown-unload", "no-name"],
+    ids=[
+        "missing-dir", "name-in-use", "base-name", "no-path", "unknown-field", "unknown-unload", "no-name",
+        "inplace-not-bool", "name-too-long",
+    ],  # fmt: skip
 )
 def test_bad_load_and_unload_requests_get_their_error(server, paths, path, body, status, message):
     url, _ = server
