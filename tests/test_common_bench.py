@@ -254,3 +254,18 @@ def test_the_vector_level_each_side_ran_is_read_from_llama_cpp_and_the_library()
     assert bench.isa_line(same | {"ours": "avx512_bf16", "same_level": False}).endswith(
         "llama.cpp avx2 (not the same level: the ratios compare builds, not engines)"
     )
+
+
+def test_an_out_path_no_bench_could_write_is_refused_before_the_measuring(tmp_path):
+    # a folder (chapters 07-09's --out names a file) or a place no file can be made (/proc) failed
+    # after the whole run, with a traceback
+    from pathlib import Path
+
+    from common.tools.bench import check_out
+
+    with pytest.raises(UserError, match="is a folder: give the file's name"):
+        check_out(tmp_path)
+    with pytest.raises(UserError, match="cannot write there"):
+        check_out(Path("/proc/no-bench-here/x.json"))
+    check_out(tmp_path / "new" / "x.json")  # a folder that does not exist yet is made, as save_json does
+    assert (tmp_path / "new").is_dir() and not list((tmp_path / "new").iterdir())

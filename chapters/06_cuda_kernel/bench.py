@@ -65,6 +65,7 @@ from common.errors import UserError
 from common.tools.bench import (
     LONG_TEXT,
     RESULTS_DIR,
+    check_out,
     command_line,
     fmt,
     int_list,
@@ -940,6 +941,7 @@ def main() -> int:
     out = Path(args.out)
     if out.suffix != ".json":
         out = out / f"{CH}_bench.json"
+    check_out(out)
     # A SIGTERM (a test's timeout, a scheduler) unwinds like an exception, so the servers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)

@@ -44,6 +44,7 @@ from common.errors import UserError
 from common.tools.bench import (
     RESULTS_DIR,
     add_int8_activations,
+    check_out,
     command_line,
     fmt,
     int_list,
@@ -396,6 +397,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     args.ks, args.batches = int_list(args.ks), int_list(args.batches)
+    check_out(Path(args.out))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks or any(t not in TASKS for t in args.tasks):

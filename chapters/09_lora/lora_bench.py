@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from common.cli import positive_int
 from common.prepare_models import find_gguf
-from common.tools.bench import RESULTS_DIR, add_int8_activations, command_line, isa_line, machine, save_json
+from common.tools.bench import RESULTS_DIR, add_int8_activations, check_out, command_line, isa_line, machine, save_json
 from engine import Request, build_engine
 from lora import PROJECTIONS, projection_shapes
 from ops import KernelFlags
@@ -165,6 +165,7 @@ def main() -> int:
     add_int8_activations(ap)
     ap.add_argument("--out", type=Path, default=OUT, help="the figures' path, .json and .png added (default: %(default)s)")
     args = ap.parse_args()
+    check_out(args.out.with_suffix(".json"))
     gguf_model = find_gguf()
     kernels = KernelFlags("auto", False, args.int8_activations)
     engine, _ = build_engine(

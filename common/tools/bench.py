@@ -236,6 +236,19 @@ def shown(path) -> str:
         return str(path)
 
 
+def check_out(path: Path) -> None:
+    """UserError unless a bench can write `path` (its folder made if need be): checked before the
+    measuring, where a bad --out failed after the whole run, with a traceback."""
+    if path.is_dir():
+        raise UserError(f"--out {path} is a folder: give the file's name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+
+
 def save_json(path: Path, record: dict) -> None:
     """Write `record` to `path` whole or not at all: a temporary file beside it, then renamed over it.
     A run stopped mid-write (a timeout's SIGTERM between the truncate and the write) keeps the last
