@@ -89,13 +89,14 @@ def test_parity_cli_prints_the_table_for_int8():
     assert "int8 vs HF transformers fp32" in r.stdout and "layer.29" in r.stdout and "logits" in r.stdout
 
 
-@pytest.mark.reaches("quantize.py", "parity.py")
+@pytest.mark.reaches("quantize.py")
 def test_a_group_size_for_int8_is_refused(tmp_path):
     r = run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--group-size", "64", "--out", str(tmp_path / "q"))
     assert r.returncode == 2 and "--group-size is for --bits 4: int8 keeps one scale per row" in r.stderr, r.stderr
     assert not (tmp_path / "q").exists()
 
 
+@pytest.mark.reaches("quantize.py", "parity.py")
 def test_parity_refuses_a_quantized_reference(tmp_path):
     out = tmp_path / "q"
     assert run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(out)).returncode == 0
