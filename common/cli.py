@@ -66,6 +66,12 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def outside_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
+    """The ids, sorted and once each, that the model has no embedding row for (a tokenizer larger
+    than the model's vocabulary: an IndexError in the embedding)."""
+    return sorted({t for t in ids if not 0 <= t < vocab_size})
+
+
 def check_prompt(ids: list[int], max_new_tokens: int, config) -> None:
     """A prompt the model (its LlamaConfig) can run: not empty, inside its context, and ids it has
     embedding rows for (a tokenizer larger than the model's vocabulary failed on an IndexError)."""
@@ -76,7 +82,7 @@ def check_prompt(ids: list[int], max_new_tokens: int, config) -> None:
         raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if n_prompt >= max_positions:
         raise UserError(f"the prompt has {n_prompt} tokens; the model's context is {max_positions} tokens")
-    outside = sorted({t for t in ids if not 0 <= t < config.vocab_size})
+    outside = outside_vocabulary(ids, config.vocab_size)
     if outside:
         raise UserError(
             f"prompt token ids {outside[:5]} are outside the model's vocabulary (0..{config.vocab_size - 1}): "

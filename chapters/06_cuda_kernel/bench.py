@@ -95,7 +95,7 @@ LINEAR = "qkv:960x576,o:576x576,gate_up:3072x576,down:576x1536,head:49152x576"
 
 
 
-def seconds_or_none(text: str) -> float:
+def budget_seconds(text: str) -> float:
     """--budget-s: a finite number of seconds, 0 included (nan compared false and kept measuring)."""
     value = float(text)
     if not (value >= 0 and math.isfinite(value)):
@@ -912,7 +912,7 @@ def main() -> int:
     ap.add_argument("--partition-size", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument(
         "--budget-s",
-        type=seconds_or_none,
+        type=budget_seconds,
         default=None,
         help="part kernels: stop starting new cases after this many seconds (the JSON says which were left)",
     )

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from common.cli import run_main
+from common.cli import outside_vocabulary, run_main
 from common.config import load_config
 from common.device import pick_device, synchronize
 from common.errors import UserError, check_logits
@@ -224,8 +224,8 @@ def main(argv=None) -> int:
     n_windows = len(window_plan(len(ids), args.context, args.stride))
     config = load_config(model_dir)
     check_context(args.context, config.max_position_embeddings)
-    outside = sorted({t for t in ids if not 0 <= t < config.vocab_size})
-    if outside:  # a tokenizer larger than the model's vocabulary: an IndexError in the embedding
+    outside = outside_vocabulary(ids, config.vocab_size)
+    if outside:
         raise UserError(f"token ids {outside[:5]} of the text are outside the model's vocabulary (0..{config.vocab_size - 1})")
     if args.hf:
         if spec_of(model_dir) is not None or args.quant:

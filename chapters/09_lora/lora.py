@@ -260,10 +260,9 @@ def _modules(path: Path, settings: dict, config: LlamaConfig) -> dict[tuple[int,
         if unknown:
             raise UserError(f"{where}: unknown target module {unknown[0]!r}; LoRA is served on {', '.join(PROJECTIONS)}")
         # a target that is a module's whole name adapts it whatever layers_to_transform says (PEFT's rule)
-        chosen = {
-            k for t, found in hits.items() for k in found
-            if names[k] == t or _in_layers(where, settings, names[k], config)
-        }  # fmt: skip
+        suffixed = any(names[k] != t for t, found in hits.items() for k in found)
+        keeps = _layer_filter(where, settings, config) if suffixed else None
+        chosen = {k for t, found in hits.items() for k in found if names[k] == t or keeps(names[k])}
     else:
         raise UserError(f"{where}: target_modules must list the adapted modules, got {_shown(targets)}")
     if not chosen:
@@ -283,11 +282,12 @@ def _modules(path: Path, settings: dict, config: LlamaConfig) -> dict[tuple[int,
     return modules
 
 
-def _in_layers(where: str, settings: dict, name: str, config: LlamaConfig) -> bool:
-    """Whether layers_to_transform (with layers_pattern) keeps module `name`, as PEFT decides it."""
+def _layer_filter(where: str, settings: dict, config: LlamaConfig):
+    """layers_to_transform (with layers_pattern) checked once: -> whether it keeps a module of that
+    name, as PEFT decides it."""
     wanted = settings.get("layers_to_transform")
     if wanted is None or wanted == []:
-        return True
+        return lambda name: True
     wanted = [wanted] if isinstance(wanted, int) and not isinstance(wanted, bool) else wanted
     if not isinstance(wanted, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in wanted):
         raise UserError(f"{where}: layers_to_transform must be a layer index or a list of them, got {_shown(wanted)}")
@@ -300,16 +300,18 @@ def _in_layers(where: str, settings: dict, name: str, config: LlamaConfig) -> bo
     patterns = [patterns] if isinstance(patterns, str) else patterns
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         raise UserError(f"{where}: layers_pattern must be a name or a list of names, got {_shown(patterns)}")
+    indexes = [re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")] if not patterns else []  # the first numbered part
     for p in patterns:
         try:
-            re.compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")  # as it is used below
+            indexes.append(re.compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\."))
         except re.error as e:
             raise UserError(f"{where}: layers_pattern {_shown(p)} is not a regular expression ({e})") from None
-    if not patterns:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # the first numbered part of the name
-    else:
-        m = next(filter(None, (re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name) for p in patterns)), None)
-    return m is not None and int(m["idx"]) in wanted
+
+    def keeps(name: str) -> bool:
+        m = next(filter(None, (index.match(name) for index in indexes)), None)
+        return m is not None and int(m["idx"]) in wanted
+
+    return keeps
 
 
 def _pattern_value(pattern: dict, name: str, default):
