@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import socket
 import sys
 
 from common.checkpoint import CheckpointError
@@ -58,6 +59,25 @@ def port_number(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, got {value}")
     return value
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, for a server to accept on once its model has loaded. Bound
+    first, so that a port in use or a host this machine does not have is one line at once, not an
+    error from uvicorn after the model loaded (and after the server said it was serving). Port 0:
+    any free one (getsockname() says which)."""
+    sock = None
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = found[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
+        sock.bind(address)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -37,7 +37,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from common.cli import port_number, positive_float, positive_int
+from common.cli import listen_socket, port_number, positive_float, positive_int
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
@@ -688,6 +688,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
+    listener = listen_socket(args.host, args.port)  # before the model loads: a port in use is one line at once
     named = {}
 
     def build() -> Engine:  # on the engine thread, the one thread that computes (worker.py)
@@ -722,13 +723,14 @@ def main() -> int:
     filter_repeats(["", "uvicorn", "uvicorn.access"])  # after uvicorn.Config: it sets up its handlers
     budget = "none" if engine.memory_budget is None else f"{engine.memory_budget / GiB:.2f} GiB"
     weights = engine.model.quant.name if engine.model.quant else "unquantized"
+    url = f"http://{args.host}:{listener.getsockname()[1]}/v1"  # port 0: the one the system gave
     print(
-        f"serving {name} ({weights} weights) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
+        f"serving {name} ({weights} weights) on {url} (context {engine.context}, max_tokens default "
         f"{engine.max_tokens_default}, memory budget {budget} per request)",
         file=sys.stderr,
         flush=True,
     )
-    GracefulServer(config, app.state.server).run()
+    GracefulServer(config, app.state.server).run(sockets=[listener])
     return 0
 
 

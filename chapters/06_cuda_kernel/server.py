@@ -42,7 +42,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from common.cli import port_number, positive_float, positive_int
+from common.cli import listen_socket, port_number, positive_float, positive_int
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
@@ -711,6 +711,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
+    listener = listen_socket(args.host, args.port)  # before the model loads: a port in use is one line at once
     named = {}
 
     def build() -> Engine:  # on the engine thread, the one thread that computes (worker.py)
@@ -752,14 +753,15 @@ def main() -> int:
     if m.dense_copy_bytes:  # --matmul auto with torch's packed ops: dense copies for big steps
         weights += f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
     weights += f"; {m.ops.describe()}"
+    url = f"http://{args.host}:{listener.getsockname()[1]}/v1"  # port 0: the one the system gave
     print(
-        f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
+        f"serving {name} ({weights}) on {url} (context {engine.context}, max_tokens default "
         f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
         f"{engine.scheduler.max_num_batched_tokens} tokens per step)",
         file=sys.stderr,
         flush=True,
     )
-    GracefulServer(config, app.state.server).run()
+    GracefulServer(config, app.state.server).run(sockets=[listener])
     return 0
 
 

@@ -290,6 +290,9 @@ def check_draft(draft: Model, target: Model, draft_tokenizer=None, target_tokeni
             )
 
 
+DEFAULT_K, DEFAULT_MAX_BATCH = 6, 2  # --num-speculative-tokens, --speculative-max-batch
+
+
 def add_speculative_args(ap, default: str = "ngram") -> None:
     """The flags of the CLI and the server."""
     group = ap.add_argument_group("speculative decoding")
@@ -315,14 +318,14 @@ def add_speculative_args(ap, default: str = "ngram") -> None:
     group.add_argument(
         "--num-speculative-tokens",
         type=positive_int,
-        default=6,
-        help="draft tokens per sequence and step at most; each sequence adapts below it (default: %(default)s)",
+        default=None,
+        help=f"draft tokens per sequence and step at most; each sequence adapts below it (default: {DEFAULT_K})",
     )
     group.add_argument(
         "--speculative-max-batch",
         type=positive_int,
-        default=2,
-        help="nobody speculates while more sequences than this run (default: %(default)s)",
+        default=None,
+        help=f"nobody speculates while more sequences than this run (default: {DEFAULT_MAX_BATCH})",
     )
 
 
@@ -331,11 +334,15 @@ def speculative_args(args) -> dict:
     for flag, value in (("--draft-model", args.draft_model), ("--draft-quant", args.draft_quant)):
         if value is not None and args.speculative != "draft":
             raise UserError(f"{flag} needs --speculative draft")
+    k, most = args.num_speculative_tokens, args.speculative_max_batch
+    for flag, value in (("--num-speculative-tokens", k), ("--speculative-max-batch", most)):
+        if value is not None and args.speculative == "off":  # a flag that would change nothing
+            raise UserError(f"{flag} needs --speculative ngram or draft")
     quants = {None: DRAFT_DEFAULT, "none": None, "int4": QuantSpec(4, 32, head_bits=8), "int8": QuantSpec(8, 32, head_bits=8)}
     return {
         "speculative": args.speculative,
         "draft_model": args.draft_model,
         "draft_quant": quants[args.draft_quant],
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "speculative_max_batch": args.speculative_max_batch,
+        "num_speculative_tokens": k or DEFAULT_K,
+        "speculative_max_batch": most or DEFAULT_MAX_BATCH,
     }

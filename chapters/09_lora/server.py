@@ -48,7 +48,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from common.cli import port_number, positive_float, positive_int
+from common.cli import listen_socket, port_number, positive_float, positive_int
 from common.errors import UserError
 from common.models import ADAPTERS, ModelNotFoundError, resolve_adapter
 from detokenizer import IncrementalDetokenizer, token_bytes
@@ -781,6 +781,7 @@ def main() -> int:
     parallel.become_worker_if_torchrun()
     args = parse_args()
     raise_open_file_limit()  # each connection is a file
+    listener = listen_socket(args.host, args.port)  # before the model loads: a port in use is one line at once
     named = {}
 
     def build() -> Engine:  # on the engine thread, the one thread that computes (worker.py)
@@ -830,8 +831,9 @@ def main() -> int:
     if m.dense_copy_bytes:  # --matmul auto with torch's packed ops: dense copies for big steps
         weights += f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
     weights += f"; {m.ops.describe()}"
+    url = f"http://{args.host}:{listener.getsockname()[1]}/v1"  # port 0: the one the system gave
     print(
-        f"serving {name} ({weights}) on http://{args.host}:{args.port}/v1 (context {engine.context}, max_tokens default "
+        f"serving {name} ({weights}) on {url} (context {engine.context}, max_tokens default "
         f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
         f"{engine.scheduler.max_num_batched_tokens} tokens per step; {engine.speculator.describe()}; "
         f"LoRA: {len(args.lora_modules)} adapters, {args.max_loras} slots of rank up to {args.max_lora_rank}, "
@@ -849,7 +851,7 @@ def main() -> int:
             server.should_exit = True  # uvicorn's main loop polls it
 
         group.on_lost.append(on_lost)
-    server.run()
+    server.run(sockets=[listener])
     if group is not None and group.lost_reason is not None:
         raise SystemExit(f"error: tensor parallel: {group.lost_reason}; the server stopped")
     return 0

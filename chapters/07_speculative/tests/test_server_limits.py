@@ -422,3 +422,16 @@ BAD_FLAGS = [
 def test_a_limit_that_refuses_every_request_is_refused_at_startup(flag, value, message):
     r = run_python(["server.py", "--model", MODEL, flag, value], cwd=CHAPTER, timeout=120)
     assert r.returncode == 2 and f"argument {flag}: {message}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    # uvicorn found the port taken only once the model had loaded and the server had said it was
+    # serving there; the socket is bound first now (a missing model would be the error otherwise)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["server.py", "--model", str(tmp_path / "no-model"), "--host", "127.0.0.1", "--port", str(port)]
+        r = run_python(argv, cwd=CHAPTER, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", r.stderr

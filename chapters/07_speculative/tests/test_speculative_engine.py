@@ -571,6 +571,23 @@ def test_a_draft_stored_quantized_is_read_as_stored_unless_draft_quant_asks_othe
         engine("tiny-llama3", speculative="ngram", draft_quant="int8")
 
 
+def test_speculation_limits_without_a_proposer_are_refused():
+    # --num-speculative-tokens or --speculative-max-batch with --speculative off changed nothing, silently
+    from argparse import Namespace
+
+    from common.errors import UserError
+    from proposers import DEFAULT_K, DEFAULT_MAX_BATCH, speculative_args
+
+    plain = dict(draft_model=None, draft_quant=None, num_speculative_tokens=None, speculative_max_batch=None)
+    for flag in ("--num-speculative-tokens", "--speculative-max-batch"):
+        key = flag[2:].replace("-", "_")
+        with pytest.raises(UserError, match=f"{flag} needs --speculative ngram or draft"):
+            speculative_args(Namespace(**plain | {"speculative": "off", key: 3}))
+        assert speculative_args(Namespace(**plain | {"speculative": "ngram", key: 3}))[key] == 3
+    defaults = speculative_args(Namespace(**plain | {"speculative": "off"}))
+    assert (defaults["num_speculative_tokens"], defaults["speculative_max_batch"]) == (DEFAULT_K, DEFAULT_MAX_BATCH)
+
+
 def test_a_draft_load_error_names_the_draft_and_its_own_flags():
     # --batch-invariant refuses float32 weights; for a float32 draft of an int4 target the refusal
     # told the user to give --quant int4/int8, which they had: the draft's flag is --draft-quant.
