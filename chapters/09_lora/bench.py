@@ -418,6 +418,9 @@ def main() -> int:
     )
     kernels = KernelFlags("auto", False, args.int8_activations)
     base, _ = build_engine(args.model, args.device, args.dtype, spec, kernels=kernels)
+    most = base.scheduler.max_num_batched_tokens - 1  # the engine's cap on k: k drafts and one more fit a step
+    if max(args.ks) > most:  # an engine asked for more drafts takes this many: its row would be mislabelled
+        raise UserError(f"--ks: a prompt-lookup engine drafts at most {most} tokens a step, got {max(args.ks)}")
     result = {
         "model": args.model,
         "quant": "bf16" if args.quant == "none" else args.quant,

@@ -82,6 +82,7 @@ def test_bad_arguments_are_clear_errors():
         (["--tasks", "poetry"], "--tasks takes some of code edit"),
         (["--ks", "0"], "positive integers"),
         (["--peers", "vllm"], "--peers takes llama.cpp"),
+        (["--ks", "4,1000", "--model", "tiny-llama3"], "--ks: a prompt-lookup engine drafts at most 255 tokens a step"),
     ]:
         proc = run(*args, timeout=60)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
