@@ -13,6 +13,16 @@ class UserError(ValueError):
     """Bad input, with a message that says what was wrong and what to do instead."""
 
 
+class FieldError(UserError):
+    """Bad input in one field of a request: `param` names it as the request spells it ("prompt",
+    "max_tokens"), `code` says what kind of refusal it is where clients look for one
+    ("context_length_exceeded"). The server returns both in its error object."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 class RunError(RuntimeError):
     """A run that cannot go on, for a reason its message says whole (a rank of a tensor-parallel
     group was lost): entry points print it as `error: ...` and exit 1, without a traceback, as a

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from block_manager import BlockManager
-from common.errors import UserError
+from common.errors import FieldError, UserError
 from detokenizer import IncrementalDetokenizer
 from sampling import NoTokenError, SamplingParams, TokenLogprob
 from sequence import Sequence
@@ -138,49 +138,64 @@ class RequestLimits:
         req.params.validate(self.vocab_size)
         n_prompt = len(req.prompt_ids)
         if n_prompt == 0:
-            raise UserError("the prompt is empty")
+            raise FieldError("the prompt is empty", "prompt")
         # the tokenizer may know more ids than the model has rows of embedding for
         outside = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
         if outside:
-            raise UserError(f"prompt token ids {outside[:5]} are outside the model's vocabulary (0..{self.vocab_size - 1})")
+            raise FieldError(
+                f"prompt token ids {outside[:5]} are outside the model's vocabulary (0..{self.vocab_size - 1})",
+                "prompt",
+            )
         if req.n < 1 or req.n > 16:
-            raise UserError(f"n must be between 1 and 16, got {req.n}")
+            raise FieldError(f"n must be between 1 and 16, got {req.n}", "n")
         if req.max_tokens is not None and req.max_tokens < 1:
-            raise UserError(f"max_tokens must be at least 1, got {req.max_tokens}")
+            raise FieldError(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
         if req.min_tokens < 0 or (req.max_tokens is not None and req.min_tokens > req.max_tokens):
-            raise UserError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}")
+            raise FieldError(f"min_tokens must be between 0 and max_tokens, got {req.min_tokens}", "min_tokens")
         if any(not isinstance(s, str) or not s for s in req.stop) or len(req.stop) > 16:
-            raise UserError("stop must be a string or a list of at most 16 non-empty strings")
+            raise FieldError("stop must be a string or a list of at most 16 non-empty strings", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in req.stop):
             longest = max(len(s) for s in req.stop)
-            raise UserError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}")
+            said = f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {longest}"
+            raise FieldError(said, "stop")
         bad = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise UserError(f"stop_token_ids {bad} are outside the vocabulary (0..{self.vocab_size - 1})")
+            vocab = f"0..{self.vocab_size - 1}"
+            raise FieldError(f"stop_token_ids {bad} are outside the vocabulary ({vocab})", "stop_token_ids")
         if req.min_tokens > 0 and len(self.stop_ids(req)) >= self.vocab_size:
-            raise UserError("min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate")
+            raise FieldError(
+                "min_tokens blocks the stop tokens, and stop_token_ids leave no other token to generate", "min_tokens"
+            )
         if n_prompt >= self.context:
-            raise UserError(f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens")
+            raise FieldError(
+                f"the prompt has {n_prompt} tokens, but this model's context is {self.context} tokens",
+                "prompt",
+                "context_length_exceeded",
+            )
         if req.max_tokens is not None and n_prompt + req.max_tokens > self.context:
-            raise UserError(
+            raise FieldError(
                 f"this model's context is {self.context} tokens, but {n_prompt + req.max_tokens} were requested "
-                f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens"
+                f"({n_prompt} in the prompt, {req.max_tokens} to generate): lower max_tokens",
+                "max_tokens",
+                "context_length_exceeded",
             )
         # The whole request must fit the pool at once: a choice that fits alone while all n do not
         # would be preempted again and again, and the requests behind it starve.
         n_tokens = n_prompt + self.max_tokens_for(req)
         slots = self.blocks.num_blocks * self.blocks.block_size
         if self.blocks.blocks_for(n_tokens) > self.blocks.num_blocks:
-            raise UserError(
+            raise FieldError(
                 f"this request needs room for {n_tokens} tokens ({n_prompt} in the prompt, "
                 f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {slots} "
-                f"tokens: lower max_tokens or the prompt's length"
+                f"tokens: lower max_tokens or the prompt's length",
+                "max_tokens",
             )
         if self.pool_blocks_for(req) > self.blocks.num_blocks:
-            raise UserError(
+            raise FieldError(
                 f"this request's {req.n} choices need {self.pool_blocks_for(req)} blocks of {self.blocks.block_size} "
                 f"tokens at once ({n_prompt} prompt tokens shared, up to {self.max_tokens_for(req)} each to "
-                f"generate), but this server's KV cache holds {self.blocks.num_blocks}: lower n or max_tokens"
+                f"generate), but this server's KV cache holds {self.blocks.num_blocks}: lower n or max_tokens",
+                "n",
             )
 
 

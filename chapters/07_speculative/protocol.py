@@ -2,7 +2,11 @@
 
 Field names and meanings follow the OpenAI API; the extras (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, include_stop_str_in_output) are
-the ones vLLM popularised. Unknown fields are ignored, as clients send many optional ones.
+the ones vLLM popularised. A field this server does not know is refused (as OpenAI's API does):
+ignored, a typo (`max_token`) or another server's extra (`guided_json`) would change the reply
+silently. OpenAI's fields that change nothing here (store, metadata, service_tier, ...) are taken
+and dropped; a null is a field left out (clients send `"stop": null` for "not set"), but for
+`max_tokens`, where null means no cap.
 
 Every field takes its JSON type and nothing else (pydantic's strict mode): `"max_tokens": true`
 is not 1 and `"stream": "yes"` is not true, they are mistakes a client should hear about. The
@@ -17,7 +21,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine import Request
@@ -85,7 +98,23 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
+# OpenAI fields that change nothing this server returns: taken, and dropped.
+NO_EFFECT = frozenset(
+    {"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+)
+
+
 class _Common(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data):
+        if isinstance(data, dict):
+            # max_tokens: null is no cap (the context's end), as in vLLM, not the default of 16
+            return {k: v for k, v in data.items() if (v is not None or k == "max_tokens") and k not in NO_EFFECT}
+        return data
+
     model: Text | None = None
     n: int = 1
     stream: bool = False
@@ -201,6 +230,12 @@ class ChatRequest(_Common):
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
+    modalities: list | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
 
 def sampling_params(body: _Common, defaults: SamplingParams, logprobs: int | None) -> SamplingParams:
@@ -272,9 +307,17 @@ def chat_request(body: ChatRequest, tokenizer, defaults: SamplingParams) -> Requ
         raise RequestError(
             f"response_format: {kind!r} is not supported, this server generates free text only", "response_format"
         )
+    if body.modalities not in (None, ["text"]):
+        said = f"modalities: {body.modalities} is not supported, this server generates text only"
+        raise RequestError(said, "modalities")
+    for param in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+        if getattr(body, param) is not None:  # each would change the reply: not dropped without a word
+            raise RequestError(f"{param}: not supported by this server", param)
     for i, m in enumerate(body.messages):
         if m.content is None:  # OpenAI allows it beside tool_calls, which this server does not take
             where = f"messages.{i}.content"
+            if m.role != "assistant":
+                raise RequestError(f"{where}: a {m.role} message needs its content", where)
             raise RequestError(
                 f"{where}: null is not supported (it goes with tool calls, which this server does not take)", where
             )

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -118,7 +119,10 @@ async def on_validation_error(http: HTTPRequest, e: RequestValidationError):
         loc = ""  # pydantic's loc is then a byte offset, not a parameter
         message = f"malformed JSON body: {first.get('msg')}"
     else:
-        message = f"{loc}: {first.get('msg')}" if loc else str(first.get("msg"))
+        said = first.get("msg")
+        if first.get("type") == "extra_forbidden":  # pydantic: "Extra inputs are not permitted"
+            said = "unrecognized request argument (neither an OpenAI API field nor an extra this server takes)"
+        message = f"{loc}: {said}" if loc else str(said)
     return APIError(400, message, param=loc or None).response()
 
 
@@ -186,8 +190,10 @@ def engine_request(engine: Engine, build, body) -> Request:
     try:
         req = build(body, engine.tokenizer, engine.default_params())
         engine.validate(req)
-    except ValueError as e:  # protocol's RequestError and sampling's SamplingError name the field
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+    except ValueError as e:  # protocol's RequestError, sampling's SamplingError, the engine's FieldError name the field
+        param = getattr(e, "param", None)
+        param = field_name if param == "prompt" else param  # a chat's prompt is its messages
+        raise APIError(400, str(e), param=param, code=getattr(e, "code", None)) from None
     return req
 
 
@@ -230,7 +236,7 @@ async def first_events(http: HTTPRequest, job: Job) -> list[Event] | None:
     except (ClientGone, APIError):  # an APIError is an answer already (a shutdown's 503)
         raise
     except ValueError as e:  # the engine refused it (validated before too: a change in between)
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        raise APIError(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None)) from None
     except Exception as e:  # the worker has logged it
         raise internal_error(e) from None
 
@@ -285,9 +291,20 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: TextOffsets
     return {
         "tokens": [tokenizer.decode([i]) for i in ids],
         "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [{tokenizer.decode([i]): v for i, v in t.top} for t in lps],
+        "top_logprobs": [top_by_text(tokenizer, t) for t in lps],
         "text_offset": offsets.of(ids),
     }
+
+
+def top_by_text(tokenizer, t: TokenLogprob) -> dict[str, float]:
+    """A token's top alternatives keyed by their text, as the legacy completions API has them, the
+    chosen token among them (OpenAI: up to logprobs + 1 entries). Tokens that decode to one text
+    (byte pieces of a character, each "\ufffd" alone) share its key, with the larger value."""
+    top: dict[str, float] = {}
+    for i, v in [*t.top, (t.token_id, t.logprob)]:
+        text = tokenizer.decode([i])
+        top[text] = max(v, top.get(text, -math.inf))
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
 
 
 def reply_json(state: ServerState, rid: str, req: Request, choices: list[Output], chat: bool) -> bytes:

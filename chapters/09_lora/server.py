@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -129,7 +130,10 @@ async def on_validation_error(http: HTTPRequest, e: RequestValidationError):
         loc = ""  # pydantic's loc is then a byte offset, not a parameter
         message = f"malformed JSON body: {first.get('msg')}"
     else:
-        message = f"{loc}: {first.get('msg')}" if loc else str(first.get("msg"))
+        said = first.get("msg")
+        if first.get("type") == "extra_forbidden":  # pydantic: "Extra inputs are not permitted"
+            said = "unrecognized request argument (neither an OpenAI API field nor an extra this server takes)"
+        message = f"{loc}: {said}" if loc else str(said)
     return APIError(400, message, param=loc or None).response()
 
 
@@ -205,16 +209,19 @@ def engine_request(engine: Engine, build, body, adapter: str | None = None) -> R
         if adapter is not None:  # the base model is a Request's default
             req.adapter = adapter
         engine.validate(req)
-    except ValueError as e:  # protocol's RequestError and sampling's SamplingError name the field
-        raise refused(e) from None
+    except ValueError as e:  # protocol's RequestError, sampling's SamplingError, the engine's FieldError name the field
+        raise refused(e, field_name) from None
     return req
 
 
-def refused(e: ValueError) -> APIError:
+def refused(e: ValueError, prompt_field: str = "prompt") -> APIError:
     """The engine's refusal of a request: a 400 naming the field, or the status and code the error
     carries (lora_slots.UnknownAdapter: a 404, as for any model this server does not serve; an
-    unload can come between the server's check of the name and the engine's)."""
-    return APIError(getattr(e, "status", 400), str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+    unload can come between the server's check of the name and the engine's). `prompt_field`: the
+    request's field that held the prompt (a chat's "messages")."""
+    param = getattr(e, "param", None)
+    param = prompt_field if param == "prompt" else param
+    return APIError(getattr(e, "status", 400), str(e), param=param, code=getattr(e, "code", None))
 
 
 # --- waiting on the worker while watching the client ----------------------------------------
@@ -311,9 +318,20 @@ def completion_logprobs(tokenizer, lps: list[TokenLogprob], offsets: TextOffsets
     return {
         "tokens": [tokenizer.decode([i]) for i in ids],
         "token_logprobs": [t.logprob for t in lps],
-        "top_logprobs": [{tokenizer.decode([i]): v for i, v in t.top} for t in lps],
+        "top_logprobs": [top_by_text(tokenizer, t) for t in lps],
         "text_offset": offsets.of(ids),
     }
+
+
+def top_by_text(tokenizer, t: TokenLogprob) -> dict[str, float]:
+    """A token's top alternatives keyed by their text, as the legacy completions API has them, the
+    chosen token among them (OpenAI: up to logprobs + 1 entries). Tokens that decode to one text
+    (byte pieces of a character, each "\ufffd" alone) share its key, with the larger value."""
+    top: dict[str, float] = {}
+    for i, v in [*t.top, (t.token_id, t.logprob)]:
+        text = tokenizer.decode([i])
+        top[text] = max(v, top.get(text, -math.inf))
+    return dict(sorted(top.items(), key=lambda kv: -kv[1]))
 
 
 def reply_json(state: ServerState, rid: str, req: Request, choices: list[Output], chat: bool) -> bytes:

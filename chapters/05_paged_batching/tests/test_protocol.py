@@ -306,6 +306,14 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    # ignored before: a typo, another server's extra, or an OpenAI field that would change the reply
+    ("/v1/completions", {"prompt": "hi", "max_token": 5}, "max_token"),
+    ("/v1/chat/completions", {"messages": HI, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"messages": HI, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("/v1/chat/completions", {"messages": HI, "reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
 ]
 
 
@@ -318,6 +326,48 @@ def test_bad_requests_are_400_with_an_openai_error(http, path, body, param):
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param and error["message"].startswith(param + ": ")
+
+
+def test_null_is_a_field_left_out_and_fields_that_change_nothing_are_taken(http):
+    # the openai client sends stop=None, n=None as null: they were refused ("stop: must be a string")
+    nulls = {"stop": None, "n": None, "stream": None, "seed": None, "temperature": 0, "ignore_eos": True}
+    r = post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "echo": None, "store": True} | nulls)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    body = {"messages": HI, "max_tokens": 3, "logprobs": None, "metadata": {"a": "b"}, "user": None} | nulls
+    r = post(http, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+def test_an_unknown_field_is_named_as_unrecognized(http):
+    error = post(http, "/v1/completions", {"prompt": "hi", "max_token": 5}).json()["error"]
+    assert error["message"].startswith("max_token: unrecognized request argument"), error
+
+
+@pytest.mark.parametrize(
+    "path, body, param, code",
+    [
+        ("/v1/completions", {"prompt": "hi", "n": 17}, "n", None),
+        ("/v1/completions", {"prompt": [1, 10**6]}, "prompt", None),
+        ("/v1/chat/completions", {"messages": HI, "stop": ""}, "stop", None),
+        ("/v1/chat/completions", {"messages": HI, "max_tokens": 10**7}, "max_tokens", "context_length_exceeded"),
+    ],
+)
+def test_the_engines_refusals_name_the_field(http, path, body, param, code):
+    # the engine's checks gave "param": null, and no code for a request past the context
+    r = post(http, path, {"max_tokens": 2} | body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["param"], error["code"]) == (param, code), r.text
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_and_one_entry_per_text(http):
+    # OpenAI: "the logprob of the sampled token ... up to logprobs+1 elements"; it was missing, and
+    # two byte tokens decoding to one text kept the smaller value under the larger one's place
+    for k in (0, 2, 5):
+        body = {"prompt": "hi", "max_tokens": 8, "logprobs": k, "temperature": 1.0, "seed": 1}
+        logprobs = post(http, "/v1/completions", body).json()["choices"][0]["logprobs"]
+        for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+            assert token in top and top[token] >= lp and 1 <= len(top) <= k + 1, (token, lp, top)
+            assert list(top.values()) == sorted(top.values(), reverse=True), top
 
 
 def test_a_body_not_sent_as_json_says_so(http):
