@@ -2,6 +2,7 @@
 and every entry point (generate, parity, the server) takes --quant or a quantized directory."""
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -92,8 +93,14 @@ def test_parity_cli_prints_the_table_for_int8():
 @pytest.mark.reaches("quantize.py")
 def test_a_group_size_for_int8_is_refused(tmp_path):
     r = run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--group-size", "64", "--out", str(tmp_path / "q"))
-    assert r.returncode == 2 and "--group-size is for --bits 4: int8 keeps one scale per row" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--group-size is for int4 weights (--bits 4, or --lm-head int4)" in r.stderr, r.stderr
     assert not (tmp_path / "q").exists()
+    # an int4 head of int8 weights takes it (quantizing on load does too)
+    out = tmp_path / "int4-head"
+    int4_head = ["--bits", "8", "--lm-head", "int4", "--group-size", "64"]
+    r = run("quantize.py", "--model", "tiny-llama3", *int4_head, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
 
 
 @pytest.mark.reaches("quantize.py", "parity.py")
