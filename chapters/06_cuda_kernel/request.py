@@ -118,7 +118,7 @@ class RequestLimits:
         if req.max_tokens is not None:
             return req.max_tokens
         n_prompt, bs, shared = len(req.prompt_ids), self.blocks.block_size, self.shared_blocks(req)
-        fits = (shared + (self.blocks.num_blocks - shared) // max(req.n, 1)) * bs - n_prompt
+        fits = (shared + (self.blocks.num_blocks - shared) // max(req.n, 1)) * bs - n_prompt + 1  # see pool_blocks_for
         return max(1, min(self.max_tokens_default, self.context - n_prompt, fits))
 
     def shared_blocks(self, req: Request) -> int:
@@ -129,9 +129,10 @@ class RequestLimits:
 
     def pool_blocks_for(self, req: Request) -> int:
         """KV blocks `req` holds when all its choices are at their longest: the shared prompt blocks
-        once, the rest for each choice."""
-        shared = self.shared_blocks(req)
-        return shared + req.n * (self.blocks.blocks_for(len(req.prompt_ids) + self.max_tokens_for(req)) - shared)
+        once, the rest for each choice. A choice's last token is never cached (nothing reads it:
+        generation ends there), so a choice caches its prompt and all but one of its tokens."""
+        shared, cached = self.shared_blocks(req), len(req.prompt_ids) + self.max_tokens_for(req) - 1
+        return shared + req.n * (self.blocks.blocks_for(cached) - shared)
 
     def validate(self, req: Request) -> None:
         """Raises UserError with a message fit for the client."""
@@ -181,13 +182,13 @@ class RequestLimits:
             )
         # The whole request must fit the pool at once: a choice that fits alone while all n do not
         # would be preempted again and again, and the requests behind it starve.
-        n_tokens = n_prompt + self.max_tokens_for(req)
-        slots = self.blocks.num_blocks * self.blocks.block_size
-        if self.blocks.blocks_for(n_tokens) > self.blocks.num_blocks:
+        n_new = self.max_tokens_for(req)
+        n_cached, slots = n_prompt + n_new - 1, self.blocks.num_blocks * self.blocks.block_size  # see pool_blocks_for
+        if self.blocks.blocks_for(n_cached) > self.blocks.num_blocks:
             raise FieldError(
-                f"this request needs room for {n_tokens} tokens ({n_prompt} in the prompt, "
-                f"{self.max_tokens_for(req)} to generate), but this server's KV cache holds {slots} "
-                f"tokens: lower max_tokens or the prompt's length",
+                f"this request needs room for {n_cached} tokens ({n_prompt} in the prompt, "
+                f"{n_new - 1} of the {n_new} to generate: the last is never cached), but this server's KV cache "
+                f"holds {slots} tokens: lower max_tokens or the prompt's length",
                 "max_tokens",
             )
         if self.pool_blocks_for(req) > self.blocks.num_blocks:

@@ -307,8 +307,8 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine)
     small = limited(engine, num_blocks=8)  # 128 tokens
     req = Request([5] * 100, max_tokens=100)
     message = (
-        r"this request needs room for 200 tokens \(100 in the prompt, 100 to generate\), but this server's "
-        r"KV cache holds 128 tokens: lower max_tokens or the prompt's length"
+        r"this request needs room for 199 tokens \(100 in the prompt, 99 of the 100 to generate: the last is never "
+        r"cached\), but this server's KV cache holds 128 tokens: lower max_tokens or the prompt's length"
     )
     with pytest.raises(ValueError, match=message):
         small.validate(req)
@@ -316,18 +316,36 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_before_it_runs(engine)
         next(small.stream(req))  # refused before it is queued
     assert not small.requests and not small.has_work() and small.stats()["kv_blocks_used"] == 0
     # A request that sets no max_tokens gets the default (1024) within the context and the pool:
-    # 28 tokens here, not a 400 telling it to lower a max_tokens it never set.
+    # 29 tokens here (the last of them never cached), not a 400 telling it to lower a max_tokens it never set.
     small.validate(Request([5] * 100))
-    assert small.limits.max_tokens_for(Request([5] * 100)) == 28
-    small.validate(Request([5] * 100, max_tokens=28))
+    assert small.limits.max_tokens_for(Request([5] * 100)) == 29
+    small.validate(Request([5] * 100, max_tokens=29))
     # All n choices must fit at once (6 shared prompt blocks + 2 of its own each): else one would
     # be preempted over and over, and the requests behind it starve.
     with pytest.raises(
         ValueError, match=r"this request's 16 choices need 38 blocks of 16 tokens at once .* lower n or max_tokens"
     ):
         small.validate(Request([5] * 100, max_tokens=28, n=16))
-    small.validate(Request([5] * 100, max_tokens=12, n=2))  # 6 + 2 x 1 = 8 blocks
-    assert small.limits.max_tokens_for(Request([5] * 100, n=2)) == 12  # the default, for two choices
+    small.validate(Request([5] * 100, max_tokens=13, n=2))  # 6 + 2 x 1 = 8 blocks
+    assert small.limits.max_tokens_for(Request([5] * 100, n=2)) == 13  # the default, for two choices
+
+
+def test_a_requests_last_token_takes_no_room_in_the_pool(tiny):
+    # Generation ends at the last token, so its K and V are never computed: 12 prompt tokens and 1
+    # to generate cache 12, three blocks of 4. Counted as 13, the request was refused as needing 4
+    # blocks (and n choices, up to n blocks more), though it ran in 3.
+    # blocks: the shared prompt blocks (before the prompt's last token) + n x each choice's own
+    for n_prompt, max_tokens, n, need in ((12, 1, 1, 3), (1, 4, 3, 3), (4, 1, 3, 3), (7, 6, 2, 1 + 2 * 2)):
+
+        def req():
+            return Request(list(range(300, 300 + n_prompt)), GREEDY, max_tokens=max_tokens, n=n, ignore_eos=True)
+
+        assert limited(tiny, num_blocks=64, block_size=4).limits.pool_blocks_for(req()) == need
+        exact = limited(tiny, num_blocks=need, block_size=4)
+        assert all(len(ids) == max_tokens for _, ids, _ in run(exact, req()))
+        assert exact.scheduler.n_preemptions == 0 and exact.stats()["kv_blocks_used"] == 0, (n_prompt, need)
+        with pytest.raises(ValueError, match="lower"):  # the count is exact: a block less is refused
+            limited(tiny, num_blocks=need - 1, block_size=4).validate(req())
 
 
 

@@ -291,8 +291,8 @@ def test_a_request_that_can_never_fit_the_kv_pool_is_refused_before_it_is_queued
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert message == (
-        f"this request needs room for 6000 tokens (2000 in the prompt, 4000 to generate), but this "
-        f"server's KV cache holds {slots} tokens: lower max_tokens or the prompt's length"
+        f"this request needs room for 5999 tokens (2000 in the prompt, 3999 of the 4000 to generate: the last is "
+        f"never cached), but this server's KV cache holds {slots} tokens: lower max_tokens or the prompt's length"
     )
     health = http.get(base_url + "/health").json()
     assert health["busy"] is False and health["running"] == health["waiting"] == health["queued"] == 0, health
