@@ -8,7 +8,9 @@ and batch 1 against llama.cpp with the same adapter.
 Rows (SmolLM2, the Q4_1 GGUF run directly: llama.cpp's weights, bit for bit, as int4 G=32):
 - 16 sequences of the base model, against 16 sequences with 16 different rank-16 adapters on all
   seven projections (16 slots, every adapter resident: the cost of the deltas, not of swapping);
-- 1 sequence of the base model, against 1 with an adapter;
+- 1 sequence of the base model, against 1 with an adapter, and against the base reading as many
+  bytes as one adapter's tables each step (one sum: the bytes without the deltas' arithmetic, so
+  what the adapter's bytes alone cost; see `reading`);
 - llama.cpp (llama-cpp-python, where installed) at batch 1, its base and the same adapter written as
   a GGUF LoRA file (`lora_path`). Its greedy tokens are compared with ours, which checks the file.
 Each figure is generated tokens per second of a whole run (16-token prompts, --tokens new tokens
@@ -35,7 +37,7 @@ from common.cli import positive_int
 from common.prepare_models import find_gguf
 from common.tools.bench import RESULTS_DIR, add_int8_activations, check_out, command_line, isa_line, machine, save_json
 from engine import Request, build_engine
-from lora import PROJECTIONS, projection_shapes
+from lora import PROJECTIONS, LoraWeights, projection_shapes
 from ops import KernelFlags
 from sampling import SamplingParams
 
@@ -195,13 +197,32 @@ def main() -> int:
     return 0
 
 
+READ_ONLY = "base x1 + adapter's bytes"
+
+
+def reading(engine, extra: torch.Tensor, case):
+    """`case` with every engine step reading `extra` first (one sum: its bytes, next to no
+    arithmetic). With `extra` as large as one adapter's tables, this is what those bytes alone
+    cost a base step: where the caches hold much of the model, the bytes an adapter reads
+    displace the base's weights, which the step then reads from further away."""
+    step = engine.step
+    engine.step = lambda: (extra.sum(), step())[1]
+    try:
+        return case()
+    finally:
+        del engine.step  # the class's method again
+
+
 def measure(engine, names: list[str], gguf_model: Path, gguf_lora: Path, args) -> dict:
     threads = torch.get_num_threads()
+    size = LoraWeights.table_bytes(engine.model.config, 1, RANK, engine.model.lora.dtype)
+    adapter_sized = torch.ones(size // 2, dtype=torch.bfloat16)
     cases = {
         f"base x{args.batch}": lambda run: ours(engine, [None] * args.batch, args.tokens, run),
         f"{args.batch} adapters x{args.batch}": lambda run: ours(engine, names, args.tokens, run),
         "base x1": lambda run: ours(engine, [None], args.tokens, run),
         "adapter x1": lambda run: ours(engine, names[:1], args.tokens, run),
+        READ_ONLY: lambda run: reading(engine, adapter_sized, lambda: ours(engine, [None], args.tokens, run)),
     }
     for name, llm in llama_cpp_models(gguf_model, gguf_lora, args.tokens, threads).items():
         cases[name] = lambda run, llm=llm: theirs(llm, args.tokens, run)
@@ -228,8 +249,13 @@ def measure(engine, names: list[str], gguf_model: Path, gguf_lora: Path, args) -
     }
     # ratios within a round (the cases of a round ran back to back): steadier than medians' ratios
     n = args.batch
-    pairs = {"adapters": (f"{n} adapters x{n}", f"base x{n}"), "adapter x1": ("adapter x1", "base x1")}
+    pairs = {
+        "adapters": (f"{n} adapters x{n}", f"base x{n}"),
+        "adapter x1": ("adapter x1", "base x1"),
+        "bytes x1": (READ_ONLY, "base x1"),
+    }
     record["ratio_per_round"] = {k: [x / y for x, y in zip(tok_s[a], tok_s[b])] for k, (a, b) in pairs.items()}
+    record["read_only_same_tokens"] = ids[READ_ONLY] == ids["base x1"]  # the extra read changes nothing else
     if "llama.cpp adapter" in ids:  # same weights, same adapter: the same greedy tokens, or the file is wrong
         record["tokens_agree"] = {
             kind: sum(x == y for x, y in zip(ids[f"llama.cpp {kind}"], ids[mine]))
@@ -249,6 +275,8 @@ def report(record: dict, png: Path) -> None:
     print(f"{n} adapters x{n} / base x{n}: {ratio:.2f}x (per round: {per_round('adapters')})")
     ratio = med["adapter x1"] / med["base x1"]
     print(f"adapter x1 / base x1: {ratio:.2f}x (per round: {per_round('adapter x1')})")
+    ratio = med[READ_ONLY] / med["base x1"]
+    print(f"the base reading an adapter's bytes each step / base x1: {ratio:.2f}x (per round: {per_round('bytes x1')})")
     if "llama.cpp adapter" in med:
         print(f"ours / llama.cpp with the adapter at batch 1: {med['adapter x1'] / med['llama.cpp adapter']:.2f}x")
         print(f"greedy tokens equal to llama.cpp's (of {record['tokens']}): {record['tokens_agree']}")

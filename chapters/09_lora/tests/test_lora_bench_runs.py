@@ -20,15 +20,16 @@ def test_lora_bench_runs_and_saves_figures(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    ours = {"base x2", "2 adapters x2", "base x1", "adapter x1"}
+    ours = {"base x2", "2 adapters x2", "base x1", "adapter x1", "base x1 + adapter's bytes"}
     assert ours <= set(result["tok_s"]) and result["batch"] == 2 and result["rank"] == 16
     for name in ours:
         assert len(result["tok_s"][name]) == 1 and result["tok_s"][name][0] > 0
-    assert {k: len(v) for k, v in result["ratio_per_round"].items()} == {"adapters": 1, "adapter x1": 1}
+    assert {k: len(v) for k, v in result["ratio_per_round"].items()} == {"adapters": 1, "adapter x1": 1, "bytes x1": 1}
+    assert result["read_only_same_tokens"] is True  # the base's tokens, with the extra read or without
     if peers.llama_cpp_available() is None:  # the same adapter through llama.cpp, its tokens compared
         assert {"llama.cpp base", "llama.cpp adapter"} <= set(result["tok_s"])
         assert set(result["tokens_agree"]) == {"base", "adapter"}
-    assert "adapter x1 / base x1" in proc.stdout
+    assert "adapter x1 / base x1" in proc.stdout and "the base reading an adapter's bytes" in proc.stdout
     # int8 activations by default: where the CPU has an integer product the kernels line names it
     assert result["int8_activations"] is True
     has_product = kernels.load().cpu_int8_product() != "none"  # none in portable C++
