@@ -187,9 +187,14 @@ class QuantSpec:
 
     @property
     def name(self) -> str:
-        if self.bits == 8:
-            return "int8"
-        return f"int4 G={self.group_size}" + (" sym" if self.symmetric else "")
+        """"int8", "int4 G=32", ...; a head other than the default int8 is named too."""
+        int4 = f"int4 G={self.group_size}" + (" sym" if self.symmetric else "")
+        weights = "int8" if self.bits == 8 else int4
+        if self.head_bits == 8:
+            return weights
+        if self.head_bits is None:
+            return f"{weights}, unquantized head"
+        return f"{weights}, {'int4' if self.bits == 4 else int4} head"
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:

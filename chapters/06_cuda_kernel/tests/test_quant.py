@@ -154,3 +154,11 @@ def test_a_constant_group_keeps_a_scale_of_at_least_zero():
     # float16 rounded the min of a group of 0.30001 past its max: the scale came out -2.6e-6
     q = quantize_int4(torch.full((2, 32), 0.30001), 32)
     assert (q.scale >= 0).all() and torch.allclose(q.dequantize(), torch.full((2, 32), 0.30001), atol=1e-4)
+
+
+def test_a_spec_names_a_head_other_than_the_default_int8():
+    # "int8" was all that quantize.py, cli.py and generate.py said of int8 weights with an int4 head
+    assert QuantSpec(8).name == "int8" and QuantSpec(4).name == "int4 G=32"
+    assert QuantSpec(8, 64, head_bits=4).name == "int8, int4 G=64 head"
+    assert QuantSpec(4, 32, True, head_bits=4).name == "int4 G=32 sym, int4 head"
+    assert QuantSpec(4, 32, head_bits=None).name == "int4 G=32, unquantized head"
