@@ -210,6 +210,12 @@ class Group:
         dist.gather(t, parts, dst=0, group=self.compute)
         return torch.cat(parts, dim=-1) if self.rank == 0 else t
 
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's `obj` (small and picklable), in rank order on rank 0; None elsewhere."""
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def send(self, message) -> None:
         """Rank 0: one pickled message to every worker (the step's plan)."""
         if self.shm is None or not self._guard(self.shm.send, message):
@@ -341,9 +347,15 @@ class ParallelRunner:
         its copy until forget_lora: a slot filled later (a swap, a preemption, a sequence of a
         registration since loaded again in place) gets the same weights on every rank even if the
         files changed in between. The ranks know a copy by id() of rank 0's: the slot manager holds
-        that object until it calls forget_lora, so no other adapter has its id meanwhile."""
+        that object until it calls forget_lora, so no other adapter has its id meanwhile. Each rank
+        says what it read (its digest): files that changed between rank 0's read and another's
+        would put different adapters on the ranks, and a mixed sum in every layer."""
         adapter = self.inner.read_lora(path)
         self.group.send(("lora_read", self.id, id(adapter), str(path)))
+        digests = self.group._guard(self.group.gather_objects, adapter.digest)
+        if any(d != adapter.digest for d in digests):
+            self.forget_lora(adapter)
+            raise UserError(f"LoRA adapter files in {path} changed while the ranks read them; load it again")
         return adapter
 
     def forget_lora(self, adapter) -> None:
@@ -596,7 +608,11 @@ def worker_main() -> int:
                 runners[message[1]].enable_lora(*message[2:])
             elif kind == "lora_read":
                 _, rid, key, path = message
-                adapters[key] = runners[rid].read_lora(Path(path))
+                try:
+                    adapters[key] = runners[rid].read_lora(Path(path))
+                except USER_ERRORS:  # the files changed since rank 0 read them: rank 0 refuses (None)
+                    adapters[key] = None
+                group.gather_objects(adapters[key] and adapters[key].digest)
             elif kind == "lora_forget":
                 del adapters[message[2]]
             elif kind == "lora":

@@ -94,3 +94,40 @@ def test_a_name_loaded_again_in_place_from_its_own_folder_keeps_each_rank_on_the
     want, waits = outputs(1)
     assert waits > 0 and want[1] != want[2]  # the old x waited for the slot; old and new weights differ
     assert outputs(2)[0] == want
+
+
+def test_files_changed_while_the_ranks_read_them_are_refused_not_loaded_apart(paths, tmp_path):
+    # Rank 0 reads an adapter's files, then tells the other ranks to read them: files rewritten in
+    # between put different weights on the ranks (each layer's sum then mixes two adapters). Every
+    # rank now says what it read, and rank 0 refuses a difference; the engine goes on.
+    import shutil
+
+    import pytest
+
+    from common.errors import UserError
+
+    folder = tmp_path / "x"
+    shutil.copytree(paths["o-down"], folder)
+    engine, _ = build_engine("tiny-llama3", "cpu", "float32", tensor_parallel_size=2, max_loras=1, num_blocks=64)
+    try:
+        read = engine.runner.inner.read_lora
+
+        def read_then_overwrite(path):
+            adapter = read(path)
+            if path == folder:  # after rank 0's read, before rank 1's
+                for name in ("adapter_model.safetensors", "adapter_config.json"):
+                    shutil.copy(paths["kv-up"] / name, folder / name)
+            return adapter
+
+        engine.runner.inner.read_lora = read_then_overwrite
+        with pytest.raises(UserError, match="changed while the ranks read them; load it again"):
+            engine.adapters.register("x", folder)
+        assert "x" not in engine.adapters.names()
+        engine.adapters.register("y", paths["kv-up"])  # the group is whole: the next load and step work
+        reqs = [
+            Request([1, 100, 2000, 4000, 77], SamplingParams(temperature=0), max_tokens=4, ignore_eos=True, adapter=a)
+            for a in (None, "y")
+        ]
+        assert [len(o[0].token_ids) for o in engine.generate(reqs)] == [4, 4]
+    finally:
+        engine.tensor_parallel.close()
