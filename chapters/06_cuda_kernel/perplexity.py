@@ -209,7 +209,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     ap.add_argument("--hf", action="store_true", help="score with HF transformers (float32, eager) instead")
     add_quant_args(ap)
-    return ap.parse_args(argv)
+    args, defaults = ap.parse_args(argv), vars(ap.parse_args([]))
+    # the engine's flags given with --hf, which scores through HF transformers in float32 instead
+    hf_reads = {"model", "device", "text", "context", "stride", "max_tokens", "hf"}
+    given = [k for k, v in vars(args).items() if k not in hf_reads and v != defaults[k]]
+    given = [k for k in given if not (k == "dtype" and args.dtype in ("auto", "float32"))]  # what --hf does
+    args.engine_flags = [f"--{k.replace('_', '-')}" for k in given]
+    return args
 
 
 def main(argv=None) -> int:
@@ -230,6 +236,9 @@ def main(argv=None) -> int:
     if args.hf:
         if spec_of(model_dir) is not None or args.quant:
             raise UserError("--hf scores a plain checkpoint in float32; it takes no quantized model")
+        if args.engine_flags:  # they were ignored without a word
+            flags = ", ".join(args.engine_flags)
+            raise UserError(f"--hf scores with HF transformers in float32: {flags} would not apply")
         device = pick_device(args.device)
         what = f"HF transformers (eager), {device}, float32"
     else:

@@ -262,6 +262,9 @@ def test_cli_prints_the_perplexity(tmp_path):
         (["--model", "smollm2-135m", "--context", "9000", "--stride", "100"], "exceeds the model's 8192 positions"),
         (["--max-tokens", "1"], "--max-tokens must be at least 2"),
         (["--text", "/nope.txt"], "--text /nope.txt: cannot read it"),
+        # the engine's flags with --hf, which scores through HF transformers: they were ignored
+        (["--hf", "--dtype", "bfloat16", "--matmul", "reference"], "in float32: --dtype, --matmul would not apply"),
+        (["--hf", "--group-size", "64"], "--group-size would not apply"),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message):
