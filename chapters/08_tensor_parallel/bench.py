@@ -380,7 +380,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--quant", choices=["int4", "int8", "none"], default="int4", help="weights (default: %(default)s)")
+    ap.add_argument(
+        "--quant",
+        choices=["int4", "int8", "none"],
+        default=None,
+        help="parts one and batch: the weights (default: int4); part draft has its bf16 target and int4 draft",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="activations and KV cache (default: %(default)s)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"parts one and draft: some of {', '.join(TASKS)}")
@@ -408,6 +413,9 @@ def main() -> int:
     for name in ("max_tokens", "batch_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.quant is not None and parts == ["draft"]:  # it was recorded, and changed nothing
+        raise UserError("--quant is for parts one and batch: part draft runs a bf16 target and its int4 draft")
+    args.quant = args.quant or "int4"
     if args.peers not in ("", "llama.cpp"):
         raise UserError(f"--peers takes llama.cpp, got {args.peers!r}")
     torch.set_num_threads(args.threads)

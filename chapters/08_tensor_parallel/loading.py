@@ -59,9 +59,17 @@ def add_quant_args(ap: argparse.ArgumentParser) -> None:
 
 
 def quant_spec(args) -> QuantSpec | None:
+    """The --quant flags as a QuantSpec (None: no quantizing on load). A value other than the
+    default that would change nothing is refused: it was ignored without a word."""
+    int4_flags = [f for f, given in (("--group-size", args.group_size != 32), ("--symmetric", args.symmetric)) if given]
     if args.quant is None:
+        given = int4_flags + (["--lm-head"] if args.lm_head != "int8" else [])
+        if given:
+            raise UserError(f"{', '.join(given)} goes with --quant int8 or int4 (quantizing on load)")
         return None
     head = {"int8": 8, "int4": 4, "none": None}[args.lm_head]
+    if args.quant == "int8" and head != 4 and int4_flags:
+        raise UserError(f"{', '.join(int4_flags)} is for int4 weights (--quant int4, or --lm-head int4)")
     return QuantSpec(
         bits=8 if args.quant == "int8" else 4, group_size=args.group_size, symmetric=args.symmetric, head_bits=head
     )
@@ -100,7 +108,7 @@ def load(
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
     ops.from_args parses them, or only a --kernels choice."""
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # before its conversion
-        raise UserError(f"{name_or_path} is already quantized (a GGUF file); --quant applies to a plain checkpoint")
+        raise UserError(f"{name_or_path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes")
     model_dir = resolve(name_or_path)
     dev = pick_device(device)
     quantized = spec is not None or spec_of(model_dir) is not None

@@ -311,5 +311,5 @@ def test_quant_on_a_gguf_is_refused_before_its_conversion(tmp_path, monkeypatch)
 
     monkeypatch.setattr(loading, "convert_gguf", lambda path, out: pytest.fail("converted before the refusal"))
     path = tiny_gguf(tmp_path / "m.gguf")
-    with pytest.raises(UserError, match=rf"^{path} is already quantized \(a GGUF file\); --quant applies"):
+    with pytest.raises(UserError, match=rf"^{path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes"):
         loading.load(str(path), "cpu", "float32", QuantSpec(bits=8, group_size=32, symmetric=False, head_bits=8))

@@ -116,6 +116,30 @@ def test_a_group_size_for_int8_is_refused(tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"group_size": 64}, "--group-size goes with --quant int8 or int4"),
+        ({"symmetric": True, "lm_head": "none"}, "--symmetric, --lm-head goes with --quant int8 or int4"),
+        ({"quant": "int8", "group_size": 64}, "--group-size is for int4 weights"),
+        ({"quant": "int8", "symmetric": True}, "--symmetric is for int4 weights"),
+    ],
+)
+def test_quant_flags_that_would_change_nothing_are_refused(flags, message):
+    # cli.py, generate.py and the server ran a plain model unquantized, or int8 without groups,
+    # with these flags given and no word
+    from argparse import Namespace
+
+    from common.errors import UserError
+    from loading import quant_spec
+
+    defaults = {"quant": None, "group_size": 32, "symmetric": False, "lm_head": "int8"}
+    with pytest.raises(UserError, match=message):
+        quant_spec(Namespace(**defaults | flags))
+    int4_head = Namespace(**defaults | {"quant": "int8", "group_size": 64, "lm_head": "int4"})
+    assert quant_spec(int4_head).name == "int8, int4 G=64 head"  # where they apply, they are taken
+
+
 def test_parity_refuses_a_quantized_reference(tmp_path):
     out = tmp_path / "q"
     assert run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(out)).returncode == 0

@@ -83,6 +83,7 @@ def test_bad_arguments_are_clear_errors():
         (["--ks", "0"], "positive integers"),
         (["--peers", "vllm"], "--peers takes llama.cpp"),
         (["--ks", "4,1000", "--model", "tiny-llama3"], "--ks: a prompt-lookup engine drafts at most 255 tokens a step"),
+        (["--parts", "draft", "--quant", "int8"], "--quant is for parts one and batch"),
     ]:
         proc = run(*args, timeout=60)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -91,7 +91,7 @@ def test_generate_tp3_from_the_gguf_equals_tp1():
     assert r.stdout.rstrip("\n") == tp1_texts(str(resolve(str(gguf))), PROMPTS[:1], 6)[0]
     # --quant on it is refused as at size 1 (it was let through when it named the GGUF's own format)
     r = generate_py("--model", str(gguf), "--quant", "int4", "--prompt", "hi", "--tensor-parallel-size", "3")
-    assert r.returncode == 2 and "is already quantized (a GGUF file); --quant applies to a plain" in r.stderr
+    assert r.returncode == 2 and "--quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes" in r.stderr
 
 
 def test_cli_chat_at_tp2_says_what_tp1_says():
