@@ -496,7 +496,7 @@ def load(
     from loading import resolve  # (loading imports model loading; here only the name resolution)
 
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # as loading.load, before conversion
-        raise UserError(f"{name_or_path} is already quantized (a GGUF file); --quant applies to a plain checkpoint")
+        raise UserError(f"{name_or_path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes")
     model_dir = resolve(name_or_path)
     config = load_config(model_dir)
     stored = spec_of(model_dir)  # a quantized directory, or a converted .gguf
