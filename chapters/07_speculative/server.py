@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from common.cli import listen_socket, port_number, positive_float, positive_int
+from common.errors import UserError
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
@@ -708,8 +709,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     batching.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=256,
-        help="new tokens in one step at most: the prefill chunk (default: %(default)s)",
+        default=None,
+        help="new tokens in one step at most: the prefill chunk (default: 256; without chunked prefill, the context)",
     )
     batching.add_argument(
         "--no-chunked-prefill",
@@ -746,7 +747,7 @@ def main() -> int:
             kv_cache_bytes=None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GiB),
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            **({} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}),
             chunked_prefill=args.chunked_prefill,
             prefix_caching=args.prefix_caching,
             **speculative_args(args),
@@ -755,6 +756,12 @@ def main() -> int:
 
     worker = Worker(build)
     engine, name = worker.engine, named["name"]
+    budget = args.max_num_batched_tokens
+    if not args.chunked_prefill and budget is not None and budget < engine.context:  # it was raised silently
+        raise UserError(
+            f"--max-num-batched-tokens {budget} with --no-chunked-prefill: a step must hold a whole prompt, up to "
+            f"the context ({engine.context} tokens); leave it out, or chunk prompts"
+        )
     max_body = int(args.max_body_mb * 2**20) if args.max_body_mb is not None else body_limit_for(engine.context)
     app = create_app(worker, args.served_model_name or name, max_body, args.timeout_body, args.limit_concurrency)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

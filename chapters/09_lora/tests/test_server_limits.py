@@ -435,3 +435,12 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
         r = run_python(argv, cwd=CHAPTER, timeout=120)
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", r.stderr
+
+
+def test_a_step_budget_below_the_context_without_chunked_prefill_is_refused():
+    # without chunked prefill a step holds a whole prompt: the engine raised the budget to the
+    # context without a word, and the startup line said "131072 tokens per step"
+    argv = ["server.py", "--model", MODEL, "--port", "0", "--max-num-batched-tokens", "64", "--no-chunked-prefill"]
+    r = run_python(argv, cwd=CHAPTER, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--max-num-batched-tokens 64 with --no-chunked-prefill: a step must hold a whole prompt" in r.stderr
