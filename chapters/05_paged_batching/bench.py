@@ -98,17 +98,16 @@ def start_servers(args, specs: dict[str, tuple[Path, list[str]]], record: dict):
     its scheduler's settings too (chapter 04's has none)."""
     base = ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
     base += ["--quant", args.quant] if args.quant else []
-    ours = [
-        "--kv-cache-memory-gb",
-        str(args.kv_cache_memory_gb),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]
-    argv = {
-        label: (folder, base + (ours if folder == HERE else []) + flags) for label, (folder, flags) in specs.items()
-    }
+
+    def ours(flags: list[str]) -> list[str]:
+        own = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--max-num-seqs", str(args.max_num_seqs)]
+        if "--no-chunked-prefill" in flags:  # its step holds a whole prompt: the server refuses a smaller budget
+            return own
+        return own + ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+
+    argv = {}
+    for label, (folder, flags) in specs.items():
+        argv[label] = (folder, base + (ours(flags) if folder == HERE else []) + flags)
     return servers(argv, record, threads=args.threads, timeout=args.server_timeout)
 
 
