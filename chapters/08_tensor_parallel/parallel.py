@@ -94,9 +94,9 @@ def add_arguments(ap) -> None:
     g.add_argument(
         "--tensor-parallel-timeout",
         type=seconds,
-        default=DEFAULT_TIMEOUT_S,
+        default=None,  # None: not given, so that size_from can refuse it at size 1
         help="seconds a step's collective may wait for the other ranks before the group is declared lost "
-        "(default: %(default)s)",
+        f"(default: {DEFAULT_TIMEOUT_S:g})",
     )
 
 
@@ -117,6 +117,8 @@ def size_from(args) -> int:
         raise UserError(f"--tensor-parallel-size {size} under torchrun with WORLD_SIZE {launched}: make them equal")
     if size < 1:
         raise UserError(f"--tensor-parallel-size must be at least 1, got {size}")
+    if size == 1 and getattr(args, "tensor_parallel_timeout", None) is not None:  # it changed nothing there
+        raise UserError("--tensor-parallel-timeout goes with --tensor-parallel-size 2 or more: one rank waits for none")
     return size
 
 
@@ -489,10 +491,10 @@ def load(
     matmul: str = DEFAULT_PATH,
     kernel_flags: KernelFlags | str = KernelFlags(),
     world: int = 2,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ):
     """Rank 0's loading.load at tensor-parallel size `world`: checks the sizes, starts the ranks,
-    each loads its shard. -> (rank 0's Model, its directory, the Group)."""
+    each loads its shard (timeout_s None: DEFAULT_TIMEOUT_S). -> (rank 0's Model, its directory, the Group)."""
     from loading import resolve  # (loading imports model loading; here only the name resolution)
 
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # as loading.load, before conversion
@@ -513,6 +515,7 @@ def load(
     shm_path = ShmChannel.create("/dev/shm", world) if shm else None  # before any rank starts
     group = None
     try:
+        timeout_s = timeout_s or DEFAULT_TIMEOUT_S
         group = start(world, timeout_s)
         args = LoadArgs(str(model_dir), dev.type, dt, spec, matmul, flags, timeout_s, shm_path)
         group.send(("load", args))
@@ -582,7 +585,7 @@ def build_engine(
     draft_model: str | None = None,
     draft_quant: QuantSpec | str | None = DRAFT_DEFAULT,
     tensor_parallel_size: int = 1,
-    tensor_parallel_timeout: float = DEFAULT_TIMEOUT_S,
+    tensor_parallel_timeout: float | None = None,
     **limits,
 ):
     """engine.build_engine at tensor-parallel size N: size 1 is chapter 07's exactly. Otherwise the

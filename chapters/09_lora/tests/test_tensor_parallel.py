@@ -193,6 +193,19 @@ def test_a_transport_that_is_none_is_refused(monkeypatch):
     assert parallel.transport() == "gloo"
 
 
+def test_a_timeout_at_size_1_is_refused_where_it_would_change_nothing():
+    import argparse
+
+    import parallel
+
+    ap = argparse.ArgumentParser()
+    parallel.add_arguments(ap)
+    with pytest.raises(UserError, match="--tensor-parallel-timeout goes with --tensor-parallel-size 2 or more"):
+        parallel.size_from(ap.parse_args(["--tensor-parallel-timeout", "30"]))
+    assert parallel.size_from(ap.parse_args(["--tensor-parallel-timeout", "30", "--tensor-parallel-size", "2"])) == 2
+    assert parallel.size_from(ap.parse_args([])) == 1 and ap.parse_args([]).tensor_parallel_timeout is None
+
+
 def test_an_explicit_kv_budget_counts_once_per_rank_on_one_host():
     # --kv-cache-memory-gb is each rank's pool: 2 ranks of 60 % of the free memory do not fit together
     # (256 sequences of tiny-llama3's 131,072 tokens could use all of it)...
