@@ -46,7 +46,13 @@ def parse_args():
             f"--{name.replace('_', '-')}", type=kind, default=None, help="default: the model's generation_config.json"
         )
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    # --raw is a plain completion of --prompt: with the chat's settings it would drop them unseen
+    if args.raw and args.prompt is None:
+        ap.error("--raw completes a --prompt (the interactive chat always uses the chat template)")
+    if args.raw and (args.chat or args.system is not None):
+        ap.error(f"{'--chat' if args.chat else '--system'} goes into the chat template, which --raw leaves out")
+    return args
 
 
 def request_params(args, engine: Engine) -> SamplingParams:

@@ -60,7 +60,13 @@ def parse_args():
     ap.add_argument(
         "--lora", default=None, help="a LoRA adapter for every reply: a PEFT folder, or a prepared one's name"
     )
-    return ap.parse_args()
+    args = ap.parse_args()
+    # --raw is a plain completion of --prompt: with the chat's settings it would drop them unseen
+    if args.raw and args.prompt is None:
+        ap.error("--raw completes a --prompt (the interactive chat always uses the chat template)")
+    if args.raw and (args.chat or args.system is not None):
+        ap.error(f"{'--chat' if args.chat else '--system'} goes into the chat template, which --raw leaves out")
+    return args
 
 
 def lora_args(args) -> dict:

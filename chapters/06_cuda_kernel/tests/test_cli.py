@@ -1,4 +1,5 @@
 import argparse
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,6 +66,26 @@ def test_bad_flags_are_clear_errors(args, message):
     # its model is loaded, and SmolLM2's float32 weights take seconds to load for each error
     r = run("--model", "tiny-llama3", "--prompt", "hi", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--raw"], "--raw completes a --prompt"),
+        (["--raw", "--chat", "--prompt", "hi"], "--chat goes into the chat template, which --raw leaves out"),
+        (["--raw", "--system", "Be brief.", "--prompt", "hi"], "--system goes into the chat template"),
+    ],
+)
+def test_raw_with_the_chats_settings_is_refused(args, message, monkeypatch, capsys):
+    # --raw completes --prompt as plain text: a --system message, --chat, or the chat itself were dropped unseen
+    import cli
+
+    monkeypatch.setattr(sys, "argv", ["cli.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args()
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["cli.py", "--raw", "--prompt", "hi"])
+    assert cli.parse_args().raw
 
 
 def test_the_terminal_chat_does_not_load_the_http_layer():
