@@ -139,8 +139,8 @@ def main() -> int:
         decode_s = step_times[-1] - step_times[0]
         decoded = sum(len(o) for o in outputs) - len([o for o in outputs if o])
         print(
-            f"[ch{CHAPTER} torch {device.type} {str(dtype).removeprefix('torch.')}, {model.quant.name if model.quant else 'no quantization'}, "
-            f"{model.weight_bytes / 1e6:.0f} MB of weights{f' per rank, TP={tp}' if tp > 1 else ''}] batch {len(prompts)}, "
+            f"[ch{CHAPTER} {device.type} {str(dtype).removeprefix('torch.')}, {model.quant.name if model.quant else 'no quantization'}, "
+            f"{model.weight_bytes / 1e6:.0f} MB of weights{f' per rank, TP={tp}' if tp > 1 else ''}, {model.ops.describe()}] batch {len(prompts)}, "
             f"prompt {n_prompt} tokens, TTFT {ttft * 1e3:.0f} ms (prefill {n_prompt / ttft:.0f} tok/s), "
             f"decode {decoded} tokens at {decoded / decode_s if decode_s else float('nan'):.1f} tok/s",
             file=sys.stderr,

@@ -62,7 +62,9 @@ def test_generate_answers_a_chat_prompt(dtype):
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "TTFT" in r.stderr and "decode" in r.stderr and "tok/s" not in r.stdout
+    status = [line for line in r.stderr.splitlines() if line.startswith("[ch")]
+    assert "TTFT" in status[-1] and "decode" in status[-1] and "tok/s" not in r.stdout
+    assert "kernels: " in status[-1], status  # on, or off and why: the line says which path ran
     if dtype == "bfloat16":
         # No step up to "Paris" is a near-tie, so bf16 must follow the fp32 answer token for token.
         text, margins = fp32_greedy_margins(PROMPT, "Paris")
