@@ -338,7 +338,9 @@ class KernelOps:
             if self.tile_bytes:  # int4 or int8 weights with bf16 activations, --int8-activations
                 product = self._ext.cpu_int8_product()
                 where += f"; int8 activations: {product}, {self.tile_bytes / 1e6:.0f} MB of tiles"
-        return f"kernels: on ({where}{', batch-invariant' if self.batch_invariant else ''})"
+        # the CPU's gemm part already says so: "gemm: off (batch-invariant)"
+        invariant = self.batch_invariant and "batch-invariant" not in where
+        return f"kernels: on ({where}{', batch-invariant' if invariant else ''})"
 
 
 # --- the library's linears: what KernelOps.quant_linear and dense_linear build -------------------
