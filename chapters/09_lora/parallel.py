@@ -69,6 +69,15 @@ NO_TIMEOUT = timedelta(days=20)  # the plan broadcast: workers wait as long as r
 # milliseconds in 32 bits: a year hung its connect)
 
 
+class Refused(UserError):
+    """A rank's load refused (a flag, the checkpoint), as every rank knows after the gather: rank 0
+    says it once, as at size 1 (the same words on every rank), and the workers leave without a word."""
+
+    def __init__(self, by_rank: dict[int, str], world: int):
+        alike = len(by_rank) == world and len(set(by_rank.values())) == 1
+        super().__init__(by_rank[0] if alike else "; ".join(f"rank {r}: {m}" for r, m in by_rank.items()))
+
+
 class RankLost(RunError):
     """A rank died or a collective failed: the group cannot compute any more."""
 
@@ -262,18 +271,20 @@ class Group:
             raise
         except Exception as e:
             self._poll_children()  # a dead child names itself; else the collective's error does
+            if isinstance(e, USER_ERRORS):  # rank 0's own (a bad checkpoint, a flag): said as at size 1
+                self.lost(f"{type(e).__name__}: {e}", quiet=True)
+                raise
             first = str(e).splitlines()[0] if str(e) else ""
             self.lost(f"a collective failed ({type(e).__name__}: {first})")
-            if isinstance(e, USER_ERRORS):  # rank 0's own (a bad checkpoint, a flag): as at size 1
-                raise
             raise self.error() from None
 
-    def lost(self, reason: str) -> None:
+    def lost(self, reason: str, quiet: bool = False) -> None:
         with self._lock:
             if self.lost_reason is not None or self.closed:
                 return
             self.lost_reason = reason
-        print(f"tensor parallel: {reason}; stopping every rank", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"tensor parallel: {reason}; stopping every rank", file=sys.stderr, flush=True)
         for callback in self.on_lost:
             callback(reason)
         self._kill_children()
@@ -508,17 +519,24 @@ def _load(group: Group, a: LoadArgs):
         dist.barrier()  # every rank has it mapped: rank 0 unlinks the file below
         if group.rank == 0:
             ShmChannel.remove(a.shm_path)
-    config = load_config(a.model_dir)
-    group.shard = (config, ShardPlan.of(config, group.rank, group.world))
-    ops = a.kernels.ops(device, config.head_dim)
-    model, read = load_shard(a.model_dir, group.rank, group.world, group, device, a.dtype, a.quant, a.matmul, ops)
+    try:  # a refusal (a flag, the checkpoint) on any rank: every rank learns it below
+        config = load_config(a.model_dir)
+        group.shard = (config, ShardPlan.of(config, group.rank, group.world))
+        ops = a.kernels.ops(device, config.head_dim)
+        model, read = load_shard(a.model_dir, group.rank, group.world, group, device, a.dtype, a.quant, a.matmul, ops)
+        outcome = (model.weight_bytes, read)
+    except USER_ERRORS as e:
+        model, outcome = None, str(e)
+    sizes = [None] * group.world
+    dist.all_gather_object(sizes, outcome, group=None)
+    refused = {rank: o for rank, o in enumerate(sizes) if isinstance(o, str)}
+    if refused:
+        raise Refused(refused, group.world)
     if group.shm is not None:
         group.shm.attach_library(ops)
         for layer in model.layers:  # the one-call layers sum o's and down's partial sums without Python
             if layer.one_call is not None:
                 layer.one_call.shm = group.shm.native
-    sizes = [None] * group.world
-    dist.all_gather_object(sizes, (model.weight_bytes, read), group=None)
     return model, sizes
 
 
@@ -590,6 +608,8 @@ def worker_main() -> int:
     assert kind == "load", kind
     try:
         model, _ = _load(group, args)
+    except Refused:  # rank 0 says it
+        return 1
     except Exception as e:  # noqa: BLE001  (one line, then rank 0 notices the exit)
         print(f"tensor parallel: rank {rank} could not load its shard: {e}", file=sys.stderr, flush=True)
         return 1

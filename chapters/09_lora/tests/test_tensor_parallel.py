@@ -238,6 +238,16 @@ def test_a_rank_0_error_while_loading_is_its_own_one_line_error_as_at_size_1():
     last = r.stderr.strip().splitlines()[-1]
     assert last == alone.stderr.strip().splitlines()[-1] and last.startswith("error: --batch-invariant"), r.stderr
     assert "Traceback" not in r.stderr
+    # said once: not again by rank 1, nor as "a collective failed"
+    assert r.stderr.count("--batch-invariant: float32") == 1, r.stderr
+
+
+def test_a_refusal_names_the_ranks_unless_every_rank_said_the_same():
+    from parallel import Refused
+
+    assert str(Refused({0: "bad flag", 1: "bad flag"}, 2)) == "bad flag"
+    assert str(Refused({1: "shard 1 is corrupt"}, 2)) == "rank 1: shard 1 is corrupt"
+    assert str(Refused({0: "a", 2: "b"}, 3)) == "rank 0: a; rank 2: b"
 
 
 def test_a_worker_dead_before_the_rendezvous_is_reported_not_waited_for():
