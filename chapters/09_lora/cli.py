@@ -172,10 +172,12 @@ def main() -> int:
     )
     m = engine.model
     dense = f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies" if m.dense_copy_bytes else ""
+    # with tensor parallelism the figures are rank 0's: every rank holds its own share of both
+    rank0, each = (" on rank 0", " on each rank") if getattr(engine, "tensor_parallel", None) else ("", "")
     lora = f"; LoRA adapter {engine.adapters.names()[0]}" if args.lora else ""
     print(
-        f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}), "
-        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}; {engine.speculator.describe()}{lora}]",
+        f"[{name}: {m.quant.name if m.quant else 'unquantized'} weights ({m.weight_bytes / 1e6:.0f} MB{dense}{rank0}), "
+        f"{m.device.type} {str(m.dtype).removeprefix('torch.')} activations, {m.ops.describe()}; {engine.describe_pool()}{each}; {engine.speculator.describe()}{lora}]",
         file=sys.stderr,
         flush=True,
     )

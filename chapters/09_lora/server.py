@@ -854,11 +854,14 @@ def main() -> int:
     weights = f"{m.quant.name if m.quant else 'unquantized'} weights, {m.weight_bytes / 1e6:.0f} MB"
     if m.dense_copy_bytes:  # --matmul auto with torch's packed ops: dense copies for big steps
         weights += f" + {m.dense_copy_bytes / 1e6:.0f} MB of dense copies"
+    # with tensor parallelism the figures are rank 0's: every rank holds its own share of both
+    rank0, each = (" on rank 0", " on each rank") if getattr(engine, "tensor_parallel", None) else ("", "")
+    weights += rank0
     weights += f"; {m.ops.describe()}"
     url = f"http://{args.host}:{listener.getsockname()[1]}/v1"  # port 0: the one the system gave
     print(
         f"serving {name} ({weights}) on {url} (context {engine.context}, max_tokens default "
-        f"{engine.max_tokens_default}; {engine.describe_pool()}; up to {args.max_num_seqs} sequences and "
+        f"{engine.max_tokens_default}; {engine.describe_pool()}{each}; up to {args.max_num_seqs} sequences and "
         f"{engine.scheduler.max_num_batched_tokens} tokens per step; {engine.speculator.describe()}; "
         f"LoRA: {len(args.lora_modules)} adapters, {args.max_loras} slots of rank up to {args.max_lora_rank}, "
         f"{LoraWeights.table_bytes(m.config, args.max_loras, args.max_lora_rank, m.dtype) / 1e6:.0f} MB)",

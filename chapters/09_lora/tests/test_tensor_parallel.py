@@ -106,6 +106,9 @@ def test_cli_chat_at_tp2_says_what_tp1_says():
     for r in runs:
         assert r.returncode == 0, r.stderr
     assert "tensor parallel: 2 ranks" in runs[1].stderr
+    # the status line's weights and pool are rank 0's, and say so
+    assert "MB on rank 0)" in runs[1].stderr and "GiB on each rank;" in runs[1].stderr, runs[1].stderr
+    assert "on rank 0" not in runs[0].stderr and "on each rank" not in runs[0].stderr
     assert runs[0].stdout.count("model> ") == 3
     assert runs[1].stdout == runs[0].stdout
 
@@ -384,6 +387,8 @@ def test_server_tp2_answers_like_tp1_and_sigterm_stops_every_rank(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert "tensor parallel: 2 ranks" in log.read_text()
+    serving = next(line for line in log.read_text().splitlines() if line.startswith("serving"))
+    assert "MB on rank 0;" in serving and "GiB on each rank;" in serving, serving
     deadline = time.time() + 10
     while group_of(pgid) and time.time() < deadline:
         time.sleep(0.2)
