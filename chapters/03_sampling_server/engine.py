@@ -97,7 +97,9 @@ class Engine:
     @staticmethod
     def read_generation_config(model_dir: str | Path) -> dict:
         path = Path(model_dir) / "generation_config.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        SamplingParams.from_generation_config(config, str(path))  # its sampling defaults checked once, here
+        return config
 
     def default_params(self) -> SamplingParams:
         """What a request gets for every value it leaves out: the model's generation_config.json."""

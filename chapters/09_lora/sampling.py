@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common.config import ConfigError
 from common.errors import RunError, UserError
 
 # Below this temperature sampling is argmax in all but name (a logit gap of 1e-3 becomes e^100),
@@ -144,9 +145,13 @@ class SamplingParams:
         return dataclasses.replace(self, **{name: v for name, v in values.items() if v is not None})
 
     @classmethod
-    def from_generation_config(cls, cfg: dict) -> SamplingParams:
+    def from_generation_config(cls, cfg: dict, where: str = "generation_config.json") -> SamplingParams:
         """Defaults from a model's generation_config.json: the values its authors tuned it with.
-        Keys that are absent (or null) keep our defaults; do_sample: false means greedy."""
+        Keys that are absent (or null) keep our defaults; do_sample: false means greedy. A value
+        that is no number in range is the model's error (ConfigError naming `where`): unchecked,
+        it failed every request, and a server blamed the client."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{where} must hold a JSON object, got {type(cfg).__name__}")
         params = cls()
         for name, cast in (
             ("temperature", float),
@@ -155,10 +160,19 @@ class SamplingParams:
             ("min_p", float),
             ("repetition_penalty", float),
         ):
-            if cfg.get(name) is not None:
-                setattr(params, name, cast(cfg[name]))
+            value = cfg.get(name)
+            if value is None:
+                continue
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not number or not (cast is float or float(value).is_integer()):
+                raise ConfigError(f"{where}: {name} must be a {'whole ' if cast is int else ''}number, got {value!r}")
+            setattr(params, name, cast(value))
         if cfg.get("do_sample") is False:
             params.temperature = 0.0
+        try:
+            params.validate(vocab_size=1)  # (the vocabulary only bounds logit_bias, which no config sets)
+        except SamplingError as e:
+            raise ConfigError(f"{where}: {e}") from None
         return params
 
 

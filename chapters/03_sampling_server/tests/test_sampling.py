@@ -470,6 +470,27 @@ def test_from_generation_config():
     assert SamplingParams.from_generation_config({"bos_token_id": 1, "top_k": None}) == SamplingParams()
 
 
+@pytest.mark.parametrize(
+    "cfg, said",
+    [
+        ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+        ({"top_k": [5]}, "top_k must be a whole number, got [5]"),
+        ({"top_k": 5.5}, "top_k must be a whole number"),
+        ({"top_k": float("inf")}, "top_k must be a whole number"),
+        ({"temperature": float("nan")}, "temperature must be a number in"),
+        ({"top_p": True}, "top_p must be a number, got True"),
+        ([1], "must hold a JSON object, got list"),
+    ],
+)
+def test_a_generation_config_value_that_is_no_number_in_range_is_the_models_error(cfg, said):
+    # it failed every request (a ValueError's traceback in the cli, a 400 blaming the client in the server)
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="^here/generation_config.json") as e:
+        SamplingParams.from_generation_config(cfg, "here/generation_config.json")
+    assert said in str(e.value)
+
+
 def test_a_row_with_no_token_to_sample_ends_a_script_in_one_line(capsys):
     # cli.py on a model whose logits went NaN printed a traceback of NoTokenError
     from common.cli import run_main

@@ -329,3 +329,14 @@ def test_resize_copies_the_filled_slots_to_every_row(engine):
     for old, new in zip(before, cache.k + cache.v):
         assert new.shape == (3, cfg.num_key_value_heads, 25, cfg.head_dim)
         assert torch.equal(new[:, :, :7], old.expand(3, -1, -1, -1))
+
+
+def test_a_broken_generation_config_is_refused_when_the_model_is_read(tmp_path):
+    # a server started on it, then failed every request with the model's error as the client's
+    from common.config import ConfigError
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": "hot"}')
+    with pytest.raises(ConfigError, match="generation_config.json: temperature must be a number, got 'hot'"):
+        Engine.read_generation_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": 0.5}')
+    assert Engine.read_generation_config(tmp_path)["temperature"] == 0.5

@@ -435,3 +435,14 @@ def test_a_request_whose_row_has_no_token_fails_alone_and_the_others_go_on(tiny,
     with pytest.raises(NoTokenError, match="no finite logit"):
         tiny.generate([reqs[0], reqs[1], reqs[2]])  # the second fails: the call raises ...
     assert not tiny.requests and tiny.blocks.num_used == 0  # ... and takes the others out of the engine
+
+
+def test_a_broken_generation_config_is_refused_when_the_model_is_read(tmp_path):
+    # a server started on it, then failed every request with the model's error as the client's
+    from common.config import ConfigError
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": "hot"}')
+    with pytest.raises(ConfigError, match="generation_config.json: temperature must be a number, got 'hot'"):
+        Engine.read_generation_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": 0.5}')
+    assert Engine.read_generation_config(tmp_path)["temperature"] == 0.5
