@@ -101,6 +101,8 @@ def stream_reply(engine: Engine, prompt_ids: list[int], args) -> str:
 def chat_loop(engine: Engine, args) -> None:
     base = [{"role": "system", "content": args.system}] if args.system else []
     history = list(base)
+    if sys.stdin is None:  # started with stdin closed (`<&-`): input() raised "lost sys.stdin"
+        raise UserError("the chat reads its lines from stdin, which is closed: give --prompt, or run it in a terminal")
     print("chat with the model: /reset to forget, /quit to leave", file=sys.stderr)
     # A line of bytes that are not UTF-8 (a terminal in another encoding) is refused alone; strict
     # decoding ended the whole chat on it.

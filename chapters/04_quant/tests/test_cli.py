@@ -88,6 +88,15 @@ def test_raw_with_the_chats_settings_is_refused(args, message, monkeypatch, caps
     assert cli.parse_args().raw
 
 
+def test_a_chat_with_stdin_closed_is_a_clear_error(monkeypatch):
+    import cli
+    from common.errors import UserError
+
+    monkeypatch.setattr(sys, "stdin", None)  # what Python makes of a closed fd 0
+    with pytest.raises(UserError, match="stdin, which is closed: give --prompt"):
+        cli.chat_loop(None, SimpleNamespace(system=None))
+
+
 def test_the_terminal_chat_does_not_load_the_http_layer():
     code = (
         "import sys\n"
