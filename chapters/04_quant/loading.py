@@ -82,7 +82,13 @@ def resolve(name_or_path: str | None) -> Path:
     out = MODELS_DIR / "gguf" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{FORMAT_VERSION}"
     if not (out / "config.json").is_file():
         print(f"[gguf] {path.name} -> {out} (codes copied, once) ...", file=sys.stderr, flush=True)
-        mine = convert_gguf(path, out.with_name(f"{out.name}.{os.getpid()}"))
+        try:
+            mine = convert_gguf(path, out.with_name(f"{out.name}.{os.getpid()}"))
+        except OSError as e:  # MODELS_DIR a file, read-only, or full: a traceback before
+            raise UserError(
+                f"cannot convert {path.name} into {out.parent}: {e.strerror} ({e.filename}); "
+                "MODELS_DIR= sets where converted models go"
+            ) from None
         try:  # a rename is atomic: of two processes converting the same file at once, one keeps its copy
             mine.rename(out)
         except OSError:

@@ -301,6 +301,20 @@ def test_a_gguf_is_converted_again_when_its_file_changes(tmp_path, monkeypatch):
     assert loading.resolve(str(upper)).parent == first.parent and converted[-1] == upper
 
 
+def test_a_models_dir_that_cannot_hold_the_conversion_is_a_clear_error(tmp_path, monkeypatch):
+    # MODELS_DIR a file (or read-only, or /proc): NotADirectoryError's traceback before
+    import loading
+    from common.errors import UserError
+
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(loading, "MODELS_DIR", blocker)
+    monkeypatch.setattr(loading, "convert_gguf", lambda path, out: out.mkdir(parents=True))  # as it writes
+    path = tiny_gguf(tmp_path / "m.gguf")
+    with pytest.raises(UserError, match="^cannot convert m.gguf into .*a file/gguf: Not a directory .*MODELS_DIR= sets"):
+        loading.resolve(str(path))
+
+
 def test_quant_on_a_gguf_is_refused_before_its_conversion(tmp_path, monkeypatch):
     # Refused only after the 10 s conversion before, and naming the converted folder, not the file.
     import loading
