@@ -97,8 +97,10 @@ def main() -> int:
     else:
         if args.bits is None:
             ap.error("--model needs --bits 8 or 4")
-        if args.bits == 8 and args.lm_head != "int4" and args.group_size is not None:  # it would go unused
-            ap.error("--group-size is for int4 weights (--bits 4, or --lm-head int4): int8 keeps one scale per row")
+        if args.bits == 8 and args.lm_head != "int4":  # int4 options would go unused
+            flags = (("--group-size", args.group_size is not None), ("--symmetric", args.symmetric))
+            if unused := [flag for flag, given in flags if given]:
+                ap.error(f"{', '.join(unused)} is for int4 weights (--bits 4, or --lm-head int4): int8 scales by row")
         head = {"int8": 8, "int4": 4, "none": None}[args.lm_head or "int8"]
         spec = QuantSpec(args.bits, args.group_size or 32, args.symmetric, head)
         sizes = quantize_dir(args.model, spec, out)

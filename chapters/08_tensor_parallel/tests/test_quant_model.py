@@ -95,6 +95,9 @@ def test_a_group_size_for_int8_is_refused(tmp_path):
     r = run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--group-size", "64", "--out", str(tmp_path / "q"))
     assert r.returncode == 2 and "--group-size is for int4 weights (--bits 4, or --lm-head int4)" in r.stderr, r.stderr
     assert not (tmp_path / "q").exists()
+    # --symmetric too: it was written into the int8 checkpoint's config and changed nothing
+    r = run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--symmetric", "--out", str(tmp_path / "s"))
+    assert r.returncode == 2 and "--symmetric is for int4 weights" in r.stderr and not (tmp_path / "s").exists()
     # an int4 head of int8 weights takes it (quantizing on load does too)
     out = tmp_path / "int4-head"
     int4_head = ["--bits", "8", "--lm-head", "int4", "--group-size", "64"]
