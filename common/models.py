@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODELS_DIR = Path(os.environ.get("MODELS_DIR", REPO_ROOT / "models"))
+MODELS_DIR = Path(os.environ.get("MODELS_DIR") or REPO_ROOT / "models")  # set but empty: the default, not "."
 DEFAULT_MODEL = "smollm2-135m"
 
 REGISTRY = {

@@ -114,3 +114,15 @@ def test_tiny_llama3_is_not_made_by_a_transformers_that_would_drop_its_rope(monk
     with pytest.raises(SystemExit, match="tiny-llama3 needs transformers 5 .*this Python has 4.57.1"):
         prepare_tiny_llama3(tmp_path / "tiny", tmp_path)
     assert not (tmp_path / "tiny").exists()
+
+
+@pytest.mark.parametrize("value, where", [("", "models"), ("elsewhere", "elsewhere")])
+def test_models_dir_set_but_empty_means_the_default(value, where, tmp_path):
+    # MODELS_DIR= (set, empty) was read as the current folder: "model 'smollm2-135m' is not prepared at smollm2-135m"
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    code = "from common.models import MODELS_DIR; print(MODELS_DIR)"
+    env = {**os.environ, "MODELS_DIR": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()) == (repo / "models" if where == "models" else Path(where))
