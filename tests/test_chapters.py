@@ -169,11 +169,23 @@ def test_make_test_chapter_runs_that_chapters_tests(number):
 
 
 def test_make_says_which_chapters_there_are_when_a_chapter_is_not_one():
-    for target, args in [("run", ["CHAPTER=99"]), ("serve", ["CHAPTER=abc"]), ("test-chapter99", [])]:
+    # a full name must be a folder's own: "03_nope" ran chapter 03
+    cases = [("run", ["CHAPTER=99"]), ("serve", ["CHAPTER=abc"]), ("test-chapter99", []), ("run", ["CHAPTER=03_nope"])]
+    for target, args in cases:
         r = make(target, *args)
         assert r.returncode == 2 and "no such chapter here (00_setup 01_numpy_forward" in r.stderr, (target, r.stderr)
     r = make("serve", "CHAPTER=2")
     assert r.returncode == 2 and "error: 02_kv_cache has no server (chapters 03 on have one)" in r.stderr
+
+
+def test_make_refuses_a_quant_that_is_none_and_says_where_it_changes_nothing():
+    # QUANT=int3 was dropped without a word by the chapters before 04 (and their QUANT=int8 too)
+    for target in ("run", "serve"):
+        r = make(target, "CHAPTER=3", "QUANT=int3")
+        assert r.returncode == 2 and "error: QUANT=int3: none, int8 or int4" in r.stderr, r.stderr
+    r = make("run", "CHAPTER=2", "QUANT=int8", "MODEL=tiny-llama3", "MAX_NEW_TOKENS=2")
+    assert r.returncode == 0 and "note: QUANT=int8 applies from chapter 04 on: 02_kv_cache" in r.stderr, r.stderr
+    assert "note: QUANT" not in make("run", "CHAPTER=2", "MODEL=tiny-llama3", "MAX_NEW_TOKENS=2").stderr
 
 
 def changed_files(chapter: Path) -> list[str]:
