@@ -208,3 +208,13 @@ def test_the_readme_names_every_file_the_chapter_adds_or_changes(chapter):
     section = readme[start : end if end > 0 else None]
     missing = [name for name in changed_files(chapter) if f"`{name}`" not in section]
     assert not missing, f"{chapter.name}/README.md's 'What changed' section does not name {missing}"
+
+
+def test_the_lesson_leaves_out_what_git_ignores(tmp_path):
+    # a .hypothesis/ folder a test run left in a chapter was listed (and, ALL=1, printed) as new files
+    from common.tools.diff_chapters import files_of
+
+    for name in ("engine.py", ".hypothesis/examples/x", "__pycache__/engine.pyc", ".pytest_cache/v"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert files_of(tmp_path) == {"engine.py"}

@@ -538,7 +538,7 @@ def add_arguments(ap) -> None:
         default=True,
         help="on a CPU, int4 and int8 weights meet bf16 activations as int8 per block of 32, multiplied in integers as "
         "llama.cpp does, at every row count (default): 1.5-3x faster prompts and batched steps, a little less "
-        "exact (perplexity +1.4 %%), and a row's result the same whatever shares its step; "
+        "exact (perplexity +1.5 %%), and a row's result the same whatever shares its step; "
         "--no-int8-activations multiplies in floats (see chapter 06's README)",
     )
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS_DIR = REPO_ROOT / "chapters"
-SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints"}
+SKIP_PARTS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".hypothesis"}  # what .gitignore leaves out
 # bench.py's helpers measure the engine rather than teach it, so they are read with the benchmark.
 BENCH_FILES = {"bench.py", "peers.py", "profile_decode.py"}
 # A changed file more than this share of whose lines are new reads better whole than as a diff.
