@@ -53,6 +53,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (a timeout of 0: none; -5 was taken)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def non_empty(text: str) -> str:
+    """An argparse type: a name that is not empty (or all spaces): "" was replaced by a default unseen."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free one) to 65535 (bind() refused more with a traceback)."""
     value = int(text)

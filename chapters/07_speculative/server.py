@@ -43,7 +43,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from common.cli import listen_socket, port_number, positive_float, positive_int
+from common.cli import listen_socket, non_empty, non_negative_int, port_number, positive_float, positive_int
 from common.errors import UserError
 from detokenizer import IncrementalDetokenizer, token_bytes
 from engine import DEFAULT_MAX_TOKENS, Engine, Event, Output, Request, build_engine
@@ -635,7 +635,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--port", type=port_number, default=8000)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: --model)")
+    ap.add_argument(
+        "--served-model-name", type=non_empty, default=None, help="the id clients send as `model` (default: --model)"
+    )
     add_quant_args(ap)
     limits = ap.add_argument_group("limits")
     limits.add_argument("--max-model-len", type=int, default=None, help="the context in tokens (default: the model's)")
@@ -683,13 +685,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     limits.add_argument(
         "--timeout-keep-alive",
-        type=int,
+        type=non_negative_int,
         default=5,
         help="seconds an idle keep-alive connection stays open (default: %(default)s)",
     )
     limits.add_argument(
         "--timeout-graceful-shutdown",
-        type=int,
+        type=non_negative_int,
         default=10,
         help="seconds open requests get to finish on shutdown (default: %(default)s)",
     )

@@ -424,6 +424,22 @@ def test_a_limit_that_refuses_every_request_is_refused_at_startup(flag, value, m
     assert r.returncode == 2 and f"argument {flag}: {message}" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--served-model-name", "", "must not be empty"),  # was replaced by --model's name unseen
+        ("--timeout-keep-alive", "-5", "must be at least 0, got -5"),  # were taken
+        ("--timeout-graceful-shutdown", "-1", "must be at least 0, got -1"),
+    ],
+)
+def test_a_name_or_timeout_that_means_nothing_is_refused(flag, value, message, capsys):
+    from server import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model", MODEL, flag, value])
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
     # uvicorn found the port taken only once the model had loaded and the server had said it was
     # serving there; the socket is bound first now (a missing model would be the error otherwise)
