@@ -148,7 +148,10 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:
-            raise TokenizerError("this tokenizer has no chat template: pass a plain prompt instead of --chat")
+            raise TokenizerError(  # (cli.py chats by default: "--chat" alone did not say what to do there)
+                "this model has no chat template: give it a plain prompt "
+                "(generate.py without --chat, cli.py --raw, the server's /v1/completions)"
+            )
         if not isinstance(messages, (list, tuple)):
             raise TokenizerError(f"messages must be a list of objects, got {type(messages).__name__}")
         for i, m in enumerate(messages):

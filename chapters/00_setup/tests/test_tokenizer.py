@@ -67,6 +67,13 @@ def test_malformed_messages_are_rejected(pair):
         pair[0].apply_chat_template([{"text": "hi"}])
 
 
+def test_a_model_without_a_chat_template_says_how_to_prompt_it():
+    tok = Tokenizer(resolve_model("tiny-llama3"))  # its own: the fixture's pair is shared
+    tok._template = None  # as an empty chat_template.jinja leaves it
+    with pytest.raises(TokenizerError, match="no chat template: give it a plain prompt .*cli.py --raw"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_missing_tokenizer(tmp_path):
     with pytest.raises(TokenizerError, match="has no tokenizer.json"):
         Tokenizer(tmp_path)
