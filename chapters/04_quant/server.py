@@ -106,6 +106,8 @@ async def on_validation_error(http: HTTPRequest, e: RequestValidationError):
         said = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
         return APIError(400, f"the body must be JSON sent with Content-Type: application/json, not {said}").response()
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":  # pydantic: "Field required"
+        return APIError(400, "the request has no body: a JSON object is expected").response()
     if first.get("type") == "json_invalid":
         loc = ""  # pydantic's loc is then a byte offset, not a parameter
         message = f"malformed JSON body: {first.get('msg')}"

@@ -143,6 +143,7 @@ def test_logprobs(client):
     "path, body, status, fragment",
     [
         ("/v1/chat/completions", b"{not json", 400, "malformed JSON"),
+        ("/v1/completions", b"", 400, "the request has no body: a JSON object is expected"),  # was "Field required"
         ("/v1/chat/completions", {"model": "gpt-9", "messages": PARIS}, 404, "does not exist"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": PARIS, "temperature": -1}, 400, "temperature"),
