@@ -188,8 +188,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors weights found (.bin/.pth checkpoints are not supported)")
     missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{model_dir}: shard(s) named in the index are missing: {', '.join(missing)}")
+    if missing:  # with no index, a folder named *.safetensors (glob found it)
+        what = "shard(s) named in the index are missing" if index.is_file() else "not a file"
+        raise CheckpointError(f"{model_dir}: {what}: {', '.join(missing)}")
     return files
 
 

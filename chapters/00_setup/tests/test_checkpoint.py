@@ -111,6 +111,17 @@ def test_sharded_checkpoint(tiny, tmp_path):
         load_checkpoint(tmp_path, config)
 
 
+def test_a_folder_named_like_the_weights_is_not_a_file(tmp_path, tiny):
+    # "shard(s) named in the index are missing" where there was no index
+    from common.checkpoint import checkpoint_files
+
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        checkpoint_files(tmp_path)
+    with pytest.raises(CheckpointError, match=": not a file: "):
+        checkpoint_files(tmp_path)
+
+
 def test_no_weights(tmp_path, tiny):
     with pytest.raises(CheckpointError, match="no \\*.safetensors weights found"):
         load_checkpoint(tmp_path, tiny[1])
