@@ -39,9 +39,17 @@ def base_parser(description: str, batch: bool = False) -> argparse.ArgumentParse
 
 def positive_int(text: str) -> int:
     """An argparse type: a whole number of at least 1 (0 would read as "not given" in `x or default`)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return _at_least(int(text), 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (a timeout of 0: none; -5 was taken)."""
+    return _at_least(int(text), 0)
+
+
+def _at_least(value: int, low: int) -> int:
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
     return value
 
 
@@ -50,14 +58,6 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type: a whole number of at least 0 (a timeout of 0: none; -5 was taken)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
