@@ -104,6 +104,13 @@ def main() -> int:
         for b, token in enumerate(step):
             if token is not None:
                 outputs[b].append(token)
+    if step_times and len(step_times) < args.max_new_tokens and any(token is not None for token in step):
+        # its last step still gave tokens: not EOS but the end of the KV cache (or the context) ended the run
+        print(
+            f"note: stopped after {len(step_times)} of --max-new-tokens {args.max_new_tokens}: "
+            "the KV cache (--max-seq) or the model's context is full",
+            file=sys.stderr,
+        )
     for out in outputs:
         print(tokenizer.decode(out, skip_special_tokens=True))
     if step_times:

@@ -150,3 +150,11 @@ def test_logits_that_are_not_finite_end_the_run_instead_of_printing_a_token():
         model.norm.fill_(float("nan"))
     with pytest.raises(RunError, match="logits are not finite"):
         generate_all(model, [[300, 301, 302]], 4)
+
+
+def test_a_run_the_cache_cut_short_says_so():
+    # --max-seq 14 for a 1-token prompt and 20 new tokens: 13 came, and nothing said why
+    flags = (str(CHAPTER / "generate.py"), "--model", "tiny-llama3", "--prompt", "hi", "--device", "cpu")
+    r = run(*flags, "--max-new-tokens", "20", "--max-seq", "14")
+    assert r.returncode == 0 and "note: stopped after 13 of --max-new-tokens 20" in r.stderr, r.stderr
+    assert "note: stopped" not in run(*flags, "--max-new-tokens", "3").stderr  # all it asked for
