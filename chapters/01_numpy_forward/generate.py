@@ -57,6 +57,10 @@ def main() -> int:
     t0 = time.perf_counter()
     new = list(generate(model, prompt, args.max_new_tokens, step_times))
     elapsed = time.perf_counter() - t0
+    if len(new) < args.max_new_tokens and len(step_times) == len(new):  # no EOS: the context ended the run
+        context = model.config.max_position_embeddings
+        print(f"note: stopped after {len(new)} of --max-new-tokens {args.max_new_tokens}: the model's context "
+              f"({context} tokens) is full", file=sys.stderr)  # fmt: skip
     print(tokenizer.decode(new, skip_special_tokens=True))
     print(
         f"[ch{CHAPTER} numpy, no cache] prompt {len(prompt)} tokens, {len(step_times)} steps "

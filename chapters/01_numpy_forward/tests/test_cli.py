@@ -101,3 +101,20 @@ def test_logits_that_are_not_finite_end_the_run_instead_of_printing_a_token():
     model.norm[:] = float("nan")
     with pytest.raises(RunError, match="logits are not finite"):
         list(generate(model, [300, 301, 302], 4))
+
+
+def test_a_run_the_context_cut_short_says_so(tmp_path):
+    # a 16-token context: 13 tokens for --max-new-tokens 50, and nothing said why
+    import json
+
+    from common.models import resolve_model
+
+    tiny = resolve_model("tiny-llama3")
+    for f in tiny.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((tiny / "config.json").read_text()) | {"max_position_embeddings": 16}
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run("generate.py", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "50")
+    assert r.returncode == 0, r.stderr
+    assert "note: stopped after 15 of --max-new-tokens 50: the model's context (16 tokens) is full" in r.stderr
