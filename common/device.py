@@ -12,7 +12,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def pick_device(name: str | None = None) -> torch.device:
-    flag = "--device" if name else "DEVICE" if os.environ.get("DEVICE") else "--device"  # which one said it
+    flag = "DEVICE" if not name and os.environ.get("DEVICE") else "--device"  # which one said it
     name = name or os.environ.get("DEVICE") or "auto"
     if name == "auto":
         if torch.cuda.is_available():
@@ -34,7 +34,7 @@ def pick_device(name: str | None = None) -> torch.device:
 
 def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """auto: float32 on CPU (exact parity, and fast everywhere), bfloat16 on CUDA, float16 on MPS."""
-    flag = "--dtype" if name else "DTYPE" if os.environ.get("DTYPE") else "--dtype"  # which one said it
+    flag = "DTYPE" if not name and os.environ.get("DTYPE") else "--dtype"  # which one said it
     name = name or os.environ.get("DTYPE") or "auto"
     if name == "auto":
         return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)

@@ -372,9 +372,8 @@ class KernelOps:
             if self.tile_bytes:  # int4 or int8 weights with bf16 activations, --int8-activations
                 product = self._ext.cpu_int8_product()
                 where += f"; int8 activations: {product}, {self.tile_bytes / 1e6:.0f} MB of tiles"
-        # the CPU's gemm part already says so: "gemm: off (batch-invariant)"
-        invariant = self.batch_invariant and "batch-invariant" not in where
-        return f"kernels: on ({where}{', batch-invariant' if invariant else ''})"
+        # (--batch-invariant runs on a CPU only, where the gemm part says so: "gemm: off (batch-invariant)")
+        return f"kernels: on ({where})"
 
 
 # --- the library's linears: what KernelOps.quant_linear and dense_linear build -------------------
