@@ -13,8 +13,8 @@ CHAPTER ?= $(patsubst chapters/%,%,$(LATEST))
 # A chapter's folder from "8", "08" or "08_tensor_parallel" (10#: "08" and "09" are no octal numbers;
 # printf said so, and test-chapter08 ran chapter 00's tests); empty where there is no such chapter.
 chapter_dir = $(firstword $(wildcard chapters/$(shell (printf '%02d' $$((10#$(firstword $(subst _, ,$(1)))))) 2>/dev/null)_*))
-# A full name must be a folder's own ("03_nope" was read as chapter 03).
-CHAPTER_DIR = $(if $(findstring _,$(CHAPTER)),$(wildcard chapters/$(CHAPTER)),$(call chapter_dir,$(CHAPTER)))
+# A full name must be a folder's own ("03_nope" was read as chapter 03); one chapter ("3 4" was read as 3).
+CHAPTER_DIR = $(if $(word 2,$(CHAPTER)),,$(if $(findstring _,$(CHAPTER)),$(wildcard chapters/$(CHAPTER)),$(call chapter_dir,$(CHAPTER))))
 PYTEST_FLAGS ?= -q
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 # make test runs its suites (each chapter's tests/, kernels/tests, tests/, the -Werror compile) as
@@ -124,9 +124,14 @@ comma := ,
 QUANT_CHECK = $(if $(filter-out none int8 int4,$(QUANT)),echo "error: QUANT=$(QUANT): none$(comma) int8 or int4" >&2; exit 2,\
   $(if $(and $(filter-out file default,$(origin QUANT)),$(filter-out none,$(QUANT)),$(if $(wildcard $(CHAPTER_DIR)/quantize.py),,no)),\
   echo "note: QUANT=$(QUANT) applies from chapter 04 on: $(notdir $(CHAPTER_DIR)) runs its weights unquantized" >&2,true))
+# Chapter 00 prints the model report: a PROMPT or MAX_NEW_TOKENS given to it is said to change nothing.
+NO_PROMPT_CHECK = $(if $(and $(filter command line environment,$(origin PROMPT) $(origin MAX_NEW_TOKENS)),\
+  $(if $(wildcard $(CHAPTER_DIR)/generate.py $(CHAPTER_DIR)/cli.py),,no)),\
+  echo "note: $(notdir $(CHAPTER_DIR)) generates nothing (it prints the model report): PROMPT and MAX_NEW_TOKENS change nothing" >&2,true)
 run: setup
 	@$(if $(CHAPTER_DIR),,$(NO_CHAPTER))
 	@$(QUANT_CHECK)
+	@$(NO_PROMPT_CHECK)
 	@if [ -f $(CHAPTER_DIR)/cli.py ]; then \
 	  $(PY) $(CHAPTER_DIR)/cli.py --model "$(MODEL)" --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --temperature 0 \
 	    $(if $(and $(wildcard $(CHAPTER_DIR)/quantize.py),$(filter-out none,$(QUANT))),--quant $(QUANT)); \

@@ -143,7 +143,10 @@ def test_make_diff_chapter_shows_rewritten_modules_whole_and_points_at_kernels()
 
 def test_make_run_takes_each_branch_of_its_recipe():
     r = make("run", "CHAPTER=00")
-    assert r.returncode == 0 and "134,515,008" in r.stdout
+    assert r.returncode == 0 and "134,515,008" in r.stdout and "note:" not in r.stderr
+    # chapter 00 prints the model report: a prompt given to it was dropped without a word
+    r = make("run", "CHAPTER=0", "PROMPT=Hello")
+    assert r.returncode == 0 and "note: 00_setup generates nothing (it prints the model report)" in r.stderr
     r = make("run", "CHAPTER=1", "MODEL=tiny-llama3", "MAX_NEW_TOKENS=3")
     assert r.returncode == 0, r.stderr
     assert "ch01 numpy" in r.stderr
@@ -170,7 +173,9 @@ def test_make_test_chapter_runs_that_chapters_tests(number):
 
 def test_make_says_which_chapters_there_are_when_a_chapter_is_not_one():
     # a full name must be a folder's own: "03_nope" ran chapter 03
+    # one chapter: "3 4" was read as 3
     cases = [("run", ["CHAPTER=99"]), ("serve", ["CHAPTER=abc"]), ("test-chapter99", []), ("run", ["CHAPTER=03_nope"])]
+    cases += [("run", ["CHAPTER=3 4"]), ("serve", ["CHAPTER=03_sampling_server 04_quant"])]
     for target, args in cases:
         r = make(target, *args)
         assert r.returncode == 2 and "no such chapter here (00_setup 01_numpy_forward" in r.stderr, (target, r.stderr)
