@@ -41,9 +41,14 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         return (
-            f"{self.total / GiB:.2f} GiB: KV cache {self.kv_cache / GiB:.2f}, "
-            f"prompt pass {self.prefill / GiB:.2f}, sampling {self.sampling / GiB:.2f}"
+            f"{size(self.total)}: KV cache {size(self.kv_cache)}, "
+            f"prompt pass {size(self.prefill)}, sampling {size(self.sampling)}"
         )
+
+
+def size(nbytes: int) -> str:
+    """GiB, or MiB below a tenth of one (a small request or budget read "0.00 GiB")."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def estimate(config: LlamaConfig, dtype: torch.dtype, n: int, n_prompt: int, max_tokens: int) -> MemoryEstimate:

@@ -31,7 +31,7 @@ from common.tokenizer import Tokenizer
 from detokenizer import IncrementalDetokenizer
 from kv_cache import KVCache
 from loading import load
-from memory import GiB, MemoryEstimate, estimate, first_capacity, next_capacity, resize
+from memory import MemoryEstimate, estimate, first_capacity, next_capacity, resize, size
 from model import Model, forward
 from quant import QuantSpec
 from sampling import SamplingParams, TokenLogprob, choice_seed, make_generator, sample
@@ -174,7 +174,7 @@ class Engine:
         if need.total > self.memory_budget:
             raise UserError(
                 f"this request would need about {need.describe()}; this server allows "
-                f"{self.memory_budget / GiB:.2f} GiB per request: lower n ({req.n}), max_tokens "
+                f"{size(self.memory_budget)} per request: lower n ({req.n}), max_tokens "
                 f"({self.max_tokens_for(req)}) or the prompt's length ({len(req.prompt_ids)} tokens)"
             )
 

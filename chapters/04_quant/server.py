@@ -44,7 +44,7 @@ from engine import DEFAULT_MAX_TOKENS, Engine, Event, Request, build_engine
 from errors import APIError, ErrorResponse, internal_error
 from limits import BodyLimit, RequestLimit, filter_repeats, protocol_with_limits, raise_open_file_limit
 from loading import add_quant_args, quant_spec
-from memory import GiB, default_budget
+from memory import GiB, default_budget, size
 from protocol import ChatRequest, CompletionRequest, chat_request, completion_request
 from sampling import TokenLogprob
 from worker import Job, Worker
@@ -742,7 +742,7 @@ def main() -> int:
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )
     filter_repeats(["", "uvicorn", "uvicorn.access"])  # after uvicorn.Config: it sets up its handlers
-    budget = "none" if engine.memory_budget is None else f"{engine.memory_budget / GiB:.2f} GiB"
+    budget = "none" if engine.memory_budget is None else size(engine.memory_budget)
     weights = engine.model.quant.name if engine.model.quant else "unquantized"
     url = f"http://{args.host}:{listener.getsockname()[1]}/v1"  # port 0: the one the system gave
     print(

@@ -301,6 +301,10 @@ def test_a_request_over_the_memory_budget_is_refused_before_it_runs(engine):
     with pytest.raises(ValueError, match="GiB per request"):
         next(budgeted.stream(req))  # refused before any cache is built
     budgeted.validate(Request([5] * 100, max_tokens=100))
+    # a budget or a need under a tenth of a GiB read "0.00 GiB"
+    small = limited(engine, memory_budget=2**20)
+    with pytest.raises(ValueError, match=r"need about [0-9.]+ MiB: KV cache [0-9.]+ MiB, .* allows 1\.0 MiB per request"):
+        small.validate(Request([5] * 100, max_tokens=100))
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable (Linux)")
