@@ -96,6 +96,15 @@ def resolve(name_or_path: str | None) -> Path:
     return out
 
 
+def refuse_idle_matmul(matmul: str, quantized: bool, model_dir: Path) -> None:
+    """--matmul picks how quantized weights multiply: for unquantized ones it was taken and changed nothing."""
+    if matmul != "fast" and not quantized:
+        raise UserError(
+            f"--matmul {matmul}: for quantized weights (--quant int8 or int4, a quantized checkpoint, a GGUF "
+            f"file); {model_dir.name} runs unquantized"
+        )
+
+
 def load(
     name_or_path: str | None, device: str | None, dtype: str | None, spec: QuantSpec | None = None, matmul: str = "fast"
 ):
@@ -106,6 +115,7 @@ def load(
     model_dir = resolve(name_or_path)
     dev = pick_device(device)
     quantized = spec is not None or spec_of(model_dir) is not None
+    refuse_idle_matmul(matmul, quantized, model_dir)
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     return load_model(model_dir, dev, dt, spec, matmul), model_dir

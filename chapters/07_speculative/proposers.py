@@ -264,7 +264,7 @@ def load_draft(name: str, target: Model, target_tokenizer: Tokenizer, device, dt
             "checkpoint: leave it out to read the draft as stored"
         )
     try:
-        draft, draft_dir = load(name, device, dtype, quant, matmul, kernels)
+        draft, draft_dir = load(name, device, dtype, quant, matmul, kernels, check_quant_flags=False)
     except UserError as e:  # a load error names the target's flags; the draft's own are --draft-*
         raise UserError(f"the draft model {name}: {str(e).replace('--quant ', '--draft-quant ')}") from None
     check_draft(draft, target, Tokenizer(draft_dir), target_tokenizer)

@@ -237,8 +237,8 @@ def summarize_runs(by_engine: dict[str, list[dict]], plain_of) -> dict:
 def part_draft(args) -> dict:
     """bf16 target + int4 self-draft, against each alone (one stream, greedy)."""
     kernels = KernelFlags("auto", False, args.int8_activations)
-    bf16, _ = build_engine(
-        args.model, args.device, args.dtype, None, kernels=kernels, max_num_seqs=1, prefix_caching=False
+    bf16, _ = build_engine(  # (--no-int8-activations is for the int4 draft: bf16 weights multiply in floats)
+        args.model, args.device, args.dtype, None, kernels="auto", max_num_seqs=1, prefix_caching=False
     )
     int4, _ = build_engine(
         args.model, args.device, args.dtype, QuantSpec(4, 32), kernels=kernels, max_num_seqs=1, prefix_caching=False

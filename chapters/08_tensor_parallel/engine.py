@@ -358,7 +358,8 @@ def build_engine(
     a --kernels choice); -> the engine, and the name to call it by. `limits` are Engine's keyword
     arguments (max_model_len, ...)."""
     check_proposer_name(speculative)  # a bad name fails before anything loads
-    loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
+    # An int4 draft of an unquantized target: --matmul and the like are for the draft
+    loaded, model_dir = load(model, device, dtype, quant, matmul, kernels, check_quant_flags=speculative != "draft")
     tokenizer = Tokenizer(model_dir)
     proposer = build_proposer(
         speculative, loaded, tokenizer, limits, draft_model or model, device, dtype, draft_quant, matmul, kernels

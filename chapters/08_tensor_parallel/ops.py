@@ -473,6 +473,11 @@ class KernelFlags:
     def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
         """The operations for `device` (and a model's head size); where "auto" falls back to
         PyTorch, a note says why."""
+        if not self.int8_x and (self.choice == "off" or device.type != "cpu"):  # it was taken, and changed nothing
+            raise UserError(
+                "--no-int8-activations is for the CPU kernels (--kernels auto or on, on a CPU): chapter 05's PyTorch "
+                "and the CUDA kernels multiply int weights in floats already"
+            )
         ops = resolve(self.choice, device, head_dim, self.batch_invariant, self.int8_x)
         if self.choice == "auto" and isinstance(ops, TorchOps):
             first, *details = ops.why_off.splitlines()

@@ -396,7 +396,8 @@ def build_engine(
     `max_loras` resident at once (0: none served; the slot table's memory is taken on the first
     load), of rank up to `max_lora_rank`."""
     check_proposer_name(speculative)  # a bad name fails before anything loads
-    loaded, model_dir = load(model, device, dtype, quant, matmul, kernels)
+    # An int4 draft of an unquantized target: --matmul and the like are for the draft
+    loaded, model_dir = load(model, device, dtype, quant, matmul, kernels, check_quant_flags=speculative != "draft")
     tokenizer = Tokenizer(model_dir)
     proposer = build_proposer(
         speculative, loaded, tokenizer, limits, draft_model or model, device, dtype, draft_quant, matmul, kernels

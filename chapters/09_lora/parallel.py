@@ -549,10 +549,11 @@ def load(
     kernel_flags: KernelFlags | str = KernelFlags(),
     world: int = 2,
     timeout_s: float | None = None,
+    check_quant_flags: bool = True,
 ):
     """Rank 0's loading.load at tensor-parallel size `world`: checks the sizes, starts the ranks,
     each loads its shard (timeout_s None: DEFAULT_TIMEOUT_S). -> (rank 0's Model, its directory, the Group)."""
-    from loading import resolve  # (loading imports model loading; here only the name resolution)
+    from loading import refuse_idle_quant_flags, resolve  # (loading imports model loading; here only its checks)
 
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # as loading.load, before conversion
         raise UserError(f"{name_or_path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes")
@@ -567,6 +568,8 @@ def load(
     quantized = spec is not None or stored is not None
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
+    if check_quant_flags:  # as loading.load's
+        refuse_idle_quant_flags(matmul, flags.int8_x, quantized, model_dir)
     one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
     shm = dev.type == "cpu" and one_host and transport() == "shm"  # (checked where it is read)
     shm_path = ShmChannel.create("/dev/shm", world) if shm else None  # before any rank starts
@@ -691,7 +694,9 @@ def build_engine(
             **limits,
         )
     check_proposer_name(speculative)
-    loaded, model_dir, group = load(model, device, dtype, quant, matmul, kernels, tensor_parallel_size, tensor_parallel_timeout)
+    loaded, model_dir, group = load(
+        model, device, dtype, quant, matmul, kernels, tensor_parallel_size, tensor_parallel_timeout, speculative != "draft"
+    )
     try:
         tokenizer, draft = Tokenizer(model_dir), None
         if speculative == "draft":

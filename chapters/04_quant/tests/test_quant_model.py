@@ -143,6 +143,19 @@ def test_quant_flags_that_would_change_nothing_are_refused(flags, message):
     assert quant_spec(int4_head).name == "int8, int4 G=64 head"  # where they apply, they are taken
 
 
+def test_a_matmul_path_for_unquantized_weights_is_refused():
+    # generate.py, cli.py, the server and perplexity.py took --matmul reference for a plain model,
+    # and it changed nothing
+    from common.errors import UserError
+    from loading import load
+    from qmatmul import ReferenceLinear
+
+    with pytest.raises(UserError, match=r"^--matmul reference: for quantized weights .*; tiny-llama3 runs unquantized$"):
+        load("tiny-llama3", "cpu", "float32", None, "reference")
+    model, _ = load("tiny-llama3", "cpu", "float32", QuantSpec(8), "reference")  # where it applies, taken
+    assert isinstance(model.layers[0].wqkv, ReferenceLinear)
+
+
 def test_parity_refuses_a_quantized_reference(tmp_path):
     out = tmp_path / "q"
     assert run("quantize.py", "--model", "tiny-llama3", "--bits", "8", "--out", str(out)).returncode == 0

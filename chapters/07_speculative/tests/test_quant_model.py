@@ -130,6 +130,23 @@ def test_quant_flags_that_would_change_nothing_are_refused(flags, message):
     assert quant_spec(int4_head).name == "int8, int4 G=64 head"  # where they apply, they are taken
 
 
+def test_a_matmul_path_for_unquantized_weights_is_refused():
+    # generate.py, cli.py, the server and perplexity.py took --matmul reference (and
+    # --no-int8-activations) for a plain model, and it changed nothing
+    from common.errors import UserError
+    from loading import load
+    from qmatmul import ReferenceLinear
+
+    with pytest.raises(UserError, match=r"^--matmul reference: for quantized weights .*; tiny-llama3 runs unquantized$"):
+        load("tiny-llama3", "cpu", "float32", None, "reference")
+    from ops import KernelFlags
+
+    with pytest.raises(UserError, match=r"^--matmul reference, --no-int8-activations: for quantized weights"):
+        load("tiny-llama3", "cpu", "float32", None, "reference", KernelFlags("auto", False, False))
+    model, _ = load("tiny-llama3", "cpu", "float32", QuantSpec(8), "reference")  # where it applies, taken
+    assert isinstance(model.layers[0].wqkv, ReferenceLinear)
+
+
 @pytest.mark.reaches("quantize.py", "parity.py")
 def test_parity_refuses_a_quantized_reference(tmp_path):
     out = tmp_path / "q"

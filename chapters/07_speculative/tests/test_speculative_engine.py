@@ -599,6 +599,15 @@ def test_a_draft_load_error_names_the_draft_and_its_own_flags():
         build_engine("tiny-llama3", "cpu", "float32", QuantSpec(4, 32), kernels=kernels, speculative="draft", draft_quant=None)
 
 
+def test_a_matmul_path_for_the_int4_draft_of_a_plain_target_is_taken():
+    # --matmul applies to a draft's int4 weights too: refusing it for the float32 target would refuse
+    # the one model it is for
+    from qmatmul import ReferenceLinear
+
+    engine, _ = build_engine("tiny-llama3", "cpu", "float32", None, "reference", speculative="draft")
+    assert isinstance(engine.speculator.proposer.model.layers[0].wqkv, ReferenceLinear)
+
+
 def test_a_kv_budget_over_the_free_memory_is_refused_with_a_draft_model_too():
     # The target's share alone was checked: a draft's pool, most of the budget, went unchecked.
     from memory import free_memory

@@ -104,3 +104,15 @@ def test_int8_activations_are_for_quantized_weights_and_bf16_x_on_a_cpu(kind, cp
         for start, rows in [(0, 1), (7, 1), (3, 5), (0, 16)]:  # ... and a row's result is the same in both
             assert torch.equal(on(x[start : start + rows]), on(x)[start : start + rows]), (start, rows)
     close_to_the_reference(on, w, (1, 3, 40))
+
+
+def test_no_int8_activations_where_no_cpu_kernel_runs_is_refused():
+    # --kernels off (chapter 05's PyTorch) and a GPU multiply in floats already: the flag was taken
+    # and changed nothing
+    from common.errors import UserError
+    from ops import KernelFlags, TorchOps
+
+    for choice, device in (("off", CPU), ("auto", torch.device("meta"))):
+        with pytest.raises(UserError, match=r"^--no-int8-activations is for the CPU kernels"):
+            KernelFlags(choice, False, False).ops(device)
+    assert isinstance(KernelFlags("off").ops(CPU), TorchOps)  # the default (on) is no request

@@ -209,6 +209,14 @@ def test_a_timeout_at_size_1_is_refused_where_it_would_change_nothing():
     assert parallel.size_from(ap.parse_args([])) == 1 and ap.parse_args([]).tensor_parallel_timeout is None
 
 
+def test_a_matmul_path_for_unquantized_weights_is_refused_before_the_ranks_start():
+    # at size 1 loading.load refuses it; the ranks' loading took it and changed nothing
+    import parallel
+
+    with pytest.raises(UserError, match=r"^--matmul reference: for quantized weights .*; tiny-llama3 runs unquantized$"):
+        parallel.load("tiny-llama3", "cpu", "float32", None, "reference", world=2)
+
+
 def test_an_explicit_kv_budget_counts_once_per_rank_on_one_host():
     # --kv-cache-memory-gb is each rank's pool: 2 ranks of 60 % of the free memory do not fit together
     # (256 sequences of tiny-llama3's 131,072 tokens could use all of it)...
