@@ -121,10 +121,13 @@ def load(
     spec: QuantSpec | None = None,
     matmul: str = DEFAULT_PATH,
     kernel_flags: KernelFlags | str = KernelFlags(),
+    check_quant_flags: bool = True,
 ):
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
-    ops.from_args parses them, or only a --kernels choice."""
+    ops.from_args parses them, or only a --kernels choice. check_quant_flags False: --matmul and
+    --no-int8-activations are taken for unquantized weights too: they may be for another model loaded
+    beside this one (chapter 07's draft)."""
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # before its conversion
         raise UserError(f"{name_or_path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes")
     model_dir = resolve(name_or_path)
@@ -133,6 +136,7 @@ def load(
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
-    refuse_idle_quant_flags(matmul, flags.int8_x, quantized, model_dir)
+    if check_quant_flags:
+        refuse_idle_quant_flags(matmul, flags.int8_x, quantized, model_dir)
     ops = flags.ops(dev, load_config(model_dir).head_dim)
     return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

@@ -126,7 +126,8 @@ def load(
     """-> (Model, its directory). dtype "auto" is bfloat16 for quantized weights: torch's packed
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
     ops.from_args parses them, or only a --kernels choice. check_quant_flags False: --matmul and
-    --no-int8-activations are taken for unquantized weights too (they may be for a draft's)."""
+    --no-int8-activations are taken for unquantized weights too: they may be for another model loaded
+    beside this one (chapter 07's draft)."""
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # before its conversion
         raise UserError(f"{name_or_path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes")
     model_dir = resolve(name_or_path)
