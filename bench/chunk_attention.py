@@ -22,7 +22,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -201,4 +200,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

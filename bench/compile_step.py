@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.tools.bench import add_int8_activations, machine
+from common.tools.bench import int8_activations_error, add_int8_activations, machine
 from common.tools.chapters import chapter_number, newest_chapter
 from common.tools.decoding import decoding_engine, time_steps
 
@@ -101,6 +101,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.chapter < 6:
         ap.error("--chapter: the static decode step (cuda_graphs.DecodeGraphs) starts in chapter 06")
+    if why := int8_activations_error(args, args.quant):
+        ap.error(why)
     from common.models import resolve_model
 
     args.model = str(resolve_model(args.model))
@@ -150,4 +152,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

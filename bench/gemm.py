@@ -205,4 +205,6 @@ def plot(results: list[dict], rows_list: list[int], png: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

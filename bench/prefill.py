@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.tools.bench import RESULTS_DIR, add_int8_activations, isa_line, machine
+from common.tools.bench import int8_activations_error, RESULTS_DIR, add_int8_activations, isa_line, machine
 from common.tools.chapters import chapter_number, load_chapter, newest_chapter
 from common.tools.decoding import decoding_engine
 
@@ -54,6 +54,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.chapter < 6:
         ap.error("--chapter: the kernels this bench times start in chapter 06")
+    if why := int8_activations_error(args, args.quant):
+        ap.error(why)
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
@@ -153,4 +155,6 @@ def llama_cpp_prefill(ch, args, longest: int, clock):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

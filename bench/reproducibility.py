@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-from common.tools.bench import PROMPTS, add_int8_activations, machine
+from common.tools.bench import int8_activations_error, PROMPTS, add_int8_activations, machine
 from common.tools.chapters import chapter_number, load_chapter, newest_chapter
 
 
@@ -66,6 +65,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.chapter < 5:
         ap.error("--chapter: the batching engine starts in chapter 05")
+    if why := int8_activations_error(args, args.quant):
+        ap.error(why)
     if args.batch_invariant and args.chapter < 6:
         ap.error("--batch-invariant: chapter 06 on (the kernels' batch-invariant form)")
 
@@ -127,4 +128,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

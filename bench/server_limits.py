@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import threading
 import time
 
@@ -134,4 +133,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

@@ -288,4 +288,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from common.cli import run_main
+
+    run_main(main)

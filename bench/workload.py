@@ -35,7 +35,7 @@ from types import SimpleNamespace
 
 import torch
 
-from common.tools.bench import add_int8_activations, fmt, isa_line, machine
+from common.tools.bench import int8_activations_error, add_int8_activations, fmt, isa_line, machine
 from common.cli import positive_int
 from common.tools.chapters import chapter_exists, load_chapter, newest_chapter
 
@@ -257,6 +257,8 @@ def main() -> int:
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="llama.cpp's threads")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "workload.json")
     args = ap.parse_args()
+    if why := int8_activations_error(args, args.quant):
+        ap.error(why)
     args.quant = None if args.quant == "none" else args.quant
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = sorted(e for e in engines if e not in PEERS and our_chapter(e) is None)
@@ -336,4 +338,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.cli import run_main
+
+    run_main(main)

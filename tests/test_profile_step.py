@@ -81,3 +81,19 @@ def test_the_timed_steps_come_after_every_prompt_is_in(tmp_path):
 def test_a_chapter_without_the_kernels_is_refused():
     r = run_python(["bench/profile_step.py", "--chapter", "5"], cwd=REPO, timeout=120)
     assert r.returncode == 2 and "start in chapter 06" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "script, flags, why",
+    [
+        ("profile_step.py", ["--kernels", "off"], "with --kernels off it changes nothing"),
+        ("workload.py", ["--quant", "none"], "with --quant none it changes nothing"),
+    ],
+)
+def test_no_int8_activations_that_would_change_nothing_is_refused_before_anything_runs(script, flags, why):
+    # the engines refuse it: the benches died with their traceback, workload.py after chapter 05 had run
+    args = [f"bench/{script}", *flags, "--no-int8-activations", "--model", "tiny-llama3"]
+    r = run_python(args, cwd=REPO, timeout=120)
+    message = f"error: --no-int8-activations is for int4 and int8 weights on the CPU kernels: {why}"
+    assert r.returncode == 2 and message in r.stderr
+    assert "Traceback" not in r.stderr

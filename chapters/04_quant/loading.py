@@ -101,7 +101,7 @@ def refuse_idle_matmul(matmul: str, quantized: bool, model_dir: Path) -> None:
     if matmul != "fast" and not quantized:
         raise UserError(
             f"--matmul {matmul}: for quantized weights (--quant int8 or int4, a quantized checkpoint, a GGUF "
-            f"file); {model_dir.name} runs unquantized"
+            f"file); {model_dir.resolve().name} runs unquantized"
         )
 
 

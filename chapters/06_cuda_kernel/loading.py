@@ -110,7 +110,7 @@ def refuse_idle_quant_flags(matmul: str, int8_x: bool, quantized: bool, model_di
     if idle and not quantized:
         raise UserError(
             f"{', '.join(idle)}: for quantized weights (--quant int8 or int4, a quantized checkpoint, a GGUF "
-            f"file); {model_dir.name} runs unquantized"
+            f"file); {model_dir.resolve().name} runs unquantized"
         )
 
 
