@@ -694,8 +694,9 @@ def build_engine(
             **limits,
         )
     check_proposer_name(speculative)
-    loaded, model_dir, group = load(
-        model, device, dtype, quant, matmul, kernels, tensor_parallel_size, tensor_parallel_timeout, speculative != "draft"
+    loaded, model_dir, group = load(  # an int4 draft of an unquantized target: --matmul and the like are for the draft
+        model, device, dtype, quant, matmul, kernels, tensor_parallel_size, tensor_parallel_timeout,
+        check_quant_flags=speculative != "draft",
     )
     try:
         tokenizer, draft = Tokenizer(model_dir), None
