@@ -88,7 +88,9 @@ def test_bf16_weights_decode_through_the_bf16_kernel_as_accurately_as_torch(smol
     # matmul at every row count, on the weight tensor itself (no copy). A step of a few tokens runs
     # its matrix-vector form in every layer, a longer one its matrix product (gemm.cpp; on a CPU
     # with AMX-BF16 the library hands that one to torch's GEMM on the tiles): both give logits as
-    # close to float32's as torch's bf16 GEMM's are.
+    # close to float32's as torch's bf16 GEMM's are. Close in the mean over all logits of a few
+    # texts: one text's largest error swings either way between CPUs (on a Zen 5: 1.04 against
+    # torch's 0.67 on one text, 0.64 against 0.81 on another), the mean error by a few per cent.
     import kernels
     from ops import KernelBf16Linear
 
@@ -98,14 +100,20 @@ def test_bf16_weights_decode_through_the_bf16_kernel_as_accurately_as_torch(smol
     for w in [on.lm_head, on.layers[0].wqkv, on.layers[-1].w_down]:
         assert isinstance(w, KernelBf16Linear)
     assert on.dense_copy_bytes == 0 and isinstance(off.lm_head, torch.Tensor)
-    text = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods to hide."
-    all_ids = smollm2_tokenizer.encode(text)
-    assert len(all_ids) > kernels.load().gemm_min_rows
-    for ids in (all_ids[:6], all_ids):
-        want = forward_sequence(exact, ids)
-        err_on = (forward_sequence(on, ids).float() - want).abs().max().item()
-        err_off = (forward_sequence(off, ids).float() - want).abs().max().item()
-        assert err_on <= 1.5 * err_off, (len(ids), err_on, err_off)
+    texts = [
+        "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods to hide.",
+        "What is the capital of France? Answer in one sentence, and then explain why it became the capital.",
+        "Once upon a time there was a small village by the sea where fishermen told stories every night.",
+    ]
+    texts_ids = [smollm2_tokenizer.encode(text) for text in texts]
+    assert min(map(len, texts_ids)) > kernels.load().gemm_min_rows
+    for n in (6, None):  # the matrix-vector form, then the matrix product
+        err_on = err_off = 0.0
+        for ids in (all_ids[:n] for all_ids in texts_ids):
+            want = forward_sequence(exact, ids)
+            err_on += (forward_sequence(on, ids).float() - want).abs().mean().item()
+            err_off += (forward_sequence(off, ids).float() - want).abs().mean().item()
+        assert err_on <= 1.15 * err_off, (n, err_on, err_off)  # an output truncated to bf16: 1.2-1.4x
 
 
 def test_padded_static_decode_steps_equal_the_eager_engine():
