@@ -88,6 +88,8 @@ def test_a_chapter_without_the_kernels_is_refused():
     [
         ("profile_step.py", ["--kernels", "off"], "with --kernels off it changes nothing"),
         ("workload.py", ["--quant", "none"], "with --quant none it changes nothing"),
+        ("workload.py", ["--dtype", "float32"], "with --dtype float32 it changes nothing"),
+        ("reproducibility.py", ["--batch-invariant"], "with --batch-invariant it changes nothing"),
     ],
 )
 def test_no_int8_activations_that_would_change_nothing_is_refused_before_anything_runs(script, flags, why):

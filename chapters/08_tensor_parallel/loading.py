@@ -21,7 +21,7 @@ from common.errors import UserError
 from common.models import MODELS_DIR, ModelNotFoundError, resolve_model
 from gguf_file import convert_gguf
 from model import load_model
-from ops import KernelFlags, add_arguments
+from ops import KernelFlags, KernelOps, add_arguments
 from qmatmul import DEFAULT_PATH
 from quant import INT4_GROUP_SIZES, QuantSpec
 from weights import spec_of
@@ -51,9 +51,9 @@ def add_quant_args(ap: argparse.ArgumentParser) -> None:
         "--matmul",
         choices=["auto", "fast", "reference"],
         default=DEFAULT_PATH,
-        help="auto (default): packed int kernels for steps of a few tokens (kernels/: 8; torch's: int4 16, int8 6) and a dense "
-        "copy of each weight for larger ones (more memory); fast: the packed kernels always; "
-        "reference: dequantize-and-multiply",
+        help="auto (default): on a CPU with kernels/, their int matmul at every row count; elsewhere packed int "
+        "kernels for steps of a few tokens (kernels/ on a GPU: 8; torch's: int4 16, int8 6) and a dense copy of each "
+        "weight for larger ones (more memory); fast: the packed kernels always; reference: dequantize-and-multiply",
     )
     add_arguments(ap)  # --kernels (ops.py)
 
@@ -102,15 +102,34 @@ def resolve(name_or_path: str | None) -> Path:
     return out
 
 
-def refuse_idle_quant_flags(matmul: str, int8_x: bool, quantized: bool, model_dir: Path) -> None:
-    """--matmul and --no-int8-activations pick how quantized weights multiply: for unquantized ones
-    they were taken and changed nothing."""
-    flags = ((f"--matmul {matmul}", matmul != DEFAULT_PATH), ("--no-int8-activations", not int8_x))
-    idle = [flag for flag, given in flags if given]
+def refuse_idle_quant_flags(
+    matmul: str, flags: KernelFlags, quantized: bool, dtype: torch.dtype, kernels_on_cpu: bool, model_dir: Path
+) -> None:
+    """--matmul and --no-int8-activations pick how quantized weights multiply: where a run's other
+    choices leave them nothing to change, they were taken and changed nothing. kernels_on_cpu: the
+    library multiplies on a CPU (its int matmul serves every row count, "auto" as "fast")."""
+    idle = [f"--matmul {matmul}"] if matmul != DEFAULT_PATH else []
+    idle += [] if flags.int8_x else ["--no-int8-activations"]
     if idle and not quantized:
         raise UserError(
             f"{', '.join(idle)}: for quantized weights (--quant int8 or int4, a quantized checkpoint, a GGUF "
             f"file); {model_dir.resolve().name} runs unquantized"
+        )
+    if not flags.int8_x:  # int8 x come from bf16 x, in the kernels' int matmul (--batch-invariant runs a float matvec)
+        floats = [
+            f"{str(dtype).removeprefix('torch.')} activations (--dtype)" if dtype != torch.bfloat16 else None,
+            "--matmul reference" if matmul == "reference" else None,
+            "--batch-invariant" if flags.batch_invariant else None,
+        ]
+        if any(floats):
+            raise UserError(
+                f"--no-int8-activations: with {' and '.join(filter(None, floats))} the int weights are multiplied in "
+                "floats already"
+            )
+    if matmul == "fast" and kernels_on_cpu:
+        raise UserError(
+            "--matmul fast: on a CPU the kernels multiply the int weights as they are at every row count, as "
+            "--matmul auto does"
         )
 
 
@@ -136,7 +155,8 @@ def load(
     auto = (dtype or os.environ.get("DTYPE") or "auto") == "auto"
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
-    if check_quant_flags:
-        refuse_idle_quant_flags(matmul, flags.int8_x, quantized, model_dir)
     ops = flags.ops(dev, load_config(model_dir).head_dim)
+    if check_quant_flags:
+        kernels_on_cpu = isinstance(ops, KernelOps) and dev.type == "cpu"
+        refuse_idle_quant_flags(matmul, flags, quantized, dt, kernels_on_cpu, model_dir)
     return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

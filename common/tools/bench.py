@@ -217,12 +217,22 @@ def add_int8_activations(ap: argparse.ArgumentParser, scope: str = "") -> None:
 
 
 def int8_activations_error(args, quant: str | None, kernels: str = "auto") -> str | None:
-    """Why --no-int8-activations changes nothing in this run (no int weights, or --kernels off), for
-    the bench's ap.error before anything runs (the engines would refuse it, after the first ran)."""
-    if args.int8_activations or (quant not in (None, "none") and kernels != "off"):
+    """Why --no-int8-activations changes nothing in this run (no int weights, --kernels off, float32
+    activations, --batch-invariant), for the bench's ap.error before anything runs (the engines would
+    refuse it, after the first ran)."""
+    if args.int8_activations:
         return None
-    why = "--kernels off" if kernels == "off" else "--quant none"
-    return f"--no-int8-activations is for int4 and int8 weights on the CPU kernels: with {why} it changes nothing"
+    dtype = getattr(args, "dtype", "bfloat16")
+    why = (
+        "--quant none" if quant in (None, "none")
+        else "--kernels off" if kernels == "off"
+        else f"--dtype {dtype}" if dtype not in ("bfloat16", "auto")
+        else "--batch-invariant" if getattr(args, "batch_invariant", False)
+        else None
+    )
+    return why and (
+        f"--no-int8-activations is for int4 and int8 weights on the CPU kernels: with {why} it changes nothing"
+    )
 
 
 def int_list(text: str) -> list[int]:

@@ -147,6 +147,32 @@ def test_a_matmul_path_for_unquantized_weights_is_refused():
     assert isinstance(model.layers[0].wqkv, ReferenceLinear)
 
 
+def test_a_quant_flag_the_run_leaves_nothing_to_change_is_refused():
+    # taken, and changed nothing: --no-int8-activations with float32 activations (parity.py's default),
+    # with --matmul reference or --batch-invariant (float products already); --matmul fast on a CPU
+    # with the kernels on (the int matmul that auto runs there)
+    from common.errors import UserError
+    from loading import load
+    from ops import KernelFlags
+    from qmatmul import PerStepLinear
+
+    int8, float_x = QuantSpec(8), KernelFlags("auto", False, False)
+    for dtype, matmul, flags, why in [
+        ("float32", "auto", float_x, "float32 activations"),
+        ("auto", "reference", float_x, "--matmul reference"),
+        ("auto", "auto", KernelFlags("auto", True, False), "--batch-invariant"),
+    ]:
+        with pytest.raises(UserError, match=rf"^--no-int8-activations: with {why}.* multiplied in floats already$"):
+            load("tiny-llama3", "cpu", dtype, int8, matmul, flags)
+    with pytest.raises(UserError, match=r"^--matmul fast: on a CPU the kernels .* as --matmul auto does$"):
+        load("tiny-llama3", "cpu", "auto", int8, "fast", KernelFlags("on"))
+    # where they change something, taken: float x for bf16 activations; fast with chapter 05's packed ops
+    model, _ = load("tiny-llama3", "cpu", "auto", int8, "auto", float_x)
+    assert model.dtype == torch.bfloat16 and not model.ops.int8_x
+    model, _ = load("tiny-llama3", "cpu", "auto", int8, "fast", KernelFlags("off"))
+    assert not isinstance(model.layers[0].wqkv, PerStepLinear)  # auto: a dense copy for larger steps
+
+
 @pytest.mark.reaches("quantize.py", "parity.py")
 def test_parity_refuses_a_quantized_reference(tmp_path):
     out = tmp_path / "q"

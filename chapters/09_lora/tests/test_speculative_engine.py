@@ -606,6 +606,11 @@ def test_a_matmul_path_for_the_int4_draft_of_a_plain_target_is_taken():
 
     engine, _ = build_engine("tiny-llama3", "cpu", "float32", None, "reference", speculative="draft")
     assert isinstance(engine.speculator.proposer.model.layers[0].wqkv, ReferenceLinear)
+    # ...and refused where the draft is plain too: then it is for neither model
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match=r"^the draft model tiny-llama3: --matmul reference: for quantized weights"):
+        build_engine("tiny-llama3", "cpu", "float32", None, "reference", speculative="draft", draft_quant=None)
 
 
 def test_a_kv_budget_over_the_free_memory_is_refused_with_a_draft_model_too():

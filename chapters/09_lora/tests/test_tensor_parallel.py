@@ -209,12 +209,19 @@ def test_a_timeout_at_size_1_is_refused_where_it_would_change_nothing():
     assert parallel.size_from(ap.parse_args([])) == 1 and ap.parse_args([]).tensor_parallel_timeout is None
 
 
-def test_a_matmul_path_for_unquantized_weights_is_refused_before_the_ranks_start():
-    # at size 1 loading.load refuses it; the ranks' loading took it and changed nothing
+def test_a_quant_flag_that_changes_nothing_is_refused_before_the_ranks_start(monkeypatch):
+    # at size 1 loading.load refuses them; the ranks' loading took them and changed nothing
     import parallel
+    from ops import KernelFlags
+    from quant import QuantSpec
 
+    monkeypatch.setattr(parallel, "start", lambda *args: pytest.fail("a rank started"))
     with pytest.raises(UserError, match=r"^--matmul reference: for quantized weights .*; tiny-llama3 runs unquantized$"):
         parallel.load("tiny-llama3", "cpu", "float32", None, "reference", world=2)
+    with pytest.raises(UserError, match=r"^--matmul fast: on a CPU the kernels"):
+        parallel.load("tiny-llama3", "cpu", "auto", QuantSpec(8), "fast", KernelFlags("on"), world=2)
+    with pytest.raises(UserError, match=r"^--no-int8-activations: with float32 activations"):
+        parallel.load("tiny-llama3", "cpu", "float32", QuantSpec(8), "auto", KernelFlags("auto", False, False), world=2)
 
 
 def test_an_explicit_kv_budget_counts_once_per_rank_on_one_host():
