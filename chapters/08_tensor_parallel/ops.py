@@ -481,6 +481,8 @@ class KernelFlags:
         ops = resolve(self.choice, device, head_dim, self.batch_invariant, self.int8_x)
         if self.choice == "auto" and isinstance(ops, TorchOps):
             first, *details = ops.why_off.splitlines()
+            if not self.int8_x:  # as --kernels off: chapter 05's PyTorch takes it, and changes nothing
+                raise UserError(f"--no-int8-activations is for the CPU kernels, which cannot run here: {first}")
             print(f"note: kernels off ({first}): chapter 05's PyTorch path runs", file=sys.stderr)
             for line in details:
                 print(f"  {line}", file=sys.stderr)

@@ -115,4 +115,7 @@ def test_no_int8_activations_where_no_cpu_kernel_runs_is_refused():
     for choice, device in (("off", CPU), ("auto", torch.device("meta"))):
         with pytest.raises(UserError, match=r"^--no-int8-activations is for the CPU kernels"):
             KernelFlags(choice, False, False).ops(device)
+    # --kernels auto falling back to PyTorch on a CPU (here: a head size the decode kernel lacks)
+    with pytest.raises(UserError, match=r"^--no-int8-activations .*cannot run here: kernels/ decodes heads of"):
+        KernelFlags("auto", False, False).ops(CPU, head_dim=7)
     assert isinstance(KernelFlags("off").ops(CPU), TorchOps)  # the default (on) is no request
