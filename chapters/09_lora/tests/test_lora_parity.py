@@ -166,9 +166,7 @@ def int4_dequantized_hf(spec: QuantSpec):
 
 def test_int4_base_with_an_adapter_equals_peft_on_the_dequantized_base(adapters):
     spec = QuantSpec(4, 32, head_bits=None)  # int4 layers, the tied embedding and head in float32
-    eng, _ = build_engine(
-        "tiny-llama3", "cpu", "float32", quant=spec, kernels=KernelFlags("on"), matmul="fast", num_blocks=16
-    )
+    eng, _ = build_engine("tiny-llama3", "cpu", "float32", quant=spec, kernels=KernelFlags("on"), num_blocks=16)
     eng.adapters.register("a", adapters["every-r8"])
     ref = hf_with_adapter(adapters["every-r8"], int4_dequantized_hf(spec))
     tokens = eng.generate([greedy("a")])[0][0].token_ids
