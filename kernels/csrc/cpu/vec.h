@@ -227,6 +227,26 @@ struct Avx2 {
         }
         return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
     }
+    // a[j] lane i <-> a[i] lane j (an 8 x 8 block of floats transposed, in registers): in each 128-bit
+    // lane 4 x 4 blocks by unpacks and shuffles, then the lanes swapped across vectors. 24 shuffles,
+    // where reading a column takes a gather (8 loads each, slow on AMD's cores).
+    KERNELS_AVX2 static void transpose(V* a) {
+        V t[8], u[8];
+        for (int i = 0; i < 4; ++i) {
+            t[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+        }
+        for (int i = 0; i < 2; ++i) {  // u[4 i + k], lane l: column 4 l + k of rows 4 i .. 4 i + 3
+            u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+            u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+            u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+            u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+        }
+        for (int k = 0; k < 4; ++k) {
+            a[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+            a[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+        }
+    }
 };
 
 struct Avx512 {
@@ -343,6 +363,31 @@ struct Avx512 {
             d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], even),
                                  _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], odd));
         return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], even), _mm512_shuffle_f32x4(d[0], d[1], odd));
+    }
+    // a[j] lane i <-> a[i] lane j, 16 x 16 floats: Avx2's 4 x 4 blocks in each 128-bit lane, then
+    // the lanes gathered across vectors in two rounds of shuffle_f32x4. 64 shuffles for 256 floats.
+    KERNELS_AVX512 static void transpose(V* a) {
+        V t[16], u[16];
+        for (int i = 0; i < 8; ++i) {
+            t[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; ++i) {  // u[4 i + k], lane l: column 4 l + k of rows 4 i .. 4 i + 3
+            u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+            u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+            u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+            u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+        }
+        constexpr int low = 0b01000100, high = 0b11101110, even = 0b10001000, odd = 0b11011101;
+        for (int k = 0; k < 4; ++k) {  // column 4 l + k: lane l of u[k], u[4 + k], u[8 + k], u[12 + k]
+            const V v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], low), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], high);
+            const V w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], low);
+            const V w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], high);
+            a[k] = _mm512_shuffle_f32x4(v0, w0, even);
+            a[4 + k] = _mm512_shuffle_f32x4(v0, w0, odd);
+            a[8 + k] = _mm512_shuffle_f32x4(v1, w1, even);
+            a[12 + k] = _mm512_shuffle_f32x4(v1, w1, odd);
+        }
     }
 };
 
