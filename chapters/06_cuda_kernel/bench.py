@@ -498,7 +498,7 @@ def part_decode(args) -> dict:
                 print(f"[decode] loading {CH} {w} kernels {kernels}", file=sys.stderr, flush=True)
                 e = build_decoder(ours, args, quant, num_blocks, kernels)
                 runners[f"{CH} {w} kernels {kernels}"] = (w, lambda k, e=e: our_decode(e, ours, prompt, k))
-            if w == "int4" and args.device == "cpu" and args.dtype == "bfloat16":  # int8 x (default) against float x
+            if w == "int4" and args.device == "cpu" and args.dtype in ("bfloat16", "auto"):  # int8 x against float x
                 print(f"[decode] loading {CH} {w} --no-int8-activations", file=sys.stderr, flush=True)
                 e = build_decoder(ours, args, quant, num_blocks, ours.ops.KernelFlags("on", False, False))
                 runners[f"{CH} {w} float x"] = (w, lambda k, e=e: our_decode(e, ours, prompt, k))
