@@ -264,7 +264,7 @@ def load_draft(name: str, target: Model, target_tokenizer: Tokenizer, device, dt
             "checkpoint: leave it out to read the draft as stored"
         )
     try:
-        # --matmul and the like are for the quantized one of the two: the draft's check where the target is plain
+        # --matmul and the like are for the quantized one of the two: a plain target's load left them to the draft
         draft, draft_dir = load(name, device, dtype, quant, matmul, kernels, check_quant_flags=target.quant is None)
     except UserError as e:  # a load error names the target's flags; the draft's own are --draft-*
         raise UserError(f"the draft model {name}: {str(e).replace('--quant ', '--draft-quant ')}") from None

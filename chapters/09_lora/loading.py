@@ -117,7 +117,7 @@ def refuse_idle_quant_flags(
         )
     if not flags.int8_x:  # int8 x come from bf16 x, in the kernels' int matmul (--batch-invariant runs a float matvec)
         floats = [
-            f"{str(dtype).removeprefix('torch.')} activations (--dtype)" if dtype != torch.bfloat16 else None,
+            f"{str(dtype).removeprefix('torch.')} activations (--dtype or DTYPE)" if dtype != torch.bfloat16 else None,
             "--matmul reference" if matmul == "reference" else None,
             "--batch-invariant" if flags.batch_invariant else None,
         ]
@@ -146,7 +146,7 @@ def load(
     int kernels are fast only with 16-bit activations on CPU (see qmatmul.py). kernel_flags: as
     ops.from_args parses them, or only a --kernels choice. check_quant_flags False: --matmul and
     --no-int8-activations are taken for unquantized weights too: they may be for another model loaded
-    beside this one (chapter 07's draft)."""
+    beside this one (chapter 07's draft); quantized weights are checked all the same."""
     if spec is not None and Path(str(name_or_path or "")).suffix.lower() == ".gguf":  # before its conversion
         raise UserError(f"{name_or_path}: --quant applies to a plain checkpoint; a GGUF file runs as its own Q4_1 codes")
     model_dir = resolve(name_or_path)
@@ -156,7 +156,7 @@ def load(
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
     ops = flags.ops(dev, load_config(model_dir).head_dim)
-    if check_quant_flags:
+    if check_quant_flags or quantized:
         kernels_on_cpu = isinstance(ops, KernelOps) and dev.type == "cpu"
         refuse_idle_quant_flags(matmul, flags, quantized, dt, kernels_on_cpu, model_dir)
     return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

@@ -568,10 +568,11 @@ def load(
     quantized = spec is not None or stored is not None
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
-    if check_quant_flags:  # as loading.load's (its ranks resolve their ops as rank 0 does here)
-        kernels_on_cpu = dev.type == "cpu" and isinstance(
-            resolve_ops(flags.choice, dev, config.head_dim, flags.batch_invariant, flags.int8_x), KernelOps
-        )
+    if check_quant_flags or quantized:  # as loading.load's, before any rank starts (each resolves its ops so)
+        if not flags.int8_x:
+            flags.ops(dev, config.head_dim)  # its refusals of --no-int8-activations where no CPU kernel runs
+        ops = resolve_ops(flags.choice, dev, config.head_dim, flags.batch_invariant, flags.int8_x)
+        kernels_on_cpu = dev.type == "cpu" and isinstance(ops, KernelOps)
         refuse_idle_quant_flags(matmul, flags, quantized, dt, kernels_on_cpu, model_dir)
     one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
     shm = dev.type == "cpu" and one_host and transport() == "shm"  # (checked where it is read)

@@ -222,6 +222,8 @@ def test_a_quant_flag_that_changes_nothing_is_refused_before_the_ranks_start(mon
         parallel.load("tiny-llama3", "cpu", "auto", QuantSpec(8), "fast", KernelFlags("on"), world=2)
     with pytest.raises(UserError, match=r"^--no-int8-activations: with float32 activations"):
         parallel.load("tiny-llama3", "cpu", "float32", QuantSpec(8), "auto", KernelFlags("auto", False, False), world=2)
+    with pytest.raises(UserError, match=r"^--no-int8-activations is for the CPU kernels"):  # as KernelFlags.ops
+        parallel.load("tiny-llama3", "cpu", "auto", QuantSpec(8), "auto", KernelFlags("off", False, False), world=2)
 
 
 def test_an_explicit_kv_budget_counts_once_per_rank_on_one_host():

@@ -611,6 +611,11 @@ def test_a_matmul_path_for_the_int4_draft_of_a_plain_target_is_taken():
 
     with pytest.raises(UserError, match=r"^the draft model tiny-llama3: --matmul reference: for quantized weights"):
         build_engine("tiny-llama3", "cpu", "float32", None, "reference", speculative="draft", draft_quant=None)
+    # ...and a quantized target's load checks them as without a draft (they are for it too)
+    from ops import KernelFlags
+
+    with pytest.raises(UserError, match=r"^--matmul fast: on a CPU the kernels"):
+        build_engine("tiny-llama3", "cpu", "auto", QuantSpec(8), "fast", KernelFlags("on"), speculative="draft")
 
 
 def test_a_kv_budget_over_the_free_memory_is_refused_with_a_draft_model_too():
