@@ -103,11 +103,11 @@ def resolve(name_or_path: str | None) -> Path:
 
 
 def refuse_idle_quant_flags(
-    matmul: str, flags: KernelFlags, quantized: bool, dtype: torch.dtype, kernels_on_cpu: bool, model_dir: Path
+    matmul: str, flags: KernelFlags, quantized: bool, dtype: torch.dtype, ops, model_dir: Path
 ) -> None:
     """--matmul and --no-int8-activations pick how quantized weights multiply: where a run's other
-    choices leave them nothing to change, they were taken and changed nothing. kernels_on_cpu: the
-    library multiplies on a CPU (its int matmul serves every row count, "auto" as "fast")."""
+    choices (the dtype, the resolved `ops`) leave them nothing to change, they were taken and changed
+    nothing. On a CPU the kernels' int matmul serves every row count: "auto" is "fast" there."""
     idle = [f"--matmul {matmul}"] if matmul != DEFAULT_PATH else []
     idle += [] if flags.int8_x else ["--no-int8-activations"]
     if idle and not quantized:
@@ -126,7 +126,7 @@ def refuse_idle_quant_flags(
                 f"--no-int8-activations: with {' and '.join(filter(None, floats))} the int weights are multiplied in "
                 "floats already"
             )
-    if matmul == "fast" and kernels_on_cpu:
+    if matmul == "fast" and isinstance(ops, KernelOps) and ops.device.type == "cpu":
         raise UserError(
             "--matmul fast: on a CPU the kernels multiply the int weights as they are at every row count, as "
             "--matmul auto does"
@@ -157,6 +157,5 @@ def load(
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
     ops = flags.ops(dev, load_config(model_dir).head_dim)
     if check_quant_flags or quantized:
-        kernels_on_cpu = isinstance(ops, KernelOps) and dev.type == "cpu"
-        refuse_idle_quant_flags(matmul, flags, quantized, dt, kernels_on_cpu, model_dir)
+        refuse_idle_quant_flags(matmul, flags, quantized, dt, ops, model_dir)
     return load_model(model_dir, dev, dt, spec, matmul, ops), model_dir

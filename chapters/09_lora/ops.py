@@ -504,9 +504,9 @@ class KernelFlags:
     batch_invariant: bool = False  # --batch-invariant
     int8_x: bool = True  # --int8-activations (--no-int8-activations: the float product)
 
-    def ops(self, device: torch.device, head_dim: int | None = None) -> Ops:
+    def ops(self, device: torch.device, head_dim: int | None = None, note: bool = True) -> Ops:
         """The operations for `device` (and a model's head size); where "auto" falls back to
-        PyTorch, a note says why."""
+        PyTorch, a note says why (note False: the caller only checks the flags, its ranks will say it)."""
         if not self.int8_x and (self.choice == "off" or device.type != "cpu"):  # it was taken, and changed nothing
             raise UserError(
                 "--no-int8-activations is for the CPU kernels (--kernels auto or on, on a CPU): chapter 05's PyTorch "
@@ -517,6 +517,8 @@ class KernelFlags:
             first, *details = ops.why_off.splitlines()
             if not self.int8_x:  # as --kernels off: chapter 05's PyTorch takes it, and changes nothing
                 raise UserError(f"--no-int8-activations is for the CPU kernels, which cannot run here: {first}")
+            if not note:
+                return ops
             print(f"note: kernels off ({first}): chapter 05's PyTorch path runs", file=sys.stderr)
             for line in details:
                 print(f"  {line}", file=sys.stderr)

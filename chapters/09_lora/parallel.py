@@ -54,7 +54,7 @@ from common.device import pick_device, pick_dtype
 from common.cli import USER_ERRORS, positive_int
 from common.errors import RunError, UserError
 from memory import GiB, default_kv_bytes, free_memory
-from ops import KernelFlags, KernelOps, resolve as resolve_ops
+from ops import KernelFlags
 from proposers import DRAFT_DEFAULT
 from qmatmul import DEFAULT_PATH
 from quant import QuantSpec
@@ -569,11 +569,7 @@ def load(
     dt = torch.bfloat16 if quantized and auto and dev.type in ("cpu", "cuda") else pick_dtype(dtype, dev)
     flags = KernelFlags(kernel_flags) if isinstance(kernel_flags, str) else kernel_flags
     if check_quant_flags or quantized:  # as loading.load's, before any rank starts (each resolves its ops so)
-        if not flags.int8_x:
-            flags.ops(dev, config.head_dim)  # its refusals of --no-int8-activations where no CPU kernel runs
-        ops = resolve_ops(flags.choice, dev, config.head_dim, flags.batch_invariant, flags.int8_x)
-        kernels_on_cpu = dev.type == "cpu" and isinstance(ops, KernelOps)
-        refuse_idle_quant_flags(matmul, flags, quantized, dt, kernels_on_cpu, model_dir)
+        refuse_idle_quant_flags(matmul, flags, quantized, dt, flags.ops(dev, config.head_dim, note=False), model_dir)
     one_host = not under_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
     shm = dev.type == "cpu" and one_host and transport() == "shm"  # (checked where it is read)
     shm_path = ShmChannel.create("/dev/shm", world) if shm else None  # before any rank starts
