@@ -366,12 +366,21 @@ PLANTED = {
     ],
     "the rank padding read as if it held weights": [
         (
-            "for (int k = 0; k < rk; ++k) {\n        V vk[MR];",
-            "for (int k = 0; k < (planted_bug == 3 ? p.r_max : rk); ++k) {\n        V vk[MR];",
+            "for (int k = 0; k < rk; ++k) {\n        ahead.step();",
+            "for (int k = 0; k < (planted_bug == 3 ? p.r_max : rk); ++k) {\n        ahead.step();",
         ),
     ],
     "a run's tail rows (past the last whole row tile) skipped": [
         ("if (row < end) expand_rest<", "if (row < end && planted_bug != 4) expand_rest<"),
+    ],
+    "a one-row tile's last rank left out (the wide shrink tile)": [
+        ("(p, r0, s, k0, NO_FIRST, ahead);", "(p, r0, s, k0, NO_FIRST - (planted_bug == 5), ahead);"),
+    ],
+    "a one-row tile stepping back over outputs it has added (the wide expand tile)": [
+        (
+            "expand_tile<S, DY, DW, MR, NO_FIRST>(p, r0, s, rk, o, ahead);",
+            "expand_tile<S, DY, DW, MR, NO_FIRST>(p, r0, s, rk, o, ahead), planted_bug == 6 && (o -= W);",
+        ),
     ],
 }
 
@@ -381,19 +390,19 @@ PLANTED_GROUP = {
     "a few-row group's first rank tile computed as its second": [
         (
             "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), kt * k_step,",
-            "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), (kt + (planted_bug == 5 && few && !kt)) * k_step,",
+            "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), (kt + (planted_bug == 7 && few && !kt)) * k_step,",
         ),
     ],
     "every part expanded from the first part's v": [
-        ("y_stride, part.v, r_max,", "y_stride, parts[planted_bug == 6 ? 0 : j].v, r_max,"),
+        ("y_stride, part.v, r_max,", "y_stride, parts[planted_bug == 8 ? 0 : j].v, r_max,"),
     ],
     "a part's outputs written from column 0": [
-        ("part.y_col * (dtype", "(planted_bug == 7 ? 0 : part.y_col) * (dtype"),
+        ("part.y_col * (dtype", "(planted_bug == 9 ? 0 : part.y_col) * (dtype"),
     ],
     "the zeros past a slot's rank left out of a rank tile": [
         (
             "std::fill(row + std::max(rk, k_lo), row + k_hi, 0.f);",
-            "std::fill(row + std::max(rk, k_lo), row + k_hi - (planted_bug == 8), 0.f);",
+            "std::fill(row + std::max(rk, k_lo), row + k_hi - (planted_bug == 10), 0.f);",
         ),
     ],
 }

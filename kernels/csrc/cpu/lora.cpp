@@ -93,6 +93,37 @@ KERNELS_INLINE int next_slot(const Segments& seg, int i, int r1) {
     return -1;
 }
 
+// The next run's tables, asked for a few cache lines at a time while this run computes: rows of
+// row_bytes each, stride bytes apart. step() asks for the next per_step lines, the tiles calling it
+// once per load of their own tables; rest() for whatever is left when the run ends. (All of a run's
+// lines asked for at its start, hundreds of prefetches in a row, filled the miss buffers and stalled
+// the run behind them: a third of the shrink's samples sat in that loop, a sixth of the expand's.)
+struct Ahead {
+    const char* row = nullptr;
+    int64_t stride = 0, row_bytes = 0, offset = 0;
+    int rows = 0, per_step = 0;
+
+    // The table at element `first` of `base`, `n_rows` rows of `n` elements `stride` elements apart,
+    // spread over about `steps` calls of step().
+    template <DType D>
+    static Ahead of(const void* base, int64_t first, int n_rows, int64_t n, int64_t stride, int64_t steps) {
+        constexpr int64_t bytes = D == DType::f32 ? 4 : 2;
+        const int64_t row_bytes = n * bytes, lines = n_rows * ((row_bytes + 63) / 64);
+        const int per_step = int(std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1)));
+        return {static_cast<const char*>(base) + first * bytes, stride * bytes, row_bytes, 0, n_rows, per_step};
+    }
+    KERNELS_INLINE void one() {
+        __builtin_prefetch(row + offset);
+        if ((offset += 64) >= row_bytes) offset = 0, row += stride, --rows;
+    }
+    KERNELS_INLINE void step() {
+        for (int n = 0; n < per_step && rows > 0; ++n) one();
+    }
+    KERNELS_INLINE void rest() {
+        while (rows > 0) one();
+    }
+};
+
 struct ShrinkArgs {
     float* v;
     int64_t v_stride;
@@ -118,23 +149,31 @@ struct ExpandArgs {
 
 // Register tiles per instruction set: MR rows by NO ranks (shrink) or NO vectors of outputs
 // (expand). AVX2 has 16 vector registers: 3 x 4 accumulators, 3 broadcasts or rows, 1 weight vector.
+// A tile of one row (a decode row, its adapter its own) is NO1 wide instead: with one row there is
+// no reuse of a table's vector to gain, only its bytes to bring in from memory, and a wider tile
+// keeps more of them in flight at once (the shrink reads all 16 rows of a rank-16 A side by side,
+// the expand 16 rows of B^T in pieces of 512 bytes, not 128). SmolLM2's 30 layers of deltas for 16
+// rank-16 adapters on 16 decode rows, 156 MB of tables, on one thread of a Zen 5: 15 GB/s with NO = 4,
+// 19-20 GB/s with NO1 = 16, 24-25 with the next run's tables asked for along the way (Ahead below).
 template <class S>
 struct Tile {
-    static constexpr int MR = 4, NO = 4;
+    static constexpr int MR = 4, NO = 4, NO1 = 16;
 };
 #ifdef KERNELS_X86
 template <>
 struct Tile<Avx2> {
-    static constexpr int MR = 3, NO = 4;
+    static constexpr int MR = 3, NO = 4, NO1 = 8;
 };
 #endif
+template <class S, int MR>
+constexpr int kNo = MR == 1 ? Tile<S>::NO1 : Tile<S>::NO;  // ranks or output vectors of a tile of MR rows
 
 // --- shrink ----------------------------------------------------------------------------------------
 
 // MR rows of x (from r0) times NO rows of A (from element a0; rows past nk repeat row nk - 1),
 // over all n_in inputs -> sums[r * NO + n].
 template <class S, DType DX, DType DW, int MR, int NO>
-KERNELS_INLINE void shrink_tile(const ShrinkArgs& p, int r0, int64_t a0, int nk, float* sums) {
+KERNELS_INLINE void shrink_tile(const ShrinkArgs& p, int r0, int64_t a0, int nk, float* sums, Ahead& ahead) {
     using V = typename S::V;
     int64_t xo[MR], ao[NO];
     for (int r = 0; r < MR; ++r) xo[r] = int64_t(r0 + r) * p.x_stride;
@@ -144,6 +183,7 @@ KERNELS_INLINE void shrink_tile(const ShrinkArgs& p, int r0, int64_t a0, int nk,
         for (int n = 0; n < NO; ++n) acc[r][n] = S::zero();
     int i = 0;
     for (; i + S::W <= p.n_in; i += S::W) {
+        ahead.step();
         V xv[MR];
         for (int r = 0; r < MR; ++r) xv[r] = S::template load_as<DX>(p.x, xo[r] + i);
         for (int n = 0; n < NO; ++n) {
@@ -159,18 +199,26 @@ KERNELS_INLINE void shrink_tile(const ShrinkArgs& p, int r0, int64_t a0, int nk,
                 sums[r * NO + n] += load_as_float<DX>(p.x, xo[r] + i) * load_as_float<DW>(p.a, ao[n] + i);
 }
 
-// Rows r0 .. r0 + MR - 1, all of slot s (rank rk >= 1), ranks k_lo .. k_hi - 1 of v (k_lo a multiple
-// of NO): the rank tiles below rk, zeros from rk on.
-template <class S, DType DX, DType DW, int MR>
-KERNELS_INLINE void shrink_rows(const ShrinkArgs& p, int r0, int s, int rk, int k_lo, int k_hi) {
-    constexpr int NO = Tile<S>::NO;
+// Ranks k0 .. k0 + nk - 1 (nk <= NO) of v for rows r0 .. r0 + MR - 1 of slot s.
+template <class S, DType DX, DType DW, int MR, int NO>
+KERNELS_INLINE void shrink_ranks(const ShrinkArgs& p, int r0, int s, int k0, int nk, Ahead& ahead) {
     float sums[MR * NO];
-    for (int k0 = k_lo; k0 < std::min(rk, k_hi); k0 += NO) {
-        const int nk = std::min(NO, rk - k0);
-        shrink_tile<S, DX, DW, MR, NO>(p, r0, (int64_t(s) * p.r_max + k0) * p.n_in, nk, sums);
-        for (int r = 0; r < MR; ++r)
-            for (int n = 0; n < nk; ++n) p.v[int64_t(r0 + r) * p.v_stride + k0 + n] = sums[r * NO + n];
-    }
+    shrink_tile<S, DX, DW, MR, NO>(p, r0, (int64_t(s) * p.r_max + k0) * p.n_in, nk, sums, ahead);
+    for (int r = 0; r < MR; ++r)
+        for (int n = 0; n < nk; ++n) p.v[int64_t(r0 + r) * p.v_stride + k0 + n] = sums[r * NO + n];
+}
+
+// Rows r0 .. r0 + MR - 1, all of slot s (rank rk >= 1), ranks k_lo .. k_hi - 1 of v: the rank tiles
+// below rk (the last one cut at rk or k_hi), zeros from rk on.
+template <class S, DType DX, DType DW, int MR>
+KERNELS_INLINE void shrink_rows(const ShrinkArgs& p, int r0, int s, int rk, int k_lo, int k_hi, Ahead& ahead) {
+    constexpr int NO = Tile<S>::NO, NO_FIRST = kNo<S, MR>;
+    const int k_end = std::min(rk, k_hi);
+    int k0 = k_lo;
+    if constexpr (NO_FIRST != NO)  // wide tiles only where all their ranks are wanted: no wasted rows
+        for (; k0 + NO_FIRST <= k_end; k0 += NO_FIRST)
+            shrink_ranks<S, DX, DW, MR, NO_FIRST>(p, r0, s, k0, NO_FIRST, ahead);
+    for (; k0 < k_end; k0 += NO) shrink_ranks<S, DX, DW, MR, NO>(p, r0, s, k0, std::min(NO, k_end - k0), ahead);
     if (rk < k_hi)
         for (int r = 0; r < MR; ++r) {
             float* row = p.v + int64_t(r0 + r) * p.v_stride;
@@ -180,10 +228,11 @@ KERNELS_INLINE void shrink_rows(const ShrinkArgs& p, int r0, int s, int rk, int 
 
 // A tile of the last rows of a run: fewer than MR.
 template <class S, DType DX, DType DW, int R>
-KERNELS_INLINE void shrink_rest(const ShrinkArgs& p, int rows, int r0, int s, int rk, int k_lo, int k_hi) {
+KERNELS_INLINE void shrink_rest(const ShrinkArgs& p, int rows, int r0, int s, int rk, int k_lo, int k_hi,
+                                Ahead& ahead) {
     if constexpr (R > 0) {
-        if (rows == R) return shrink_rows<S, DX, DW, R>(p, r0, s, rk, k_lo, k_hi);
-        shrink_rest<S, DX, DW, R - 1>(p, rows, r0, s, rk, k_lo, k_hi);
+        if (rows == R) return shrink_rows<S, DX, DW, R>(p, r0, s, rk, k_lo, k_hi, ahead);
+        shrink_rest<S, DX, DW, R - 1>(p, rows, r0, s, rk, k_lo, k_hi, ahead);
     }
 }
 
@@ -194,16 +243,21 @@ KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1, int k_lo, 
     for (Run run{p.seg, t0, t1}; run.next();) {
         const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
         const int s_next = next_slot(p.seg, run.i, t1), rk_next = p.seg.rank(p.ranks, s_next);
-        if (rk_next > k_lo)  // the next run's rows of A, ranks k_lo .. on
-            prefetch_elements<DW>(p.a, (int64_t(s_next) * p.r_max + k_lo) * p.n_in,
-                                  int64_t(std::min(rk_next, k_hi) - k_lo) * p.n_in);
         int row = run.row;
+        // the next run's rows of A (ranks k_lo .. on), asked for over this run's tiles of rows by
+        // ranks (wide for one row), n_in / W loads each
+        const int rows = end - row, k_tile = rows == 1 ? Tile<S>::NO1 : Tile<S>::NO;
+        const int64_t tiles = int64_t((rows + MR - 1) / MR) * ((std::min(rk, k_hi) - k_lo + k_tile - 1) / k_tile);
+        const int k_next = std::max(0, std::min(rk_next, k_hi) - k_lo);
+        Ahead ahead = Ahead::of<DW>(p.a, (int64_t(std::max(s_next, 0)) * p.r_max + k_lo) * p.n_in, k_next, p.n_in,
+                                    p.n_in, tiles * (p.n_in / S::W));
         if (rk == 0) {
             for (; row < end; ++row) std::fill_n(p.v + int64_t(row) * p.v_stride + k_lo, k_hi - k_lo, 0.f);
-            continue;
+        } else {
+            for (; row + MR <= end; row += MR) shrink_rows<S, DX, DW, MR>(p, row, s, rk, k_lo, k_hi, ahead);
+            if (row < end) shrink_rest<S, DX, DW, MR - 1>(p, end - row, row, s, rk, k_lo, k_hi, ahead);
         }
-        for (; row + MR <= end; row += MR) shrink_rows<S, DX, DW, MR>(p, row, s, rk, k_lo, k_hi);
-        if (row < end) shrink_rest<S, DX, DW, MR - 1>(p, end - row, row, s, rk, k_lo, k_hi);
+        ahead.rest();
     }
 }
 
@@ -212,7 +266,7 @@ KERNELS_INLINE void shrink_range(const ShrinkArgs& p, int t0, int t1, int k_lo, 
 // MR rows (from r0) of slot s by NO vectors of outputs from o: acc = sum_k v[row, k] * b_t[s, k, o..],
 // then y = y + scale * acc, rounded once.
 template <class S, DType DY, DType DW, int MR, int NO>
-KERNELS_INLINE void expand_tile(const ExpandArgs& p, int r0, int s, int rk, int o) {
+KERNELS_INLINE void expand_tile(const ExpandArgs& p, int r0, int s, int rk, int o, Ahead& ahead) {
     using V = typename S::V;
     constexpr int W = S::W;
     V acc[MR][NO];
@@ -220,6 +274,7 @@ KERNELS_INLINE void expand_tile(const ExpandArgs& p, int r0, int s, int rk, int 
         for (int n = 0; n < NO; ++n) acc[r][n] = S::zero();
     const int64_t b0 = int64_t(s) * p.r_max * p.n_out + o;
     for (int k = 0; k < rk; ++k) {
+        ahead.step();
         V vk[MR];
         for (int r = 0; r < MR; ++r) vk[r] = S::set1(p.v[int64_t(r0 + r) * p.v_stride + k]);
         for (int n = 0; n < NO; ++n) {
@@ -235,14 +290,16 @@ KERNELS_INLINE void expand_tile(const ExpandArgs& p, int r0, int s, int rk, int 
         }
 }
 
-// Outputs o0 .. o1 - 1 of rows r0 .. r0 + MR - 1 (slot s): whole tiles of NO vectors, single
-// vectors, then the last outputs one by one.
+// Outputs o0 .. o1 - 1 of rows r0 .. r0 + MR - 1 (slot s): whole tiles of NO vectors (first of NO1
+// for one row), single vectors, then the last outputs one by one.
 template <class S, DType DY, DType DW, int MR>
-KERNELS_INLINE void expand_rows(const ExpandArgs& p, int r0, int s, int rk, int o0, int o1) {
-    constexpr int W = S::W, NO = Tile<S>::NO;
+KERNELS_INLINE void expand_rows(const ExpandArgs& p, int r0, int s, int rk, int o0, int o1, Ahead& ahead) {
+    constexpr int W = S::W, NO = Tile<S>::NO, NO_FIRST = kNo<S, MR>;
     int o = o0;
-    for (; o + NO * W <= o1; o += NO * W) expand_tile<S, DY, DW, MR, NO>(p, r0, s, rk, o);
-    for (; o + W <= o1; o += W) expand_tile<S, DY, DW, MR, 1>(p, r0, s, rk, o);
+    if constexpr (NO_FIRST != NO)
+        for (; o + NO_FIRST * W <= o1; o += NO_FIRST * W) expand_tile<S, DY, DW, MR, NO_FIRST>(p, r0, s, rk, o, ahead);
+    for (; o + NO * W <= o1; o += NO * W) expand_tile<S, DY, DW, MR, NO>(p, r0, s, rk, o, ahead);
+    for (; o + W <= o1; o += W) expand_tile<S, DY, DW, MR, 1>(p, r0, s, rk, o, ahead);
     const int64_t b0 = int64_t(s) * p.r_max * p.n_out;
     for (; o < o1; ++o)
         for (int r = 0; r < MR; ++r) {
@@ -255,10 +312,11 @@ KERNELS_INLINE void expand_rows(const ExpandArgs& p, int r0, int s, int rk, int 
 }
 
 template <class S, DType DY, DType DW, int R>
-KERNELS_INLINE void expand_rest(const ExpandArgs& p, int rows, int r0, int s, int rk, int o0, int o1) {
+KERNELS_INLINE void expand_rest(const ExpandArgs& p, int rows, int r0, int s, int rk, int o0, int o1,
+                                Ahead& ahead) {
     if constexpr (R > 0) {
-        if (rows == R) return expand_rows<S, DY, DW, R>(p, r0, s, rk, o0, o1);
-        expand_rest<S, DY, DW, R - 1>(p, rows, r0, s, rk, o0, o1);
+        if (rows == R) return expand_rows<S, DY, DW, R>(p, r0, s, rk, o0, o1, ahead);
+        expand_rest<S, DY, DW, R - 1>(p, rows, r0, s, rk, o0, o1, ahead);
     }
 }
 
@@ -268,12 +326,18 @@ KERNELS_INLINE void expand_range(const ExpandArgs& p, int t0, int t1, int o0, in
     for (Run run{p.seg, t0, t1}; run.next();) {
         const int s = run.slot, rk = p.seg.rank(p.ranks, s), end = run.end;
         const int s_next = next_slot(p.seg, run.i, t1), rk_next = p.seg.rank(p.ranks, s_next);
-        for (int k = 0; k < rk_next; ++k)  // the next run's rows of B^T, outputs o0 .. o1 - 1
-            prefetch_elements<DW>(p.b, (int64_t(s_next) * p.r_max + k) * p.n_out + o0, o1 - o0);
-        if (rk == 0) continue;  // the base model's rows (and an empty slot's) are left as they are
         int row = run.row;
-        for (; row + MR <= end; row += MR) expand_rows<S, DY, DW, MR>(p, row, s, rk, o0, o1);
-        if (row < end) expand_rest<S, DY, DW, MR - 1>(p, end - row, row, s, rk, o0, o1);
+        // the next run's rows of B^T (outputs o0 .. o1 - 1), asked for over this run's tiles of rows
+        // by outputs (wide for one row), rk loads each
+        const int rows = end - row, o_tile = (rows == 1 ? Tile<S>::NO1 : Tile<S>::NO) * S::W;
+        const int64_t tiles = int64_t((rows + MR - 1) / MR) * ((o1 - o0 + o_tile - 1) / o_tile);
+        Ahead ahead = Ahead::of<DW>(p.b, int64_t(std::max(s_next, 0)) * p.r_max * p.n_out + o0, rk_next, o1 - o0,
+                                    p.n_out, tiles * rk);
+        if (rk > 0) {  // the base model's rows (and an empty slot's) are left as they are
+            for (; row + MR <= end; row += MR) expand_rows<S, DY, DW, MR>(p, row, s, rk, o0, o1, ahead);
+            if (row < end) expand_rest<S, DY, DW, MR - 1>(p, end - row, row, s, rk, o0, o1, ahead);
+        }
+        ahead.rest();
     }
 }
 
