@@ -19,6 +19,12 @@ the same delta by torch: the adapters of each row gathered and multiplied by tor
 
 One thread and CPU time (process_time), the median of --repeats samples of --calls calls each,
 every kind timed in turn within each sample (interleaved: a busy machine slows them alike).
+
+Those tables fit the caches; in a decode step they do not (16 rank-16 adapters on SmolLM2 are 156
+MB). So a second part times a whole step's deltas from memory: --layers layers (SmolLM2's 30) of
+tables of their own, each layer's four matmul groups (q k v, o, gate up, down) through lora_group_
+as the one-call layer runs them, on --step-threads threads (default: the engines', one per core),
+wall time, the median of --repeats steps, and the rate the tables were read at.
 Results: a table, JSON at --out (bench/results/lora.json), a PNG beside it.
 """
 
@@ -47,6 +53,8 @@ PROJECTIONS = {
 }
 # The base linears as the engine runs them: q, k, v in one matrix, gate and up in another.
 ENGINE_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+# The projections of each, the groups whose deltas lora_group_ adds after each matmul.
+GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
 def int4_weights(n_out: int, n_in: int, g: torch.Generator, ops, tiles: bool) -> tuple:
@@ -128,6 +136,44 @@ def measure(ops, rows: int, args, dtype: torch.dtype) -> dict:
     return {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "base": base, "projections": per, "layer": layer}
 
 
+def step_from_memory(ops, rows: int, args, dtype: torch.dtype) -> dict:
+    """A decode step's deltas, every layer's tables its own (the caches hold few of them), as the
+    one-call layer adds them: per layer, one lora_group_ per matmul. Row i uses slot i % adapters."""
+    g = torch.Generator().manual_seed(rows)
+    slots = torch.arange(rows, dtype=torch.int32) % args.adapters
+    step = ops.StepLora(torch.arange(rows + 1, dtype=torch.int32), slots, [True] * len(PROJECTIONS))
+    used = len(set(slots.tolist()))
+    layers, table_bytes = [], 0
+    for _ in range(args.layers):
+        groups = []
+        for name, projections in GROUPS.items():
+            parts = []
+            for p in projections:
+                a, b_t, ranks, scale = adapter_table(*PROJECTIONS[p], args.adapters, args.rank, dtype, g)
+                parts.append(ops.LoraProjection(a, b_t, ranks))
+                table_bytes += (a[0].numel() + b_t[0].numel()) * a.element_size() * used  # the slots read
+            n_in = ENGINE_LINEARS[name][1]
+            x, y = torch.randn(rows, n_in, generator=g).to(dtype), torch.zeros(rows, ENGINE_LINEARS[name][0], dtype=dtype)
+            groups.append((y, x, parts, scale))
+        layers.append(groups)
+
+    def run():
+        for groups in layers:
+            for y, x, parts, scale in groups:
+                ops.lora_group_(y, x, parts, scale, step)
+
+    run()  # warm: page-ins, the thread team
+    seconds = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - t)
+    ms = statistics.median(seconds) * 1e3
+    return {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "layers": args.layers,
+            "adapters_read": used, "table_mb": table_bytes / 1e6, "ms": ms,
+            "ms_range": [min(seconds) * 1e3, max(seconds) * 1e3], "gb_s": table_bytes / ms / 1e6}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16")
@@ -137,11 +183,14 @@ def main() -> int:
     ap.add_argument("--isa", default=None, help="the library's CPU level (default: the best here)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=30, help="layers of the step from memory (default: SmolLM2's 30)")
+    ap.add_argument("--step-threads", type=int, default=None, help="threads of the step (default: one per core)")
     add_int8_activations(ap)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "lora.json")
     args = ap.parse_args()
     import kernels
 
+    step_threads = args.step_threads or torch.get_num_threads()
     torch.set_num_threads(1)
     ops = kernels.load()
     if args.isa:
@@ -151,6 +200,12 @@ def main() -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             results.append(measure(ops, rows, args, dtype))
             print(f"[lora] {results[-1]['dtype']} {rows} rows done", file=sys.stderr, flush=True)
+    torch.set_num_threads(step_threads)
+    steps = [
+        step_from_memory(ops, rows, args, getattr(torch, d)) for d in args.dtypes.split(",") for rows in
+        (int(r) for r in args.rows.split(","))
+    ]  # fmt: skip
+    torch.set_num_threads(1)
 
     print(
         f"\nLoRA shrink + expand against the base int4 linear, rank {args.rank}, row i on adapter i % "
@@ -167,6 +222,12 @@ def main() -> int:
         lay = r["layer"]
         print(f"{r['dtype']:<9}{r['rows']:>5} {'layer':<7}{'(engine)':>13}{lay['base_us']:>9.1f}{lay['lora_us']:>9.1f}"
               f"{'':>9}{'':>11}{lay['ratio']:>18.2f}")  # fmt: skip
+    print(f"\nA step's deltas from memory: {args.layers} layers of tables of their own through lora_group_, "
+          f"{step_threads} threads, wall time")  # fmt: skip
+    for st in steps:
+        lo, hi = st["ms_range"]
+        print(f"{st['dtype']:<9}{st['rows']:>5} rows, {st['adapters_read']} adapters: {st['table_mb']:.1f} MB of "
+              f"tables in {st['ms']:.2f} ms [{lo:.2f}-{hi:.2f}], {st['gb_s']:.1f} GB/s")  # fmt: skip
     record = {
         "what": "LoRA shrink+expand vs the base int4 linear per projection and per layer (linears only)",
         "command": "python " + " ".join(sys.argv),
@@ -182,6 +243,8 @@ def main() -> int:
         "projections": PROJECTIONS,
         "engine_linears": ENGINE_LINEARS,
         "results": results,
+        "step_threads": step_threads,
+        "step_from_memory": steps,
         "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

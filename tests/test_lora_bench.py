@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_lora_bench_records_each_projection_and_the_layer(tmp_path):
     out = tmp_path / "l.json"
     args = ["--rows", "2", "--dtypes", "float32", "--repeats", "1", "--calls", "1", "--adapters", "3", "--out", str(out)]
-    r = run_python(["bench/lora.py", *args], cwd=REPO)
+    r = run_python(["bench/lora.py", *args, "--layers", "2", "--step-threads", "2"], cwd=REPO)
     assert r.returncode == 0, r.stderr
     record = json.loads(out.read_text())
     (result,) = record["results"]
@@ -23,6 +23,11 @@ def test_lora_bench_records_each_projection_and_the_layer(tmp_path):
     for p in [*result["projections"].values(), result["layer"]]:
         assert p["base_us"] > 0 and p["lora_us"] > 0 and 0 < p["ratio"] < 1
     assert record["threads"] == 1 and record["adapters"] == 3 and "layer" in r.stdout
+    # the step from memory: 2 layers of 7 projections' tables for the 2 adapters the 2 rows use
+    (step,) = record["step_from_memory"]
+    a_and_b = sum(n_out + n_in for n_out, n_in in record["projections"].values()) * 16 * 4  # rank 16, float32
+    assert step["layers"] == 2 and step["adapters_read"] == 2 and step["table_mb"] == 2 * 2 * a_and_b / 1e6
+    assert step["ms"] > 0 and step["gb_s"] > 0 and record["step_threads"] == 2 and "from memory" in r.stdout
     assert out.with_suffix(".png").exists()
 
 
