@@ -405,6 +405,12 @@ PLANTED_GROUP = {
             "std::fill(row + std::max(rk, k_lo), row + k_hi - (planted_bug == 10), 0.f);",
         ),
     ],
+    "a row tile's expand given its first row only (a tile of rows per task, no barrier)": [
+        (
+            "expand(expand_args(j), r0, r1, 0, parts[j].n_out);",
+            "expand(expand_args(j), r0, planted_bug == 11 ? r0 + 1 : r1, 0, parts[j].n_out);",
+        ),
+    ],
 }
 
 

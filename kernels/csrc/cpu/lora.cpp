@@ -456,9 +456,12 @@ void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, co
 // One fused matmul's projections at once (cpu_kernels.h): a decode step's delta is so little work
 // per projection (q's rank-16 tables are 36 KB) that a team of threads per call costs as much as it
 // saves, and one thread alone cannot pull the tables from memory as fast as the base matmul pulls
-// its weight (serial, the deltas added 40 % to a batch-1 step of SmolLM2). So one team runs the group:
-// every part's shrink, split over rows and, when rows are fewer than threads, over tiles of ranks;
-// a barrier (every v complete); every part's expand, split over rows and tiles of outputs.
+// its weight (serial, the deltas added 40 % to a batch-1 step of SmolLM2). So one team runs the group.
+// With a tile of rows for every thread, each takes its tiles through every part's shrink and then
+// every part's expand (16 adapters on 16 rows: 10-15 % faster than with a barrier between the
+// halves, where a thread done early waited). With fewer tiles than threads: every part's shrink,
+// split over tiles of ranks; a barrier (every v complete); every part's expand, split over rows
+// and tiles of outputs.
 void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, const LoraPart* parts, int n_parts,
                 const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
                 int n_slots, int n_in, int r_max, DType dtype, DType w_dtype) {
@@ -499,6 +502,17 @@ void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, cons
         return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), ot * o_step,
                     std::min(parts[j].n_out, (ot + 1) * o_step)};
     };
+    if (!few) {
+        // A tile of rows per task through every part's shrink, then every part's expand: its rows' v
+        // are its own, so no thread waits for another between the halves.
+#pragma omp parallel for schedule(static) if (macs > kParallelMacs && threads > 1)
+        for (int t = 0; t < row_tasks; ++t) {
+            const int r0 = t * mr, r1 = std::min(rows, r0 + mr);
+            for (int j = 0; j < n_parts; ++j) shrink(shrink_args(j), r0, r1, 0, r_max);
+            for (int j = 0; j < n_parts; ++j) expand(expand_args(j), r0, r1, 0, parts[j].n_out);
+        }
+        return;
+    }
 #pragma omp parallel if (macs > kParallelMacs && threads > 1)
     {
 #pragma omp for schedule(static)
