@@ -51,10 +51,10 @@ PROJECTIONS = {
     "up": (1536, 576),
     "down": (576, 1536),
 }
-# The base linears as the engine runs them: q, k, v in one matrix, gate and up in another.
-ENGINE_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-# The projections of each, the groups whose deltas lora_group_ adds after each matmul.
+# The base linears as the engine runs them (q, k, v in one matrix, gate and up in another), each with
+# its projections: the group whose deltas lora_group_ adds after the matmul.
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+ENGINE_LINEARS = {name: (sum(PROJECTIONS[p][0] for p in ps), PROJECTIONS[ps[0]][1]) for name, ps in GROUPS.items()}
 
 
 def int4_weights(n_out: int, n_in: int, g: torch.Generator, ops, tiles: bool) -> tuple:
@@ -152,8 +152,8 @@ def step_from_memory(ops, rows: int, args, dtype: torch.dtype) -> dict:
                 a, b_t, ranks, scale = adapter_table(*PROJECTIONS[p], args.adapters, args.rank, dtype, g)
                 parts.append(ops.LoraProjection(a, b_t, ranks))
                 table_bytes += (a[0].numel() + b_t[0].numel()) * a.element_size() * used  # the slots read
-            n_in = ENGINE_LINEARS[name][1]
-            x, y = torch.randn(rows, n_in, generator=g).to(dtype), torch.zeros(rows, ENGINE_LINEARS[name][0], dtype=dtype)
+            n_out, n_in = ENGINE_LINEARS[name]
+            x, y = torch.randn(rows, n_in, generator=g).to(dtype), torch.zeros(rows, n_out, dtype=dtype)
             groups.append((y, x, parts, scale))
         layers.append(groups)
 
@@ -205,7 +205,6 @@ def main() -> int:
         step_from_memory(ops, rows, args, getattr(torch, d)) for d in args.dtypes.split(",") for rows in
         (int(r) for r in args.rows.split(","))
     ]  # fmt: skip
-    torch.set_num_threads(1)
 
     print(
         f"\nLoRA shrink + expand against the base int4 linear, rank {args.rank}, row i on adapter i % "

@@ -469,17 +469,9 @@ void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, cons
     const Segments seg{seg_starts, seg_slots, n_seg, n_slots, r_max};
     const auto [shrink, expand] = entries(dtype, w_dtype);
     const int mr = row_tile(), row_tasks = (rows + mr - 1) / mr, threads = omp_get_max_threads();
-    // Few rows: each thread takes some of every projection's ranks and outputs, not all of one row.
-    const bool few = row_tasks < threads;
-    const int k_step = few ? Tile<Scalar>::NO : r_max, k_tiles = (r_max + k_step - 1) / k_step;
-    const int o_step = few ? 64 : kOutTile;
     int64_t macs = 0;
-    int shrink_tasks = 0, expand_tasks = 0;
-    for (int j = 0; j < n_parts; ++j) {
-        macs += int64_t(rows) * r_max * (n_in + parts[j].n_out);
-        shrink_tasks += row_tasks * k_tiles;
-        expand_tasks += row_tasks * ((parts[j].n_out + o_step - 1) / o_step);
-    }
+    for (int j = 0; j < n_parts; ++j) macs += int64_t(rows) * r_max * (n_in + parts[j].n_out);
+    const bool parallel = macs > kParallelMacs && threads > 1;
     auto shrink_args = [&](int j) {
         return ShrinkArgs{parts[j].v, r_max, x, x_stride, parts[j].a, parts[j].ranks, seg, rows, n_in, r_max};
     };
@@ -488,6 +480,24 @@ void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, cons
         void* y_at = static_cast<char*>(y) + part.y_col * (dtype == DType::f32 ? 4 : 2);
         return ExpandArgs{y_at, y_stride, part.v, r_max, part.b_t, part.ranks, scale, seg, rows, part.n_out, r_max};
     };
+    const bool few = row_tasks < threads;
+    if (!few) {
+        // A tile of rows per task through every part's shrink, then every part's expand: its rows' v
+        // are its own, so no thread waits for another between the halves.
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int t = 0; t < row_tasks; ++t) {
+            const int r0 = t * mr, r1 = std::min(rows, r0 + mr);
+            for (int j = 0; j < n_parts; ++j) shrink(shrink_args(j), r0, r1, 0, r_max);
+            for (int j = 0; j < n_parts; ++j) expand(expand_args(j), r0, r1, 0, parts[j].n_out);
+        }
+        return;
+    }
+    // Few rows: each thread takes some of every projection's ranks and outputs, not all of one row.
+    constexpr int k_step = Tile<Scalar>::NO, o_step = 64;
+    const int k_tiles = (r_max + k_step - 1) / k_step;
+    const int shrink_tasks = n_parts * row_tasks * k_tiles;
+    int expand_tasks = 0;
+    for (int j = 0; j < n_parts; ++j) expand_tasks += row_tasks * ((parts[j].n_out + o_step - 1) / o_step);
     struct Task {
         int part, r0, r1, lo, hi;  // rows r0 .. r1 - 1, ranks (shrink) or outputs (expand) lo .. hi - 1
     };
@@ -502,18 +512,7 @@ void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, cons
         return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), ot * o_step,
                     std::min(parts[j].n_out, (ot + 1) * o_step)};
     };
-    if (!few) {
-        // A tile of rows per task through every part's shrink, then every part's expand: its rows' v
-        // are its own, so no thread waits for another between the halves.
-#pragma omp parallel for schedule(static) if (macs > kParallelMacs && threads > 1)
-        for (int t = 0; t < row_tasks; ++t) {
-            const int r0 = t * mr, r1 = std::min(rows, r0 + mr);
-            for (int j = 0; j < n_parts; ++j) shrink(shrink_args(j), r0, r1, 0, r_max);
-            for (int j = 0; j < n_parts; ++j) expand(expand_args(j), r0, r1, 0, parts[j].n_out);
-        }
-        return;
-    }
-#pragma omp parallel if (macs > kParallelMacs && threads > 1)
+#pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < shrink_tasks; ++t) {
