@@ -433,7 +433,7 @@ class StepLora:
     by_slot: list[tuple[int, torch.Tensor]]  # (slot, its rows as int64 indices): the torch path's groups
     slots: frozenset[int]  # slots with rows in this step
     adapted: dict[str, bool] = field(default_factory=dict)  # projection -> whether a slot of the step adapts it
-    library_form: object = None  # the same for the library's one-call layer (ops.KernelOps), made once
+    library_form: object = None  # the same as the library takes it (ops.KernelOps), made once
 
 
 def step_lora(row_slots: list[int], device) -> StepLora | None:
@@ -470,7 +470,7 @@ class LoraWeights:
         self.rank_of = {p: [0] * n_slots for p in PROJECTIONS}  # the same on the host, for Python's decisions
         self.scale = torch.zeros(n_slots, dtype=torch.float32, device=self.device)
         self.scale_of = [0.0] * n_slots
-        self.library_form: list | None = None  # per layer, for the library's one-call layer (ops.KernelOps)
+        self.library_form: list | None = None  # per layer, the tables as the library takes them (ops.KernelOps)
 
     def _allocate(self) -> None:
         n_layers, shape = self.config.num_hidden_layers, (self.n_slots, self.max_rank)

@@ -183,7 +183,7 @@ def linear_lora(x: torch.Tensor, w, model: Model, i: int, group: str, step: Step
         return linear(x, w)
     row_parallel = hasattr(w, "reduce")
     y = w.partial(x) if row_parallel else linear(x, w)
-    model.lora.add_(y, x, i, group, step.lora, model.ops)
+    model.ops.lora_group_(y, x, model.lora, i, group, step.lora)
     return w.reduce(y) if row_parallel else y
 
 

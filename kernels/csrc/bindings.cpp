@@ -194,9 +194,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init<at::Tensor, at::Tensor, std::vector<bool>>(), py::arg("seg_starts"), py::arg("seg_slots"),
              py::arg("adapted"));
     m.def("lora_group_", &ops::lora_group_,
-          "a fused matmul's LoRA deltas in place, as the one-call layer adds them (its first len(group) flags of "
-          "step.adapted)",
-          py::arg("y"), py::arg("x"), py::arg("group"), py::arg("scale"), py::arg("step"));
+          "a fused matmul's LoRA deltas in place, as the one-call layer adds them (step.adapted's flags from "
+          "`first`, the group's first projection of the seven: 0 q, 3 o, 4 gate, 6 down)",
+          py::arg("y"), py::arg("x"), py::arg("group"), py::arg("scale"), py::arg("step"), py::arg("first") = 0);
     m.def(
         "head_dims", [] { return std::vector<int>(std::begin(kernels::kHeadDims), std::end(kernels::kHeadDims)); },
         "the head sizes paged_decode_attention serves (CPU and CUDA alike)");

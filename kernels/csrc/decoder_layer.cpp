@@ -153,8 +153,10 @@ void prefetch_lora(const std::vector<LoraProjection>& group, size_t first, const
 }  // namespace
 
 void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, const at::Tensor& scale,
-                 const StepLora& step) {
-    TORCH_CHECK(!group.empty() && group.size() <= 7, "lora_group_: 1 to 7 projections, got ", group.size());
+                 const StepLora& step, int64_t first) {
+    TORCH_CHECK(!group.empty() && first >= 0 && first + int64_t(group.size()) <= 7,
+                "lora_group_: projections first .. first + len(group) - 1 of the seven expected, got first ", first,
+                " and ", group.size(), " projections");
     TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type(),
                 "lora_group_: x [rows, n_in] and y [rows, n_out] of one dtype expected, got ", x.sizes(), " ",
                 x.scalar_type(), " and ", y.sizes(), " ", y.scalar_type());
@@ -164,7 +166,7 @@ void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProje
                 "lora_group_: scale must be contiguous float32 [slots] (", group[0].a.size(0), " slots)");
     check_lora_segments(y, step.seg_starts, step.seg_slots, y.size(0), scale.size(0));
     at::Tensor v;
-    add_lora_(y, x, group, 0, scale, step, v);
+    add_lora_(y, x, group, size_t(first), scale, step, v);
 }
 
 at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,

@@ -63,11 +63,11 @@ struct StepLora {
 };
 
 // y [rows, the group's outputs side by side] += each row's delta for the projections of `group` the
-// step adapts (step.adapted[j] for the j-th; the segments and the scales checked here), as
-// DecoderLayer.decode adds them after a fused matmul: on a CPU one team of threads for the group
-// (cpu::lora_group).
+// step adapts (step.adapted[first + j] for the j-th: `first` is the group's first projection of the
+// seven, 0 for q; the segments and the scales checked here), as DecoderLayer.decode adds them after
+// a fused matmul: on a CPU one team of threads for the group (cpu::lora_group).
 void lora_group_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, const at::Tensor& scale,
-                 const StepLora& step);
+                 const StepLora& step, int64_t first);
 
 struct DecoderLayer {
     Linear wqkv, wo, w_gate_up, w_down;  // [out, in] each: q, k, v stacked; o; gate, up stacked; down

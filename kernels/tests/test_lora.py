@@ -259,11 +259,15 @@ def one_by_one(ops, case, adapted):
     return y
 
 
-def as_group(ops, case, adapted):
+def as_group(ops, case, adapted, first=0):
+    """The parts as projections first.. of the seven (0: q, k, v; 4: gate, up, down), the step's
+    flags of the others the opposite of the first part's: a group that reads another's flags errs."""
     x, y, parts, ranks, scale, starts, seg_slots = case
     y = y.clone()
     group = [ops.LoraProjection(a, b_t, ranks) for a, b_t in parts]
-    ops.lora_group_(y, x, group, scale, ops.StepLora(starts, seg_slots, adapted + [True] * (7 - len(adapted))))
+    flags = [not adapted[0]] * 7
+    flags[first : first + len(adapted)] = adapted
+    ops.lora_group_(y, x, group, scale, ops.StepLora(starts, seg_slots, flags), first)
     return y
 
 
@@ -280,12 +284,14 @@ def test_a_group_gives_each_projection_what_it_gets_alone(ops, isa, threads):
             for rows in [1, 2, 3, 4, 5, 7, 12, 17, 40]:
                 for pattern in PATTERNS:
                     case = group_case(rows, pattern, dtype, w_dtype, seed=rows)
-                    for adapted in ([True, True, True], [True, False, True]):
-                        what = f"{isa} {threads} threads {dtype} {pattern} {rows} rows, parts {adapted}"
-                        y_group = as_group(ops, case, adapted)
+                    for adapted, first in ([True, True, True], 0), ([True, False, True], 0), ([False, True, True], 4):
+                        what = f"{isa} {threads} threads {dtype} {pattern} {rows} rows, parts {adapted} from {first}"
+                        y_group = as_group(ops, case, adapted, first)
                         assert torch.equal(
                             y_group.view(torch.uint8), one_by_one(ops, case, adapted).view(torch.uint8)
                         ), what
+                    adapted = [True, False, True]
+                    y_group = as_group(ops, case, adapted)
                     # and against the reference, part by part (the last `adapted`: the middle part untouched)
                     x, y, parts, ranks, scale, starts, seg_slots = case
                     col = 0
@@ -315,8 +321,10 @@ def test_a_group_s_bad_calls_are_clear_errors(ops):
         ops.lora_group_(y[:4], x[:4], group, scale, step)
     with pytest.raises(RuntimeError, match="scale must be contiguous float32 \\[slots\\] \\(5 slots\\)"):
         ops.lora_group_(y, x, group, scale[:4], step)
-    with pytest.raises(RuntimeError, match="1 to 7 projections, got 0"):
+    with pytest.raises(RuntimeError, match="of the seven expected, got first 0 and 0 projections"):
         ops.lora_group_(y, x, [], scale, step)
+    with pytest.raises(RuntimeError, match="got first 5 and 3 projections"):
+        ops.lora_group_(y, x, group, scale, step, 5)
 
 
 # --- planted bugs: the CPU half compiled on its own (it is torch-free), with bugs put into a copy ----
