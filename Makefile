@@ -81,6 +81,11 @@ $(VENV)/.stamp: requirements.txt pyproject.toml $(VENV)/.torch-index
 	# Their byte code cached now, even where PYTHONDONTWRITEBYTECODE is set: else every new
 	# interpreter would compile torch's modules again (3.9 s to import the stack instead of 2.5).
 	PYTHONDONTWRITEBYTECODE= $(PY) -c "$(WARM_IMPORTS)"
+	# pytest rewrites the asserts of its plugins' modules (hypothesis, anyio, xdist: 119 of them) at
+	# every start, a second of each of make test's twenty-odd pytest processes, unless their rewritten
+	# byte code is cached: a collection of nothing writes it (pytest's "no tests" is exit status 5).
+	@mkdir -p $(VENV)/.empty && PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider --collect-only \
+	  $(VENV)/.empty >/dev/null; [ $$? -eq 5 ]
 	@touch $@
 
 # (KERNELS_MADE is defined before its use: a prerequisite list is expanded as make reads it.)
