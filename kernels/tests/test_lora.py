@@ -284,14 +284,12 @@ def test_a_group_gives_each_projection_what_it_gets_alone(ops, isa, threads):
             for rows in [1, 2, 3, 4, 5, 7, 12, 17, 40]:
                 for pattern in PATTERNS:
                     case = group_case(rows, pattern, dtype, w_dtype, seed=rows)
-                    for adapted, first in ([True, True, True], 0), ([True, False, True], 0), ([False, True, True], 4):
+                    for adapted, first in ([True, True, True], 0), ([False, True, True], 4), ([True, False, True], 0):
                         what = f"{isa} {threads} threads {dtype} {pattern} {rows} rows, parts {adapted} from {first}"
                         y_group = as_group(ops, case, adapted, first)
                         assert torch.equal(
                             y_group.view(torch.uint8), one_by_one(ops, case, adapted).view(torch.uint8)
                         ), what
-                    adapted = [True, False, True]
-                    y_group = as_group(ops, case, adapted)
                     # and against the reference, part by part (the last `adapted`: the middle part untouched)
                     x, y, parts, ranks, scale, starts, seg_slots = case
                     col = 0
