@@ -111,7 +111,7 @@ def test_seeded_sampling_is_reproducible(client):
         messages=[{"role": "user", "content": "Tell me a story."}],
         temperature=1.0,
         top_p=0.95,
-        max_tokens=20,
+        max_tokens=8,  # at temperature 1 two seeds part within a few tokens; each token is a step of SmolLM2
     )
     a = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
     b = client.chat.completions.create(**kw, seed=1234).choices[0].message.content

@@ -419,7 +419,17 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize("flag, value, message", BAD_FLAGS, ids=lambda x: str(x)[:20])
-def test_a_limit_that_refuses_every_request_is_refused_at_startup(flag, value, message):
+def test_a_limit_that_refuses_every_request_is_refused_at_startup(flag, value, message, capsys):
+    from server import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--model", MODEL, flag, value])
+    assert refused.value.code == 2 and f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_refused_flag_ends_the_server_program_in_one_line():
+    # The program itself, once (the cases above ask its parser: a process each cost 0.5 s)
+    flag, value, message = BAD_FLAGS[0]
     r = run_python(["server.py", "--model", MODEL, flag, value], cwd=CHAPTER, timeout=120)
     assert r.returncode == 2 and f"argument {flag}: {message}" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
