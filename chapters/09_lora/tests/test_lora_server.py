@@ -220,20 +220,25 @@ def test_an_adapter_over_the_rank_limit_is_refused_and_the_server_keeps_serving(
     assert text_of(complete(url, "a").json()) == expected["a"]
 
 
-def test_a_bad_adapter_at_startup_is_one_line(tmp_path):
+def test_a_bad_adapter_at_startup_is_one_line(tmp_path, capsys):
     from common.tools.warm_python import run_python
     from live_server import CHAPTER
+    from server import parse_args
+
+    def refused(*flags: str) -> str:  # the parser's exit 2 and its message, asked in-process
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--model", MODEL, *flags])
+        assert stopped.value.code == 2
+        return capsys.readouterr().err
 
     # A missing directory is a usage error before anything loads.
-    r = run_python(["server.py", "--model", MODEL, "--lora-modules", f"x={tmp_path / 'missing'}"], cwd=CHAPTER, timeout=300)
-    assert r.returncode == 2 and f"--lora-modules x={tmp_path / 'missing'}: no such directory" in r.stderr, r.stderr
-    r = run_python(["server.py", "--model", MODEL, "--lora-modules", "no-equals-sign"], cwd=CHAPTER, timeout=300)
-    assert r.returncode == 2 and "--lora-modules takes NAME=PATH pairs, got 'no-equals-sign'" in r.stderr
+    missing = f"x={tmp_path / 'missing'}"
+    assert f"--lora-modules {missing}: no such directory" in refused("--lora-modules", missing)
+    assert "--lora-modules takes NAME=PATH pairs, got 'no-equals-sign'" in refused("--lora-modules", "no-equals-sign")
     # The base model's name, as --model gives it or --served-model-name: a request naming it gets the base.
     for flags, name in (([], MODEL), (["--served-model-name", "base"], "base")):
-        args = ["server.py", "--model", MODEL, *flags, "--lora-modules", f"{name}={tmp_path}"]
-        r = run_python(args, cwd=CHAPTER, timeout=300)
-        assert r.returncode == 2 and f"'{name}' is the base model's name; give the adapter another" in r.stderr
+        err = refused(*flags, "--lora-modules", f"{name}={tmp_path}")
+        assert f"'{name}' is the base model's name; give the adapter another" in err
     # A directory that is no adapter: the engine's sentence, one line, no traceback.
     (tmp_path / "empty").mkdir()
     flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-gb", "0.01"]
