@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 from common.cli import positive_int, run_main
+from common.errors import RunError
 from common.tools.bench import RESULTS_DIR, int_list
 
 OUT = RESULTS_DIR / f"ch{Path(__file__).resolve().parent.name[:2]}_tensor_parallel"  # chNN: this chapter
 
 
-def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, calls: int, out: dict) -> None:
+def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, calls: int, results) -> None:
     import torch.distributed as dist
 
     from ops import resolve
@@ -50,6 +51,7 @@ def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, cal
     twin.attach_library(resolve("auto", torch.device("cpu")))
     if twin.native is not None:  # the kernel library's C++ twin
         ways["shm-c++"] = twin.native.all_reduce
+    out = {}  # rank 0's: "{way} {rows}x{hidden} {dtype}" -> median microseconds a call
     for rows, hidden, dtype in shapes:
         t = torch.ones(rows, hidden, dtype=dtype)
         times = {name: [] for name in ways}
@@ -67,6 +69,8 @@ def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, shapes, cal
             for name in ways:
                 out[f"{name} {rows}x{hidden} {str(dtype).removeprefix('torch.')}"] = statistics.median(times[name]) * 1e6
     dist.destroy_process_group()
+    if rank == 0:
+        results.put(out)
 
 
 def allreduce_part(calls: int) -> dict:
@@ -80,15 +84,19 @@ def allreduce_part(calls: int) -> dict:
 
     shm_path = ShmChannel.create("/dev/shm", 2)
     ctx = mp.get_context("spawn")
+    # rank 0's figures come back through a pipe (a Manager would start a third interpreter, 1.3 s)
+    results = ctx.SimpleQueue()
     try:
-        with ctx.Manager() as m:
-            out = m.dict()
-            procs = [ctx.Process(target=_allreduce_rank, args=(r, 2, port, shm_path, shapes, calls, out)) for r in range(2)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            return dict(out)
+        args = (2, port, shm_path, shapes, calls, results)
+        procs = [ctx.Process(target=_allreduce_rank, args=(r, *args)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        for rank, p in enumerate(procs):
+            if p.exitcode:  # its own traceback is above: the figures would be missing or one-sided
+                raise RunError(f"all-reduce part: rank {rank} exited with status {p.exitcode}")
+        return results.get()
     finally:
         ShmChannel.remove(shm_path)
 
