@@ -374,7 +374,11 @@ def test_a_shutdown_ends_open_requests_with_an_error_before_its_deadline(tmp_pat
         while len(lines) < 3 and time.time() < deadline:  # the stream has begun
             time.sleep(0.05)
         threads[1].start()  # beside it, or queued behind it where the worker runs one at a time
-        time.sleep(1.0)  # a few milliseconds to template, tokenize and submit its short prompt
+        while time.time() < deadline:  # both in: running (from chapter 05), or one busy and one queued
+            health = http.get(f"{url}/health", timeout=5).json()
+            if health.get("running", int(health["busy"])) + health["queued"] >= 2:
+                break
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         sent = time.time()
         for t in threads:
