@@ -43,75 +43,92 @@ struct AttnArgs {
 };
 
 // Per-thread scratch of a task: per query head of the group, its query (scaled, as float), the
-// scores of one block of keys, and the running max and sum of its softmax; and one block of keys
-// widened to float (every head of the group takes its dot products with them).
+// scores of one block of keys, and the running max and sum of its softmax.
 struct TaskScratch {
     float* q;       // [group, head_dim]
     float* scores;  // [group, block_size]
     float* m;       // [group]
     float* l;       // [group]
     float* alpha;   // [group]: exp(old max - new max) of the block being added
-    float* k;       // [block_size, head_dim]
 };
 
-// n rows of head_dim values, `row_stride` apart from `offset` on, as float rows: widened into
-// `scratch` once per block, since every query head of the group reads them (float32 pools are
-// read in place). Returns the rows and their stride.
-template <class S, DType D>
-KERNELS_INLINE const float* rows_as_float(const void* pool, int64_t offset, int64_t row_stride, int n, int hd,
-                                          float* scratch, int64_t* stride) {
-    if constexpr (D == DType::f32) {
-        *stride = row_stride;
-        return static_cast<const float*>(pool) + offset;
-    } else {
-        constexpr int W = S::W;
-        for (int j = 0; j < n; ++j) {
-            const int64_t src = offset + j * row_stride;
-            float* dst = scratch + int64_t(j) * hd;
-            int i = 0;
-            for (; i + W <= hd; i += W) S::store(dst + i, S::template load_as<D>(pool, src + i));
-            for (; i < hd; ++i) dst[i] = load_as_float<D>(pool, src + i);
-        }
-        *stride = hd;
-        return scratch;
-    }
+// Every head size the kernels serve is a whole number of vectors (of 16 floats, so of 8 and 1):
+// the loops over head_dim below have no tails.
+constexpr bool head_dims_are_whole_vectors() {
+    for (int d : kHeadDims)
+        if (d % 16) return false;
+    return true;
 }
+static_assert(head_dims_are_whole_vectors());
 
 // A block of one KV head's rows is n pieces of head_dim values, a pool row apart, in blocks
-// scattered over the pool: too short and too far apart for the hardware prefetchers. Asked for
-// one block ahead (two measured no better), the attention of a decode step of 16 sequences ran
-// 1.3x faster on the Xeon of chapter 06's README, where the pool is cold: the layer's weights
-// have streamed through the caches since.
+// scattered over the pool: too short and too far apart for the hardware prefetchers. The next
+// block's rows are asked for while this block computes (two blocks ahead measured no better), a
+// key's rows per key scored: all 64 lines of a block of 16 asked for at once fill the core's queue
+// of misses and hold up the loads of the block being computed (16 sequences of 200 keys, 30 layers
+// of pools, two threads: 4.0 ms so, 3.2 ms with the requests spread; on a Zen 5).
 template <DType D>
-KERNELS_INLINE void prefetch_rows(const void* pool, int64_t offset, int64_t row_stride, int n, int hd) {
-    for (int j = 0; j < n; ++j) prefetch_elements<D>(pool, offset + j * row_stride, hd);
+struct NextRows {
+    const void* k_pool;
+    const void* v_pool;
+    int64_t base;  // the next block's first row in the pools (of this KV head)
+    int n;         // its rows; 0 where this block is the partition's last (or a later pass asks none)
+
+    KERNELS_INLINE void ask(int j, int64_t row_stride, int hd) const {
+        if (j >= n) return;
+        prefetch_elements<D>(k_pool, base + j * row_stride, hd);
+        prefetch_elements<D>(v_pool, base + j * row_stride, hd);
+    }
+};
+
+// A tile of scores: 4 keys against kTileHeads query heads. Each key's row is loaded (and
+// widened) once for the tile's heads: with the dot products a key and head at a time (the rows
+// widened to float first), loading the rows took more time than the multiply-adds (one thread,
+// keys in the caches: 14.6 -> 11.1 ns per key and KV head of SmolLM2's groups of 3). A dot product is a vector of partial sums until one
+// tree sums the lanes of W vectors at once (reduce_each), so a tile of vectors is W dot products:
+// AVX512 4 keys x 4 heads, AVX2 4 x 2; scalar code sums as it goes (4 x 4).
+constexpr int kTileKeys = 4;
+template <class S>
+constexpr int kTileHeads = S::W >= kTileKeys ? S::W / kTileKeys : 4;
+
+// scores[h * s_stride + j] = q_h . k_j for G heads (q: G rows of head_dim, scaled) and the n keys
+// of a block (rows row_stride apart from `base`). Each dot product's lanes add up its head_dim
+// products in the same order as one vector a key would.
+template <class S, DType D, int G>
+KERNELS_INLINE void qk_pass(const float* q, const void* k_pool, int64_t base, int64_t row_stride, int n, int hd,
+                            float* scores, int s_stride, const NextRows<D>& next) {
+    using V = typename S::V;
+    constexpr int W = S::W, KJ = kTileKeys, tile = KJ * kTileHeads<S>;
+    for (int j0 = 0; j0 < n; j0 += KJ) {
+        const int nk = std::min(KJ, n - j0);
+        for (int jj = 0; jj < KJ; ++jj) next.ask(j0 + jj, row_stride, hd);
+        int64_t row[KJ];  // keys past n read the last key again; their sums are not stored
+        for (int jj = 0; jj < KJ; ++jj) row[jj] = base + std::min(j0 + jj, n - 1) * row_stride;
+        V acc[tile];
+        for (int t = 0; t < tile; ++t) acc[t] = S::zero();
+        for (int i = 0; i < hd; i += W) {
+            V qv[G];
+            for (int h = 0; h < G; ++h) qv[h] = S::load(q + h * hd + i);
+            for (int jj = 0; jj < KJ; ++jj) {
+                const V k = S::template load_as<D>(k_pool, row[jj] + i);
+                for (int h = 0; h < G; ++h) acc[h * KJ + jj] = S::fma(qv[h], k, acc[h * KJ + jj]);
+            }
+        }
+        float sums[tile];
+        if constexpr (W == 1) std::copy_n(acc, tile, sums);
+        else S::store(sums, S::reduce_each(acc));
+        for (int h = 0; h < G; ++h) std::copy_n(sums + h * KJ, nk, scores + h * s_stride + j0);
+    }
 }
 
-// The scores of up to W keys (nk of them, rows `ks` apart) against one query: lane j = q . k_j,
-// lanes from nk on -inf. One accumulator per key, W independent chains of multiply-adds, then one
-// tree for all their horizontal sums (reduce_each) instead of a horizontal sum per key. (Vectors
-// go in and out of these helpers by reference: by value, GCC warns of the calling convention.)
-template <class S>
-KERNELS_INLINE void key_dots(const float* q, const float* k, int64_t ks, int nk, int hd, typename S::V& dots) {
-    using V = typename S::V;
-    constexpr int W = S::W;
-    V acc[W];
-    for (int j = 0; j < W; ++j) acc[j] = S::zero();
-    int i = 0;
-    for (; i + W <= hd; i += W) {
-        const V qv = S::load(q + i);
-        for (int j = 0; j < W; ++j)
-            if (j < nk) acc[j] = S::fma(qv, S::load(k + j * ks + i), acc[j]);
+// qk_pass for `heads` (1..kTileHeads) heads, its count a template argument.
+template <class S, DType D, int G = kTileHeads<S>>
+KERNELS_INLINE void qk_heads(const float* q, const void* k_pool, int64_t base, int64_t row_stride, int n, int hd,
+                             float* scores, int s_stride, const NextRows<D>& next, int heads) {
+    if constexpr (G > 1) {
+        if (heads < G) return qk_heads<S, D, G - 1>(q, k_pool, base, row_stride, n, hd, scores, s_stride, next, heads);
     }
-    dots = S::reduce_each(acc);
-    if (i == hd && nk == W) return;
-    float lanes[W];  // head_dim past the last whole vector; keys past nk
-    S::store(lanes, dots);
-    for (int j = 0; j < W; ++j) {
-        for (int t = i; t < hd && j < nk; ++t) lanes[j] += q[t] * k[j * ks + t];
-        if (j >= nk) lanes[j] = -std::numeric_limits<float>::infinity();
-    }
-    dots = S::load(lanes);
+    qk_pass<S, D, G>(q, k_pool, base, row_stride, n, hd, scores, s_stride, next);
 }
 
 // The first nk lanes of v to p (a whole vector when nk == W), and back.
@@ -246,29 +263,20 @@ KERNELS_INLINE void attention_task(const AttnArgs& a, const TaskScratch& scratch
     for (int first = start; first < end; first += bs) {
         const int n = std::min(bs, end - first);
         const int64_t base = (int64_t(table[first / bs]) * bs * a.n_kv_heads + kvh) * hd;
-        if (first + bs < end) {  // the next block's rows, while this one computes
-            const int64_t next = (int64_t(table[first / bs + 1]) * bs * a.n_kv_heads + kvh) * hd;
-            prefetch_rows<D>(a.k_pool, next, row_stride, std::min(bs, end - first - bs), hd);
-            prefetch_rows<D>(a.v_pool, next, row_stride, std::min(bs, end - first - bs), hd);
-        }
-        int64_t ks;
-        const float* k = rows_as_float<S, D>(a.k_pool, base, row_stride, n, hd, scratch.k, &ks);
-
-        for (int g = 0; g < group; ++g) {
-            const float* qg = scratch.q + int64_t(g) * hd;
-            float* s = scratch.scores + int64_t(g) * bs;
-            // The block's scores, W keys a vector, and their max from the vectors: a scalar reread
-            // of a vector just stored waits for the store (with the tree above, a step's attention
-            // took 15-20 % less time).
+        NextRows<D> next{a.k_pool, a.v_pool, 0, std::min(bs, end - first - bs)};  // n <= 0: no next block
+        if (next.n > 0) next.base = (int64_t(table[first / bs + 1]) * bs * a.n_kv_heads + kvh) * hd;
+        for (int g0 = 0; g0 < group; g0 += kTileHeads<S>)
+            qk_heads<S, D>(scratch.q + int64_t(g0) * hd, a.k_pool, base, row_stride, n, hd,
+                           scratch.scores + int64_t(g0) * bs, bs, g0 == 0 ? next : NextRows<D>{},
+                           std::min(kTileHeads<S>, group - g0));
+        for (int g = 0; g < group; ++g) {  // the block's max, until the new max is known
+            const float* s = scratch.scores + int64_t(g) * bs;
             V vmax = S::set1(-std::numeric_limits<float>::infinity());
-            for (int j0 = 0; j0 < n; j0 += W) {
-                const int nk = std::min(W, n - j0);
-                V dots;
-                key_dots<S>(qg, k + j0 * ks, ks, nk, hd, dots);
-                vmax = S::max(vmax, dots);
-                store_first<S>(s + j0, dots, nk);
-            }
-            alphas[g] = S::reduce_max(vmax);  // the block's max, until the new max is known
+            int j = 0;
+            for (; j + W <= n; j += W) vmax = S::max(vmax, S::load(s + j));
+            float block_max = S::reduce_max(vmax);
+            for (; j < n; ++j) block_max = std::max(block_max, s[j]);
+            alphas[g] = block_max;
         }
         // Online softmax, a block at a time: if this block raises the max, everything summed so far
         // was weighted by exp(score - old max) and is rescaled by alpha = exp(old - new) to match.
@@ -415,12 +423,11 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
 #pragma omp parallel if (parallel)
     {
         thread_local std::vector<float> buffer;
-        buffer.resize(size_t(group) * (head_dim + block_size + 3) + size_t(block_size) * head_dim);
+        buffer.resize(size_t(group) * (head_dim + block_size + 3));
         float* q_scratch = buffer.data();
         float* scores = q_scratch + size_t(group) * head_dim;
         float* m = scores + size_t(group) * block_size;
-        float* k = m + 3 * group;
-        const TaskScratch scratch{q_scratch, scores, m, m + group, m + 2 * group, k};
+        const TaskScratch scratch{q_scratch, scores, m, m + group, m + 2 * group};
 #pragma omp for schedule(dynamic)
         for (int64_t t = 0; t < tasks; ++t) {
             const int p = int(t % n_partitions);
