@@ -26,6 +26,15 @@ constexpr bool supported_head_dim(int head_dim) {
     return false;
 }
 
+// Each size is a whole number of vectors of 16 floats (so of 8, and of 1): the CPU attention
+// kernels' loops over head_dim have no tails.
+constexpr bool head_dims_are_whole_vectors() {
+    for (int d : kHeadDims)
+        if (d % 16) return false;
+    return true;
+}
+static_assert(head_dims_are_whole_vectors());
+
 // From how many rows of x a linear layer (int4, int8, bf16 weights) is a matrix product instead
 // of a matrix-vector product, on both halves: the CPU functions hand such calls to cpu/gemm.cpp
 // (cpu_kernels.h says when), the CUDA operators (ops.cpp) launch cuda/gemm.cu. Below it each

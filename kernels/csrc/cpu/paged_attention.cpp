@@ -52,15 +52,6 @@ struct TaskScratch {
     float* alpha;   // [group]: exp(old max - new max) of the block being added
 };
 
-// Every head size the kernels serve is a whole number of vectors (of 16 floats, so of 8 and 1):
-// the loops over head_dim below have no tails.
-constexpr bool head_dims_are_whole_vectors() {
-    for (int d : kHeadDims)
-        if (d % 16) return false;
-    return true;
-}
-static_assert(head_dims_are_whole_vectors());
-
 // A block of one KV head's rows is n pieces of head_dim values, a pool row apart, in blocks
 // scattered over the pool: too short and too far apart for the hardware prefetchers. The next
 // block's rows are asked for while this block computes (two blocks ahead measured no better), a

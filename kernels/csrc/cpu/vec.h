@@ -89,6 +89,7 @@ struct Scalar {
     static V fnma(V a, V b, V c) { return c - a * b; }  // c - a * b
     static float reduce_add(V a) { return a; }
     static V reduce_each(const V* a) { return a[0]; }
+    static void transpose(V*) {}  // one lane: a 1 x 1 block is its own transpose
     static V sub(V a, V b) { return a - b; }
     static V div(V a, V b) { return a / b; }
     static V min(V a, V b) { return a < b ? a : b; }
