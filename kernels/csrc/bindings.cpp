@@ -230,10 +230,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "set_cpu_gemm_pairs",
         [](std::optional<bool> on) { kernels::cpu::set_gemm_bf16_pairs(on ? int(*on) : -1); },
         py::arg("on") = py::none(),
-        "AVX512-BF16: the matrix product multiplies bf16 x in bf16 pairs (True) or as floats (False); "
-        "None: as this CPU's maker suggests (pairs on AMD)");
+        "AVX512-BF16: the matrix product multiplies bf16 x (and the chunk attention bf16 queries and keys) in "
+        "bf16 pairs (True) or as floats (False); None: as this CPU's maker suggests (pairs on AMD)");
     m.def("cpu_gemm_pairs", [] { return kernels::cpu::gemm_bf16_pairs(); },
-          "whether the matrix product multiplies bf16 x in bf16 pairs at the current ISA level");
+          "whether the matrix product (and the chunk attention) multiplies bf16 in bf16 pairs at the current ISA "
+          "level");
     m.def(
         "set_cpu_gemm_amx", [](std::optional<bool> on) { kernels::ops::set_cpu_gemm_amx(on ? int(*on) : -1); },
         py::arg("on") = py::none(),

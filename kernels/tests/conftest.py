@@ -78,6 +78,21 @@ def isa(request, ops):
     ops.set_cpu_isa(best)
 
 
+def each_form(ops, isa):
+    """At AVX512-BF16 bf16 inputs are multiplied in bf16 pairs or widened to floats, as the CPU's
+    maker suggests (cpu_kernels.h; the matrix product and the chunk kernel's scores): yields each
+    in turn there (the default put back after), else the one."""
+    if isa != "avx512_bf16":
+        yield "floats"
+        return
+    try:
+        for on in (True, False):
+            ops.set_cpu_gemm_pairs(on)
+            yield "pairs" if on else "floats"
+    finally:
+        ops.set_cpu_gemm_pairs(None)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
     """float32: to float32 summation order. bf16/fp16: one rounding of the output apart (a kernel
     and the reference can round a value sitting near a half-way point to two neighbours)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_close, build_planted
+from conftest import assert_close, build_planted, each_form
 from kernels import reference
 from test_quant_linear import assert_int4_close, assert_int8_close, int4_weight
 
@@ -48,20 +48,6 @@ def check(y, kind, x, w, what):
     if kind == "int8":
         return assert_int8_close(y, x, *w, what)
     assert_close(y, reference.bf16_linear(x, *w), what)
-
-
-def each_form(ops, isa):
-    """At AVX512-BF16 bf16 x is multiplied in bf16 pairs or widened to floats, as the CPU's maker
-    suggests (cpu_kernels.h): yields each in turn there (the default put back after), else the one."""
-    if isa != "avx512_bf16":
-        yield "floats"
-        return
-    try:
-        for on in (True, False):
-            ops.set_cpu_gemm_pairs(on)
-            yield "pairs" if on else "floats"
-    finally:
-        ops.set_cpu_gemm_pairs(None)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "bf16"])

@@ -61,13 +61,23 @@ struct ChunkArgs {
 // Per-thread scratch of a task, in floats.
 struct ChunkScratch {
     float* q;       // [rows, head_dim]: the task's queries, scaled, row = query * group + head
+                    //   (bf16 pairs: the queries as they are, [rows, head_dim / 2] words)
     float* acc;     // [rows, head_dim]: unnormalised outputs
     float* m;       // [rows] running max
     float* l;       // [rows] running sum
     float* kt;      // [head_dim, kKeyTile]: the key tile transposed, zeros past its keys
+                    //   (bf16 pairs: [head_dim / 2, kKeyTile] words, each two dims of a key)
     float* v;       // [kKeyTile, head_dim]: the value tile
     float* scores;  // [kRowBlock, kKeyTile]
 };
+
+// Where key `pos` of sequence b, kv head kvh, starts in the pools (element offset), through the
+// block table.
+KERNELS_INLINE int64_t key_row(const ChunkArgs& a, int b, int kvh, int pos) {
+    const int32_t* table = a.block_tables + int64_t(b) * a.max_blocks;
+    const int bs = a.block_size;
+    return ((int64_t(table[pos / bs]) * bs + pos % bs) * a.n_kv_heads + kvh) * a.head_dim;
+}
 
 // One key tile, keys k0 .. k0 + n - 1 of sequence b, kv head kvh, widened into the scratch: keys
 // transposed (a vector of scores is then kKeyTile / W FMA chains over head_dim, one per key lane),
@@ -76,12 +86,10 @@ struct ChunkScratch {
 template <class S, DType D>
 KERNELS_INLINE void load_key_tile(const ChunkArgs& a, const ChunkScratch& sc, int b, int kvh, int k0, int n) {
     constexpr int W = S::W, KT = kKeyTile<S>;
-    const int hd = a.head_dim, bs = a.block_size;
-    const int32_t* table = a.block_tables + int64_t(b) * a.max_blocks;
-    auto row_of = [&](int pos) { return ((int64_t(table[pos / bs]) * bs + pos % bs) * a.n_kv_heads + kvh) * hd; };
+    const int hd = a.head_dim;
     for (int j0 = 0; j0 < n; j0 += W) {
         int64_t rows[W];  // keys past n read key n - 1 again; their lanes are zeroed below
-        for (int j = 0; j < W; ++j) rows[j] = row_of(k0 + std::min(j0 + j, n - 1));
+        for (int j = 0; j < W; ++j) rows[j] = key_row(a, b, kvh, k0 + std::min(j0 + j, n - 1));
         for (int i = 0; i < hd; i += W) {  // head_dim is a whole number of vectors (kHeadDims)
             typename S::V block[W];
             for (int j = 0; j < W; ++j) block[j] = S::template load_as<D>(a.k_pool, rows[j] + i);
@@ -123,6 +131,60 @@ KERNELS_INLINE void row_scores(const float* q, const float* kt, int hd, float* s
     for (int r = 0; r < R; ++r)
         for (int v = 0; v < NV; ++v) S::store(s + r * KT + v * W, acc[r][v]);
 }
+
+#ifdef KERNELS_X86
+// The AVX512-BF16 form of the scores, for bf16 pools where the CPU multiplies bf16 pairs faster
+// than it widens them (gemm_bf16_pairs: AMD's cores, isa.cpp): the key tile stays bf16, each
+// 32-bit word a pair of neighbouring dims of one key (kt2[p][j] = k_j[2p], k_j[2p + 1]), and
+// vdpbf16ps adds both products of a pair to a key's lane, twice an FMA's work an instruction. A
+// bf16 times a bf16 is exact in a float, so a score differs from the widened form's only in the
+// order of its sums; the query is taken as it is (bf16) and the scale applied to the scores.
+// The words of 16 keys go through the same 16 x 16 transpose as floats (shuffles move bits).
+KERNELS_AVX512_BF16 inline void load_key_tile_pairs(const ChunkArgs& a, const ChunkScratch& sc, int b, int kvh, int k0,
+                                                     int n) {
+    constexpr int W = Avx512::W, KT = kKeyTile<Avx512>;
+    const int hd = a.head_dim;
+    const uint16_t* k_pool = static_cast<const uint16_t*>(a.k_pool);
+    uint32_t* kt2 = reinterpret_cast<uint32_t*>(sc.kt);  // [head_dim / 2][KT]
+    for (int j0 = 0; j0 < n; j0 += W) {
+        int64_t rows[W];  // keys past n read key n - 1 again; their words are zeroed below
+        for (int j = 0; j < W; ++j) rows[j] = key_row(a, b, kvh, k0 + std::min(j0 + j, n - 1));
+        for (int w0 = 0; w0 < hd / 2; w0 += W) {  // 16 words (32 dims) of each key
+            __m512 block[W];
+            for (int j = 0; j < W; ++j) block[j] = _mm512_castsi512_ps(_mm512_loadu_si512(k_pool + rows[j] + 2 * w0));
+            Avx512::transpose(block);  // block[c]: word w0 + c of the 16 keys
+            for (int c = 0; c < W; ++c)
+                _mm512_storeu_ps(reinterpret_cast<float*>(kt2 + int64_t(w0 + c) * KT + j0), block[c]);
+        }
+        for (int j = j0; j < std::min(j0 + W, n); ++j)
+            for (int i = 0; i < hd; i += W)
+                Avx512::store(sc.v + int64_t(j) * hd + i, Avx512::load_as<DType::bf16>(a.v_pool, rows[j - j0] + i));
+    }
+    if (n < KT)  // words past the tile's keys: bf16 zeros, finite scores (never used)
+        for (int w = 0; w < hd / 2; ++w) std::fill(kt2 + int64_t(w) * KT + n, kt2 + int64_t(w + 1) * KT, 0u);
+}
+
+// row_scores in bf16 pairs: q holds R rows of head_dim / 2 words (the queries' bf16 pairs).
+template <int R>
+KERNELS_AVX512_BF16 inline void row_scores_pairs(const uint32_t* q, const uint32_t* kt2, int hd, float scale,
+                                                 float* s) {
+    constexpr int W = Avx512::W, KT = kKeyTile<Avx512>, NV = KT / W;
+    __m512 acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int p = 0; p < hd / 2; ++p) {
+        __m512bh kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = (__m512bh)_mm512_loadu_si512(kt2 + int64_t(p) * KT + v * W);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32(int(q[int64_t(r) * (hd / 2) + p]));
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], qp, kv[v]);
+        }
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + r * KT + v * W, _mm512_mul_ps(acc[r][v], sv));
+}
+#endif
 
 // The online-softmax step of one row over its first n keys of the tile (its causal bound): m and l
 // updated, s[j] turned into the weight exp(s[j] - m_new); -> alpha = exp(m_old - m_new), the
@@ -203,7 +265,8 @@ KERNELS_INLINE void row_accumulate(const float* p, float alpha, int n, const flo
     }
 }
 
-template <class S, DType D>
+// Pairs: the scores in bf16 pairs (S = Avx512, D = bf16, at the AVX512-BF16 level).
+template <class S, DType D, bool Pairs = false>
 KERNELS_INLINE void chunk_task(const ChunkArgs& a, const ChunkScratch& sc, int b, int kvh, int tile) {
     constexpr int W = S::W, KT = kKeyTile<S>, R = kRowBlock<S>;
     const int hd = a.head_dim, group = a.n_heads / a.n_kv_heads;
@@ -214,10 +277,13 @@ KERNELS_INLINE void chunk_task(const ChunkArgs& a, const ChunkScratch& sc, int b
 
     for (int qi = 0; qi < count; ++qi)
         for (int g = 0; g < group; ++g) {
-            // The scale folded into the query: one multiply per query element, not per score.
             const int64_t src = int64_t(a.query_start[b] + first + qi) * a.q_stride + int64_t(kvh * group + g) * hd;
-            float* row = sc.q + int64_t(qi * group + g) * hd;
-            for (int i = 0; i < hd; ++i) row[i] = load_as_float<D>(a.q, src + i) * a.scale;
+            const int64_t r = qi * group + g;
+            if constexpr (Pairs) {  // the bf16 query as it is, as pairs (head_dim / 2 words a row)
+                std::copy_n(static_cast<const uint16_t*>(a.q) + src, hd, reinterpret_cast<uint16_t*>(sc.q) + r * hd);
+            } else {  // the scale folded into the query: one multiply per query element, not per score
+                for (int i = 0; i < hd; ++i) sc.q[r * hd + i] = load_as_float<D>(a.q, src + i) * a.scale;
+            }
         }
     std::fill(sc.acc, sc.acc + int64_t(rows) * hd, 0.f);
     std::fill(sc.m, sc.m + rows, -std::numeric_limits<float>::infinity());  // rows = count * group
@@ -226,7 +292,8 @@ KERNELS_INLINE void chunk_task(const ChunkArgs& a, const ChunkScratch& sc, int b
     const int key_end = pos0 + first + count;  // the last query's keys: 0 .. its position
     for (int k0 = 0; k0 < key_end; k0 += KT) {
         const int n = std::min(KT, key_end - k0);
-        load_key_tile<S, D>(a, sc, b, kvh, k0, n);
+        if constexpr (Pairs) load_key_tile_pairs(a, sc, b, kvh, k0, n);
+        else load_key_tile<S, D>(a, sc, b, kvh, k0, n);
         // The rows that read any of this tile's keys: the tile is wholly after the queries before
         // `live` (only the diagonal tiles cut a task's queries).
         const int live = std::max(0, k0 - (pos0 + first));
@@ -235,10 +302,19 @@ KERNELS_INLINE void chunk_task(const ChunkArgs& a, const ChunkScratch& sc, int b
             const int nr = std::min(R, row_end - r0);
             // keys of this tile each row reads: its query's causal bound
             auto own = [&](int r) { return std::min(n, pos0 + first + r / group - k0 + 1); };
-            if (nr == R) row_scores<S, R>(sc.q + int64_t(r0) * hd, sc.kt, hd, sc.scores);
-            else
+            if constexpr (Pairs) {
+                const uint32_t* q2 = reinterpret_cast<const uint32_t*>(sc.q);
+                const uint32_t* kt2 = reinterpret_cast<const uint32_t*>(sc.kt);
+                if (nr == R) row_scores_pairs<R>(q2 + int64_t(r0) * (hd / 2), kt2, hd, a.scale, sc.scores);
+                else
+                    for (int r = 0; r < nr; ++r)
+                        row_scores_pairs<1>(q2 + int64_t(r0 + r) * (hd / 2), kt2, hd, a.scale, sc.scores + r * KT);
+            } else if (nr == R) {
+                row_scores<S, R>(sc.q + int64_t(r0) * hd, sc.kt, hd, sc.scores);
+            } else {
                 for (int r = 0; r < nr; ++r)
                     row_scores<S, 1>(sc.q + int64_t(r0 + r) * hd, sc.kt, hd, sc.scores + r * KT);
+            }
             float alpha[R];
             for (int r = 0; r < nr; ++r)
                 alpha[r] = row_softmax<S>(sc.scores + r * KT, own(r0 + r), sc.m[r0 + r], sc.l[r0 + r]);
@@ -292,6 +368,11 @@ KERNELS_AVX512 __attribute__((flatten)) void chunk_avx512(const ChunkArgs& a, DT
                                                           int kvh, int tile) {
     chunk_task_any<Avx512>(a, d, sc, b, kvh, tile);
 }
+KERNELS_AVX512_BF16 __attribute__((flatten)) void chunk_avx512_pairs(const ChunkArgs& a, DType d,
+                                                                     const ChunkScratch& sc, int b, int kvh, int tile) {
+    if (d == DType::bf16) chunk_task<Avx512, DType::bf16, true>(a, sc, b, kvh, tile);
+    else chunk_task_any<Avx512>(a, d, sc, b, kvh, tile);
+}
 #endif
 
 }  // namespace
@@ -307,7 +388,8 @@ void chunk_attention(void* out, const void* q, int64_t q_stride, const void* k_p
 
     ChunkFn task = chunk_scalar;
 #ifdef KERNELS_X86
-    if (isa() >= Isa::avx512) task = chunk_avx512;
+    if (gemm_bf16_pairs()) task = chunk_avx512_pairs;  // AVX512-BF16, where pairs are the faster form
+    else if (isa() >= Isa::avx512) task = chunk_avx512;
     else if (isa() == Isa::avx2) task = chunk_avx2;
 #endif
 

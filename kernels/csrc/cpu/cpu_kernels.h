@@ -11,8 +11,8 @@ namespace kernels::cpu {
 
 // --- instruction set, chosen once at run time ------------------------------------------------
 // Ordered: each level has every instruction of the ones below. avx512_bf16 is avx512 plus
-// vdpbf16ps, which the linear kernels and the GEMM use with bf16 x; every other kernel runs its
-// avx512 path there (the integer products ask for VNNI apart).
+// vdpbf16ps, which the linear kernels and the GEMM use with bf16 x, and the chunk attention with
+// bf16 keys; every other kernel runs its avx512 path there (the integer products ask for VNNI apart).
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
 Isa best_isa();         // what this CPU supports, capped by ATEN_CPU_CAPABILITY if set (default|avx2|avx512)
 Isa isa();              // the one in use
@@ -30,9 +30,10 @@ bool batch_invariant();
 
 // --- bf16 x in the matrix product: bf16 pairs or floats -------------------------------------
 // At the AVX512-BF16 level the matrix product (gemm.cpp) can multiply bf16 x in bf16 pairs
-// (vdpbf16ps: two multiply-adds a lane an instruction) or widen it to floats for FMAs. Which is
-// faster depends on the core, not on the instruction set (isa.cpp says why), so by default pairs
-// are on where the CPU is AMD's, off elsewhere; tests set both. mode: 1 on, 0 off, -1 the default.
+// (vdpbf16ps: two multiply-adds a lane an instruction) or widen it to floats for FMAs; so can the
+// chunk attention its bf16 queries and keys (chunk_attention.cpp). Which is faster depends on the
+// core, not on the instruction set (isa.cpp says why), so by default pairs are on where the CPU is
+// AMD's, off elsewhere; tests set both. mode: 1 on, 0 off, -1 the default.
 void set_gemm_bf16_pairs(int mode);
 bool gemm_bf16_pairs();  // at the current ISA level: false below AVX512-BF16
 
