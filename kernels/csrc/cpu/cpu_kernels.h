@@ -53,9 +53,10 @@ bool q8_amx();       // whether the integer products use the tiles now
 // --- paged decode attention (flash-decoding) -------------------------------------------------
 // One query token per sequence, attending to its context_lens[b] keys, read block by block
 // through its block table. The keys are cut into partitions of `partition_size` slots; each
-// (sequence, kv head, partition) is one task: an online softmax over its keys for every query
-// head of the kv head's group (GQA: query head h reads kv head h / (n_heads / n_kv_heads)),
-// leaving a partial output with its running max and sum. A second pass merges the partitions.
+// (sequence, partition) is one task, or each (sequence, kv head, partition) where there are few: an
+// online softmax over its keys for every query head (GQA: query head h reads kv head
+// h / (n_heads / n_kv_heads)), leaving a partial output with its running max and sum. A second pass
+// merges the partitions.
 //   out          [batch, n_heads, head_dim]                      contiguous
 //   q            [batch, n_heads, head_dim]                      token stride q_stride, heads contiguous
 //   k/v_pool     [num_blocks, block_size, n_kv_heads, head_dim]  contiguous
