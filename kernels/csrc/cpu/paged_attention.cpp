@@ -77,9 +77,10 @@ struct NextRows {
 // A tile of scores: 4 keys against kTileHeads query heads. Each key's row is loaded (and
 // widened) once for the tile's heads: with the dot products a key and head at a time (the rows
 // widened to float first), loading the rows took more time than the multiply-adds (one thread,
-// keys in the caches: 14.6 -> 11.1 ns per key and KV head of SmolLM2's groups of 3). A dot product is a vector of partial sums until one
-// tree sums the lanes of W vectors at once (reduce_each), so a tile of vectors is W dot products:
-// AVX512 4 keys x 4 heads, AVX2 4 x 2; scalar code sums as it goes (4 x 4).
+// keys in the caches: 14.6 -> 11.1 ns per key and KV head of SmolLM2's groups of 3). A dot
+// product is a vector of partial sums until one tree sums the lanes of W vectors at once
+// (reduce_each), so a tile of vectors is W dot products: AVX512 4 keys x 4 heads, AVX2 4 x 2;
+// scalar code sums as it goes (4 x 4).
 constexpr int kTileKeys = 4;
 template <class S>
 constexpr int kTileHeads = S::W >= kTileKeys ? S::W / kTileKeys : 4;
