@@ -79,6 +79,15 @@ KERNELS_INLINE int64_t key_row(const ChunkArgs& a, int b, int kvh, int pos) {
     return ((int64_t(table[pos / bs]) * bs + pos % bs) * a.n_kv_heads + kvh) * a.head_dim;
 }
 
+// The value rows of keys j0 .. min(j0 + W, n) - 1 of a tile (their rows in the pool: rows[0] on),
+// widened into the scratch as rows.
+template <class S, DType D>
+KERNELS_INLINE void load_value_rows(const ChunkArgs& a, const ChunkScratch& sc, const int64_t* rows, int j0, int n) {
+    for (int j = j0; j < std::min(j0 + S::W, n); ++j)
+        for (int i = 0; i < a.head_dim; i += S::W)
+            S::store(sc.v + int64_t(j) * a.head_dim + i, S::template load_as<D>(a.v_pool, rows[j - j0] + i));
+}
+
 // One key tile, keys k0 .. k0 + n - 1 of sequence b, kv head kvh, widened into the scratch: keys
 // transposed (a vector of scores is then kKeyTile / W FMA chains over head_dim, one per key lane),
 // values as rows. The keys go W at a time through a W x W transpose in registers: stored a float
@@ -96,9 +105,7 @@ KERNELS_INLINE void load_key_tile(const ChunkArgs& a, const ChunkScratch& sc, in
             S::transpose(block);  // block[c]: dim i + c of the W keys
             for (int c = 0; c < W; ++c) S::store(sc.kt + int64_t(i + c) * KT + j0, block[c]);
         }
-        for (int j = j0; j < std::min(j0 + W, n); ++j)
-            for (int i = 0; i < hd; i += W)
-                S::store(sc.v + int64_t(j) * hd + i, S::template load_as<D>(a.v_pool, rows[j - j0] + i));
+        load_value_rows<S, D>(a, sc, rows, j0, n);
     }
     // Lanes past the tile's keys: finite, so their scores are too (they are never used).
     if (n < KT)
@@ -156,9 +163,7 @@ KERNELS_AVX512_BF16 inline void load_key_tile_pairs(const ChunkArgs& a, const Ch
             for (int c = 0; c < W; ++c)
                 _mm512_storeu_ps(reinterpret_cast<float*>(kt2 + int64_t(w0 + c) * KT + j0), block[c]);
         }
-        for (int j = j0; j < std::min(j0 + W, n); ++j)
-            for (int i = 0; i < hd; i += W)
-                Avx512::store(sc.v + int64_t(j) * hd + i, Avx512::load_as<DType::bf16>(a.v_pool, rows[j - j0] + i));
+        load_value_rows<Avx512, DType::bf16>(a, sc, rows, j0, n);
     }
     if (n < KT)  // words past the tile's keys: bf16 zeros, finite scores (never used)
         for (int w = 0; w < hd / 2; ++w) std::fill(kt2 + int64_t(w) * KT + n, kt2 + int64_t(w + 1) * KT, 0u);

@@ -44,9 +44,10 @@ struct AttnArgs {
     float scale;
 };
 
-// Per-thread scratch of a task: per query head of the group, its query (scaled, as float), the
-// scores of one block of keys, and the running max and sum of its softmax.
-struct TaskScratch {  // for the task's query heads (a group's, or all a sequence's)
+// Per-thread scratch of a task: per query head it serves (a group's, or all a sequence's), its
+// query (scaled, as float), the scores of one block of keys, and the running max and sum of its
+// softmax.
+struct TaskScratch {
     float* q;       // [heads, head_dim]
     float* scores;  // [heads, block_size]
     float* m;       // [heads]
@@ -422,17 +423,18 @@ void paged_decode_attention(void* out, const void* q, int64_t q_stride, const vo
     else if (isa() == Isa::avx2) task = task_avx2, merge = merge_avx2;
 #endif
 
+    int64_t keys = 0, live = 0;  // keys, and (sequence, partition) pairs with keys
+    for (int b = 0; b < batch; ++b) {
+        keys += context_lens[b];
+        live += (context_lens[b] + partition_size - 1) / partition_size;
+    }
     // A step of a few short contexts is done before other threads would have woken up.
-    int64_t keys = 0;
-    for (int b = 0; b < batch; ++b) keys += context_lens[b];
     const bool parallel = keys * n_heads * head_dim > (int64_t(1) << 15) && omp_get_max_threads() > 1;
 
     // A task is a partition of a sequence with all its KV heads, whose rows lie side by side in each
     // slot: a block is then read whole, K and V each one run of block_size * n_kv_heads * head_dim
     // values (a step of 16 sequences in chapter 06: 0.4-0.6 ms less than with a task per KV head).
     // Where that leaves the threads too few tasks (a few sequences: the step of one), a KV head each.
-    int64_t live = 0;  // (sequence, partition) pairs with keys
-    for (int b = 0; b < batch; ++b) live += (context_lens[b] + partition_size - 1) / partition_size;
     const int kv_per_task = live >= 4 * omp_get_max_threads() ? n_kv_heads : 1;
     const int kv_tasks = n_kv_heads / kv_per_task;
     const int64_t tasks = int64_t(batch) * kv_tasks * n_partitions;
