@@ -33,6 +33,10 @@ export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
+# Byte code cached beside each chapter's modules: where the environment sets PYTHONDONTWRITEBYTECODE
+# (the development VMs do), every process that imports a chapter (make test starts hundreds:
+# servers, CLIs, TP ranks, scripts) compiled its modules again, 0.3-0.5 s each.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
 .DEFAULT_GOAL := help
