@@ -151,7 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<Linear>(m, "Linear", "a linear layer for DecoderLayer: a kernel, or torch's GEMM on a dense weight")
         .def(py::init<const std::string&, std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>>(),
              py::arg("kind"), py::arg("weight"), py::arg("group_size") = 0, py::arg("dense") = py::none())
-        .def("__call__", &Linear::operator(), py::arg("x"))
+        .def("__call__", py::overload_cast<const at::Tensor&>(&Linear::operator(), py::const_), py::arg("x"))
         .def_property_readonly("kind", [](const Linear& l) { return Linear::kKindNames[static_cast<int>(l.kind)]; });
     py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer's weights, for decode steps in one call")
         .def(py::init<Linear, Linear, Linear, Linear, at::Tensor, int64_t, int64_t, int64_t, double>(), py::arg("wqkv"),

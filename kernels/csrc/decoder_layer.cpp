@@ -30,13 +30,22 @@ Linear::Kind Linear::kind_of(const std::string& name) {
 }
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
+    bool unused = false;
+    return (*this)(x, nullptr, unused);
+}
+
+at::Tensor Linear::operator()(const at::Tensor& x, cpu::LoraGroup* lora, bool& lora_added) const {
     if (kind == Kind::dense) return at::linear(x, *dense);
-    if (kind == Kind::int4)
-        return int4_linear(x, weight[0], weight[1], weight[2], group_size,
-                           weight.size() == 4 ? std::optional<at::Tensor>(weight[3]) : std::nullopt);
-    if (kind == Kind::int8)
-        return int8_linear(x, weight[0], weight[1],
-                           weight.size() == 3 ? std::optional<at::Tensor>(weight[2]) : std::nullopt);
+    if (kind == Kind::int4) {
+        const auto tiles = weight.size() == 4 ? std::optional<at::Tensor>(weight[3]) : std::nullopt;
+        return lora ? int4_linear_lora(x, weight[0], weight[1], weight[2], group_size, tiles, *lora, lora_added)
+                    : int4_linear(x, weight[0], weight[1], weight[2], group_size, tiles);
+    }
+    if (kind == Kind::int8) {
+        const auto tiles = weight.size() == 3 ? std::optional<at::Tensor>(weight[2]) : std::nullopt;
+        return lora ? int8_linear_lora(x, weight[0], weight[1], tiles, *lora, lora_added)
+                    : int8_linear(x, weight[0], weight[1], tiles);
+    }
     return bf16_linear(x, weight[0]);
 }
 
@@ -75,49 +84,74 @@ StepLora::StepLora(at::Tensor seg_starts_, at::Tensor seg_slots_, std::vector<bo
 
 namespace {
 
-// y [rows, the group's outputs side by side] += each row's delta for the group's projections (the
-// first of them being projection `first` of the seven), through the library's shrink and expand;
-// v: float32 scratch between them. On a CPU the group's projections run as one team of threads
-// (cpu::lora_group: a decode row's delta is too little work to pay for a team per call); on a GPU
-// as a shrink and an expand per projection.
-void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
-               const at::Tensor& scale, const StepLora& step, at::Tensor& v) {
-    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && y.dim() == 2 && y.stride(1) == 1,
-                "DecoderLayer.decode: a LoRA delta needs contiguous rows of x and y");
+// A group's LoRA tables against its matmul, x [rows, n_in] -> [rows, n_out]: checked once a call.
+void check_group_fits(const at::Tensor& x, int64_t n_out, const std::vector<LoraProjection>& group) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "DecoderLayer.decode: a LoRA delta needs contiguous rows of x");
     TORCH_CHECK(group.size() <= 7, "DecoderLayer.decode: a matmul holds at most 7 projections, got ", group.size());
-    std::array<cpu::LoraPart, 7> parts;  // no allocation on the decode path
+    int64_t col = 0;
+    for (const LoraProjection& p : group) {
+        const int64_t n_part = p.b_t.size(2);
+        TORCH_CHECK(p.a.size(2) == x.size(1) && col + n_part <= n_out, "DecoderLayer.decode: LoRA tables for ",
+                    p.a.size(2), " inputs and ", n_part, " outputs do not fit a ", x.size(1), " -> ", n_out,
+                    " matmul");
+        TORCH_CHECK(p.a.size(1) == group[0].a.size(1) && p.a.scalar_type() == group[0].a.scalar_type(),
+                    "DecoderLayer.decode: a group's LoRA tables share r_max and dtype");
+        col += n_part;
+    }
+}
+
+// The deltas of the group's projections that the step adapts (the first of the group being
+// projection `first` of the seven), as the CPU kernels take them: parts in `parts`, each with its
+// share of v (float32 scratch between shrink and expand, grown here); n_parts 0 where the step
+// adapts none. y is the caller's to set: the matmul's output, which may not exist yet.
+cpu::LoraGroup cpu_lora_group(const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
+                              const at::Tensor& scale, const StepLora& step, at::Tensor& v,
+                              std::array<cpu::LoraPart, 7>& parts) {
     int n_parts = 0;
     int64_t col = 0;
     for (size_t j = 0; j < group.size(); ++j) {
         const LoraProjection& p = group[j];
-        const int64_t n_out = p.b_t.size(2);
-        TORCH_CHECK(p.a.size(2) == x.size(1) && col + n_out <= y.size(1), "DecoderLayer.decode: LoRA tables for ",
-                    p.a.size(2), " inputs and ", n_out, " outputs do not fit a ", x.size(1), " -> ", y.size(1),
-                    " matmul");
-        TORCH_CHECK(p.a.size(1) == group[0].a.size(1) && p.a.scalar_type() == group[0].a.scalar_type(),
-                    "DecoderLayer.decode: a group's LoRA tables share r_max and dtype");
-        if (step.adapted[first + j]) {
-            if (!x.is_cpu()) {
-                if (!v.defined() || v.size(1) != p.a.size(1))
-                    v = at::empty({x.size(0), p.a.size(1)}, x.options().dtype(at::kFloat));
-                run_lora_shrink(v, x, p.a, p.ranks, step.seg_starts, step.seg_slots);
-                run_lora_expand(y, col, v, p.b_t, p.ranks, scale, step.seg_starts, step.seg_slots);
-            } else {
-                parts[n_parts++] = {p.a.data_ptr(), p.b_t.data_ptr(), p.ranks.data_ptr<int32_t>(), nullptr, col,
-                                    static_cast<int>(n_out)};
-            }
-        }
-        col += n_out;
+        if (step.adapted[first + j])
+            parts[n_parts++] = {p.a.data_ptr(), p.b_t.data_ptr(), p.ranks.data_ptr<int32_t>(), nullptr, col,
+                                static_cast<int>(p.b_t.size(2))};
+        col += p.b_t.size(2);
     }
-    if (n_parts == 0) return;
     const int64_t rows = x.size(0), r_max = group[0].a.size(1);
-    if (!v.defined() || v.numel() < int64_t(group.size()) * rows * r_max)
+    if (n_parts > 0 && (!v.defined() || v.numel() < int64_t(group.size()) * rows * r_max))
         v = at::empty({int64_t(group.size()), rows, r_max}, x.options().dtype(at::kFloat));
     for (int j = 0; j < n_parts; ++j) parts[j].v = v.data_ptr<float>() + j * rows * r_max;
-    cpu::lora_group(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), parts.data(), n_parts,
-                    scale.data_ptr<float>(), step.seg_starts.data_ptr<int32_t>(), step.seg_slots.data_ptr<int32_t>(),
-                    int(rows), int(step.seg_slots.size(0)), int(scale.size(0)), int(x.size(1)), int(r_max),
-                    dtype_of(x, "x"), lora_weight_dtype(group[0].a));
+    return {nullptr, 0, x.data_ptr(), x.stride(0), parts.data(), n_parts, scale.data_ptr<float>(),
+            step.seg_starts.data_ptr<int32_t>(), step.seg_slots.data_ptr<int32_t>(), int(rows),
+            int(step.seg_slots.size(0)), int(scale.size(0)), int(x.size(1)), int(r_max), dtype_of(x, "x"),
+            lora_weight_dtype(group[0].a)};
+}
+
+// y [rows, the group's outputs side by side] += each row's delta for the group's projections, after
+// the matmul, through the library's shrink and expand. On a CPU the group's projections run as one
+// team of threads (cpu::lora_group: a decode row's delta is too little work to pay for a team per
+// call); on a GPU as a shrink and an expand per projection.
+void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProjection>& group, size_t first,
+               const at::Tensor& scale, const StepLora& step, at::Tensor& v) {
+    TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "DecoderLayer.decode: a LoRA delta needs contiguous rows of y");
+    check_group_fits(x, y.size(1), group);
+    if (x.is_cpu()) {
+        std::array<cpu::LoraPart, 7> parts;  // no allocation on the decode path
+        const cpu::LoraGroup g = cpu_lora_group(x, group, first, scale, step, v, parts);
+        cpu::lora_group(y.data_ptr(), y.stride(0), g.x, g.x_stride, g.parts, g.n_parts, g.scale, g.seg_starts,
+                        g.seg_slots, g.rows, g.n_seg, g.n_slots, g.n_in, g.r_max, g.dtype, g.w_dtype);
+        return;
+    }
+    int64_t col = 0;
+    for (size_t j = 0; j < group.size(); ++j) {
+        const LoraProjection& p = group[j];
+        if (step.adapted[first + j]) {
+            if (!v.defined() || v.size(1) != p.a.size(1))
+                v = at::empty({x.size(0), p.a.size(1)}, x.options().dtype(at::kFloat));
+            run_lora_shrink(v, x, p.a, p.ranks, step.seg_starts, step.seg_slots);
+            run_lora_expand(y, col, v, p.b_t, p.ranks, scale, step.seg_starts, step.seg_slots);
+        }
+        col += p.b_t.size(2);
+    }
 }
 
 // The group's tables for the step's adapters, asked into the caches just before the group's matmul,
@@ -182,11 +216,24 @@ at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Te
         if (h.is_cpu()) check_lora_segments(h, step->seg_starts, step->seg_slots, rows, lora->scale.size(0));
     }
     at::Tensor v;  // the LoRA shrink's output, one for the layer's 7 projections
-    // matmul, then (with adapters) its LoRA deltas for the rows that use one
+    // matmul, then (with adapters) its LoRA deltas for the rows that use one: on a CPU, by the
+    // matmul's own team where its integer product runs (cpu::q8::run), else by a team of their own,
+    // their tables asked for before the matmul so that they arrive while it streams its weight
     auto linear = [&](const Linear& w, const at::Tensor& in, const std::vector<LoraProjection>* group, size_t first) {
-        if (lora != nullptr && in.is_cpu()) prefetch_lora(*group, first, *step);
-        at::Tensor out = w(in);
-        if (lora != nullptr) add_lora_(out, in, *group, first, lora->scale, *step, v);
+        if (lora == nullptr) return w(in);
+        bool added = false;
+        at::Tensor out;
+        if (in.is_cpu()) {
+            check_group_fits(in, w.n_out(), *group);
+            std::array<cpu::LoraPart, 7> parts;
+            cpu::LoraGroup deltas = cpu_lora_group(in, *group, first, lora->scale, *step, v, parts);
+            if (deltas.n_parts == 0) return w(in);
+            if (!w.has_tiles()) prefetch_lora(*group, first, *step);
+            out = w(in, &deltas, added);
+        } else {
+            out = w(in);
+        }
+        if (!added) add_lora_(out, in, *group, first, lora->scale, *step, v);
         return out;
     };
     at::Tensor qkv = linear(wqkv, h, lora ? &lora->qkv : nullptr, 0).view({rows, n_heads + 2 * n_kv_heads, head_dim});

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/cpu_kernels.h"
 #include "shm_channel.h"
 
 namespace kernels::ops {
@@ -34,6 +35,13 @@ struct Linear {
     static Kind kind_of(const std::string& name);
 
     at::Tensor operator()(const at::Tensor& x) const;  // x [rows, n_in] contiguous -> [rows, n_out]
+    // The same, and where its integer product runs (int4 or int8 with tiles, bf16 x on a CPU) that
+    // product's team adds `lora`'s deltas into the output too: lora_added says whether it did.
+    at::Tensor operator()(const at::Tensor& x, cpu::LoraGroup* lora, bool& lora_added) const;
+    int64_t n_out() const { return kind == Kind::dense ? dense->size(0) : weight[0].size(0); }
+    bool has_tiles() const {
+        return (kind == Kind::int4 && weight.size() == 4) || (kind == Kind::int8 && weight.size() == 3);
+    }
 };
 
 // LoRA (chapter 09): one projection's tables in one layer, the slots' A [slots, r_max, n_in], B

@@ -395,15 +395,15 @@ PLANTED = {
 PLANTED_GROUP = {
     "a few-row group's first rank tile computed as its second": [
         (
-            "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), kt * k_step,",
-            "return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), (kt + (planted_bug == 7 && few && !kt)) * k_step,",
+            "return Task{j, rt * mr, std::min(g.rows, (rt + 1) * mr), kt * k_step,",
+            "return Task{j, rt * mr, std::min(g.rows, (rt + 1) * mr), (kt + (planted_bug == 7 && !kt)) * k_step,",
         ),
     ],
     "every part expanded from the first part's v": [
-        ("y_stride, part.v, r_max,", "y_stride, parts[planted_bug == 8 ? 0 : j].v, r_max,"),
+        ("g.y_stride, part.v, g.r_max,", "g.y_stride, g.parts[planted_bug == 8 ? 0 : j].v, g.r_max,"),
     ],
     "a part's outputs written from column 0": [
-        ("part.y_col * (dtype", "(planted_bug == 9 ? 0 : part.y_col) * (dtype"),
+        ("part.y_col * (g.dtype", "(planted_bug == 9 ? 0 : part.y_col) * (g.dtype"),
     ],
     "the zeros past a slot's rank left out of a rank tile": [
         (
@@ -413,8 +413,8 @@ PLANTED_GROUP = {
     ],
     "a row tile's expand given its first row only (a tile of rows per task, no barrier)": [
         (
-            "expand(expand_args(j), r0, r1, 0, parts[j].n_out);",
-            "expand(expand_args(j), r0, planted_bug == 11 ? r0 + 1 : r1, 0, parts[j].n_out);",
+            "plan.expand(plan.expand_args(j), r0, r1, 0, g.parts[j].n_out);",
+            "plan.expand(plan.expand_args(j), r0, planted_bug == 11 ? r0 + 1 : r1, 0, g.parts[j].n_out);",
         ),
     ],
 }

@@ -18,11 +18,15 @@ from common.tools.testing import CPU_ISAS, cpu_isa  # noqa: F401  (cpu_isa: a fi
 from peft_adapters import hf_base, make_adapter
 
 CPU = torch.device("cpu")
+# (dtype, quantization, int8 activations): with them, int4 and int8 matmuls run the integer product,
+# whose own team of threads adds the deltas in the one-call layer (cpu::q8::run)
 CASES = {
-    "int4": (torch.bfloat16, QuantSpec(4, 32)),
-    "int8": (torch.bfloat16, QuantSpec(8)),
-    "bf16": (torch.bfloat16, None),
-    "fp32": (torch.float32, None),
+    "int4": (torch.bfloat16, QuantSpec(4, 32), False),
+    "int8": (torch.bfloat16, QuantSpec(8), False),
+    "int4, int8 activations": (torch.bfloat16, QuantSpec(4, 32), True),
+    "int8, int8 activations": (torch.bfloat16, QuantSpec(8), True),
+    "bf16": (torch.bfloat16, None, False),
+    "fp32": (torch.float32, None, False),
 }
 # every projection at rank 8; q, v and down at rank 4; the other four at rank 16 (the table's r_max)
 SPECS = [
@@ -40,8 +44,8 @@ def adapter_dirs(tmp_path_factory):
 
 def with_adapters(kind, adapter_dirs):
     """tiny-llama3 with the kernels on and the three adapters in slots 0, 1, 2."""
-    dtype, quant = CASES[kind]
-    model = load_model(resolve_model("tiny-llama3"), CPU, dtype, quant, ops=resolve("on", CPU))
+    dtype, quant, int8_x = CASES[kind]
+    model = load_model(resolve_model("tiny-llama3"), CPU, dtype, quant, ops=resolve("on", CPU, int8_x=int8_x))
     model.lora = LoraWeights(model.config, 4, 16, dtype, CPU)
     for slot, path in enumerate(adapter_dirs):
         model.lora.load(slot, read_adapter(path, model.config, 16, dtype))
@@ -95,9 +99,10 @@ def test_decode_steps_with_adapters_equal_the_python_loop_bit_for_bit(kind, rows
         assert torch.equal(fused, python)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int4, int8 activations"])
 @pytest.mark.parametrize("cpu_isa", CPU_ISAS, indirect=True)
-def test_on_every_instruction_set_level(cpu_isa, adapter_dirs):
-    model = with_adapters("int4", adapter_dirs)
+def test_on_every_instruction_set_level(cpu_isa, kind, adapter_dirs):
+    model = with_adapters(kind, adapter_dirs)
     for fused, python in zip(decode_steps(model, ROWS[0]), python_loop(model, ROWS[0])):
         assert torch.equal(fused, python)
 

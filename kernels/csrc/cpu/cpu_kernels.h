@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "../kernels.h"
 
@@ -170,8 +171,10 @@ int q8_tile_width();
 bool q8_gemm_applies(int rows, DType dtype, int tile_width);  // and the tiles' width is this ISA's
 void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, const uint16_t* min, int n_in, int n_out,
                 int group_size, int width);
+// With `lora`, the product's team adds those deltas into y after it (lora_group_share, below).
+struct LoraGroup;
 void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width,
-                  DType dtype);
+                  DType dtype, const LoraGroup* lora = nullptr);
 // x [rows, n_in] (n_in a multiple of 32) as both integer products take it: xq int8 [rows, n_in],
 // dx and xsum float32 [rows, n_in / 32] (x's sum over each block), in the calling thread's scratch,
 // valid until its next call. x86 only (elsewhere there are no tiles to meet it).
@@ -190,7 +193,7 @@ Q8Rows quantize_q8(const void* x, int rows, int n_in, DType dtype);
 constexpr int kQ8Int8TileBytes = 32;  // a tile's bytes per output and block: the block's 32 weights
 void int8_tiles(uint8_t* tiles, const int8_t* q, int n_in, int n_out, int width);
 void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* scale, int rows, int n_in, int n_out,
-                  int width, DType dtype);
+                  int width, DType dtype, const LoraGroup* lora = nullptr);
 
 // The float32 FMA peak of this machine at the current ISA, on every OpenMP thread, measured by
 // `steps` steps of independent FMA chains (peak.cpp): the ceiling gemm.cpp's GFLOP/s compare to.
@@ -236,5 +239,34 @@ struct LoraPart {
 void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, const LoraPart* parts, int n_parts,
                 const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
                 int n_slots, int n_in, int r_max, DType dtype, DType w_dtype);
+// The same arguments in one place, for a team that another kernel runs (the matmul whose output y is):
+// every thread of it calls lora_group_share (which waits at barriers of the team), after its share
+// of the matmul when y_pending; lora_group_prefetch asks for the tables thread `thread`'s share reads.
+struct LoraGroup {
+    void* y;
+    int64_t y_stride;
+    const void* x;
+    int64_t x_stride;
+    const LoraPart* parts;
+    int n_parts;
+    const float* scale;
+    const int32_t *seg_starts, *seg_slots;
+    int rows, n_seg, n_slots, n_in, r_max;
+    DType dtype, w_dtype;
+};
+void lora_group_share(const LoraGroup& g, int thread, int threads, bool y_pending);
+// The tables thread `thread` of `threads` reads in lora_group_share, asked into the caches a few lines
+// at a time by step(n) while the team's matmul runs before it.
+class LoraPrefetch {
+  public:
+    LoraPrefetch(const LoraGroup& g, int thread, int threads);
+    void step(int64_t n);
+    int64_t lines = 0;
+  private:
+    static constexpr int kMaxRanges = 256;
+    std::pair<const char*, int64_t> ranges[kMaxRanges];
+    int n_ranges = 0, i = 0;
+    int64_t offset = 0;
+};
 
 }  // namespace kernels::cpu

@@ -274,13 +274,14 @@ void int4_tiles(uint8_t* tiles, const uint8_t* packed, const uint16_t* scale, co
         }
 }
 
-void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width, DType dtype) {
+void int4_q8_gemm(void* y, const void* x, const uint8_t* tiles, int rows, int n_in, int n_out, int width, DType dtype,
+                  const LoraGroup* lora) {
 #ifdef KERNELS_X86
     const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
     const q8::Args a{y, q.xq, q.dx, q.xsum, nullptr, tiles, nullptr, rows, n_in, n_out, n_in / kBlock, dtype};
-    q8::run<kQ8TileBytes>(a, width, avx2_tiles, vnni_tiles, tile_amx);
+    q8::run<kQ8TileBytes>(a, width, avx2_tiles, vnni_tiles, tile_amx, lora);
 #else
-    (void)y, (void)x, (void)tiles, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
+    (void)y, (void)x, (void)tiles, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype, (void)lora;
 #endif
 }
 

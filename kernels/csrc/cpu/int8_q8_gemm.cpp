@@ -163,7 +163,7 @@ void int8_tiles(uint8_t* tiles, const int8_t* q, int n_in, int n_out, int width)
 }
 
 void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* scale, int rows, int n_in, int n_out,
-                  int width, DType dtype) {
+                  int width, DType dtype, const LoraGroup* lora) {
 #ifdef KERNELS_X86
     const int blocks = n_in / kBlock;
     const Q8Rows q = quantize_q8(x, rows, n_in, dtype);
@@ -178,9 +178,10 @@ void int8_q8_gemm(void* y, const void* x, const uint8_t* tiles, const float* sca
     }
     const Args a{y,    q.xq,  q.dx,   q.xsum, width == 16 ? xq_sum.data() : nullptr, tiles, scale, rows,
                  n_in, n_out, blocks, dtype};
-    q8::run<kTileBytes>(a, width, avx2_tiles, vnni_tiles, tile_amx);
+    q8::run<kTileBytes>(a, width, avx2_tiles, vnni_tiles, tile_amx, lora);
 #else
-    (void)y, (void)x, (void)tiles, (void)scale, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype;
+    (void)y, (void)x, (void)tiles, (void)scale, (void)rows, (void)n_in, (void)n_out, (void)width, (void)dtype,
+        (void)lora;
 #endif
 }
 

@@ -32,6 +32,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "cpu_kernels.h"
@@ -453,79 +454,162 @@ void lora_expand(void* y, int64_t y_stride, const float* v, int64_t v_stride, co
     }
 }
 
+namespace {
+
+// A group's tasks (cpu_kernels.h's LoraGroup). With a tile of rows for every thread, a task is a
+// tile of rows through every part's shrink and then every part's expand (16 adapters on 16 rows:
+// 10-15 % faster than with a barrier between the halves, where a thread done early waited). With
+// fewer tiles than threads ("few"), a shrink task is some ranks of one part and an expand task some
+// outputs of one part, the expands after a barrier (every v complete). Tasks of 8 ranks and 256
+// outputs: with 4 and 64, a batch-1 step of SmolLM2 ran some 3,000 tasks, their set-up a good part
+// of the deltas' time.
+struct GroupPlan {
+    const LoraGroup& g;
+    ShrinkFn shrink;
+    ExpandFn expand;
+    int mr, row_tasks, k_tiles, shrink_tasks, expand_tasks;
+    static constexpr int k_step = 8, o_step = 256;
+    struct Task {
+        int part, r0, r1, lo, hi;  // rows r0 .. r1 - 1, ranks (shrink) or outputs (expand) lo .. hi - 1
+    };
+
+    explicit GroupPlan(const LoraGroup& g_) : g(g_) {
+        std::tie(shrink, expand) = entries(g.dtype, g.w_dtype);
+        mr = row_tile();
+        row_tasks = (g.rows + mr - 1) / mr;
+        k_tiles = (g.r_max + k_step - 1) / k_step;
+        shrink_tasks = g.n_parts * row_tasks * k_tiles;
+        expand_tasks = 0;
+        for (int j = 0; j < g.n_parts; ++j) expand_tasks += row_tasks * ((g.parts[j].n_out + o_step - 1) / o_step);
+    }
+    Segments seg() const { return {g.seg_starts, g.seg_slots, g.n_seg, g.n_slots, g.r_max}; }
+    ShrinkArgs shrink_args(int j) const {
+        return ShrinkArgs{g.parts[j].v, g.r_max, g.x, g.x_stride, g.parts[j].a, g.parts[j].ranks, seg(), g.rows,
+                          g.n_in, g.r_max};
+    }
+    ExpandArgs expand_args(int j) const {
+        const LoraPart& part = g.parts[j];
+        void* y_at = static_cast<char*>(g.y) + part.y_col * (g.dtype == DType::f32 ? 4 : 2);
+        return ExpandArgs{y_at, g.y_stride, part.v, g.r_max, part.b_t, part.ranks, g.scale, seg(), g.rows,
+                          part.n_out, g.r_max};
+    }
+    Task shrink_task(int t) const {
+        const int j = t / (row_tasks * k_tiles), rt = t / k_tiles % row_tasks, kt = t % k_tiles;
+        return Task{j, rt * mr, std::min(g.rows, (rt + 1) * mr), kt * k_step, std::min(g.r_max, (kt + 1) * k_step)};
+    }
+    Task expand_task(int t) const {
+        int j = 0;
+        for (int n; t >= (n = row_tasks * ((g.parts[j].n_out + o_step - 1) / o_step)); ++j) t -= n;
+        const int o_tiles = (g.parts[j].n_out + o_step - 1) / o_step, rt = t / o_tiles, ot = t % o_tiles;
+        return Task{j, rt * mr, std::min(g.rows, (rt + 1) * mr), ot * o_step,
+                    std::min(g.parts[j].n_out, (ot + 1) * o_step)};
+    }
+    bool few(int threads) const { return row_tasks < threads; }
+};
+
+// Thread `thread`'s tasks of n: a contiguous share, [begin, end).
+std::pair<int, int> share(int n, int thread, int threads) {
+    return {int(int64_t(n) * thread / threads), int(int64_t(n) * (thread + 1) / threads)};
+}
+
+}  // namespace
+
+void lora_group_share(const LoraGroup& g, int thread, int threads, bool y_pending) {
+    if (g.rows <= 0 || g.n_parts <= 0) return;
+    const GroupPlan plan(g);
+    if (!plan.few(threads)) {
+        // a row tile's v is its own task's: no barrier between the halves, only one before them
+        // where other threads may still be writing y's outputs
+        if (y_pending) {
+#pragma omp barrier
+        }
+        const auto [t0, t1] = share(plan.row_tasks, thread, threads);
+        for (int t = t0; t < t1; ++t) {
+            const int r0 = t * plan.mr, r1 = std::min(g.rows, r0 + plan.mr);
+            for (int j = 0; j < g.n_parts; ++j) plan.shrink(plan.shrink_args(j), r0, r1, 0, g.r_max);
+            for (int j = 0; j < g.n_parts; ++j) plan.expand(plan.expand_args(j), r0, r1, 0, g.parts[j].n_out);
+        }
+        return;
+    }
+    const auto [s0, s1] = share(plan.shrink_tasks, thread, threads);
+    for (int t = s0; t < s1; ++t) {
+        const auto k = plan.shrink_task(t);
+        plan.shrink(plan.shrink_args(k.part), k.r0, k.r1, k.lo, k.hi);
+    }
+#pragma omp barrier  // every part's v whole (and y's outputs, where they were pending)
+    const auto [e0, e1] = share(plan.expand_tasks, thread, threads);
+    for (int t = e0; t < e1; ++t) {
+        const auto k = plan.expand_task(t);
+        plan.expand(plan.expand_args(k.part), k.r0, k.r1, k.lo, k.hi);
+    }
+}
+
+// Only for few rows: many rows' tasks ask for their next run's tables themselves (Ahead), and all of
+// their tables would push the matmul's weight out of the caches.
+LoraPrefetch::LoraPrefetch(const LoraGroup& g, int thread, int threads) {
+    if (g.rows <= 0 || g.n_parts <= 0) return;
+    const GroupPlan plan(g);
+    if (!plan.few(threads)) return;
+    const Segments seg = plan.seg();
+    const int64_t size = g.w_dtype == DType::f32 ? 4 : 2;
+    auto add = [&](const void* at, int64_t bytes) {
+        const char* p = static_cast<const char*>(at);
+        if (n_ranges > 0 && ranges[n_ranges - 1].first + ranges[n_ranges - 1].second == p) {
+            ranges[n_ranges - 1].second += bytes;
+        } else if (n_ranges < kMaxRanges) {
+            ranges[n_ranges++] = {p, bytes};
+        } else {
+            return;  // the rest is read unasked
+        }
+        lines += (bytes + 63) / 64;
+    };
+    const auto [s0, s1] = share(plan.shrink_tasks, thread, threads);
+    for (int t = s0; t < s1; ++t) {
+        const auto k = plan.shrink_task(t);
+        const LoraPart& part = g.parts[k.part];
+        for (Run run{seg, k.r0, k.r1}; run.next();) {
+            const int rk = std::min(seg.rank(part.ranks, run.slot), k.hi);
+            if (rk > k.lo)
+                add(static_cast<const char*>(part.a) + (int64_t(run.slot) * g.r_max + k.lo) * g.n_in * size,
+                    int64_t(rk - k.lo) * g.n_in * size);
+        }
+    }
+    const auto [e0, e1] = share(plan.expand_tasks, thread, threads);
+    for (int t = e0; t < e1; ++t) {
+        const auto k = plan.expand_task(t);
+        const LoraPart& part = g.parts[k.part];
+        for (Run run{seg, k.r0, k.r1}; run.next();) {
+            const int rk = seg.rank(part.ranks, run.slot);
+            for (int r = 0; r < rk; ++r)
+                add(static_cast<const char*>(part.b_t) + ((int64_t(run.slot) * g.r_max + r) * part.n_out + k.lo) * size,
+                    int64_t(k.hi - k.lo) * size);
+        }
+    }
+}
+
+void LoraPrefetch::step(int64_t n) {
+    for (; n > 0 && i < n_ranges; --n) {
+        __builtin_prefetch(ranges[i].first + offset, 0, 2);  // into L2: the matmul streams through L1
+        if ((offset += 64) >= ranges[i].second) offset = 0, ++i;
+    }
+}
+
 // One fused matmul's projections at once (cpu_kernels.h): a decode step's delta is so little work
 // per projection (q's rank-16 tables are 36 KB) that a team of threads per call costs as much as it
 // saves, and one thread alone cannot pull the tables from memory as fast as the base matmul pulls
-// its weight (serial, the deltas added 40 % to a batch-1 step of SmolLM2). So one team runs the group.
-// With a tile of rows for every thread, each takes its tiles through every part's shrink and then
-// every part's expand (16 adapters on 16 rows: 10-15 % faster than with a barrier between the
-// halves, where a thread done early waited). With fewer tiles than threads: every part's shrink,
-// split over tiles of ranks; a barrier (every v complete); every part's expand, split over rows
-// and tiles of outputs.
+// its weight (serial, the deltas added 40 % to a batch-1 step of SmolLM2). So one team runs the group
+// (and where it can, the matmul's own team: q8::run).
 void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, const LoraPart* parts, int n_parts,
                 const float* scale, const int32_t* seg_starts, const int32_t* seg_slots, int rows, int n_seg,
                 int n_slots, int n_in, int r_max, DType dtype, DType w_dtype) {
     if (rows <= 0 || n_parts <= 0) return;
-    const Segments seg{seg_starts, seg_slots, n_seg, n_slots, r_max};
-    const auto [shrink, expand] = entries(dtype, w_dtype);
-    const int mr = row_tile(), row_tasks = (rows + mr - 1) / mr, threads = omp_get_max_threads();
+    const LoraGroup g{y, y_stride, x, x_stride, parts, n_parts, scale, seg_starts, seg_slots,
+                      rows, n_seg, n_slots, n_in, r_max, dtype, w_dtype};
     int64_t macs = 0;
     for (int j = 0; j < n_parts; ++j) macs += int64_t(rows) * r_max * (n_in + parts[j].n_out);
-    const bool parallel = macs > kParallelMacs && threads > 1;
-    auto shrink_args = [&](int j) {
-        return ShrinkArgs{parts[j].v, r_max, x, x_stride, parts[j].a, parts[j].ranks, seg, rows, n_in, r_max};
-    };
-    auto expand_args = [&](int j) {
-        const LoraPart& part = parts[j];
-        void* y_at = static_cast<char*>(y) + part.y_col * (dtype == DType::f32 ? 4 : 2);
-        return ExpandArgs{y_at, y_stride, part.v, r_max, part.b_t, part.ranks, scale, seg, rows, part.n_out, r_max};
-    };
-    const bool few = row_tasks < threads;
-    if (!few) {
-        // A tile of rows per task through every part's shrink, then every part's expand: its rows' v
-        // are its own, so no thread waits for another between the halves.
-#pragma omp parallel for schedule(static) if (parallel)
-        for (int t = 0; t < row_tasks; ++t) {
-            const int r0 = t * mr, r1 = std::min(rows, r0 + mr);
-            for (int j = 0; j < n_parts; ++j) shrink(shrink_args(j), r0, r1, 0, r_max);
-            for (int j = 0; j < n_parts; ++j) expand(expand_args(j), r0, r1, 0, parts[j].n_out);
-        }
-        return;
-    }
-    // Few rows: each thread takes some of every projection's ranks and outputs, not all of one row.
-    constexpr int k_step = Tile<Scalar>::NO, o_step = 64;
-    const int k_tiles = (r_max + k_step - 1) / k_step;
-    const int shrink_tasks = n_parts * row_tasks * k_tiles;
-    int expand_tasks = 0;
-    for (int j = 0; j < n_parts; ++j) expand_tasks += row_tasks * ((parts[j].n_out + o_step - 1) / o_step);
-    struct Task {
-        int part, r0, r1, lo, hi;  // rows r0 .. r1 - 1, ranks (shrink) or outputs (expand) lo .. hi - 1
-    };
-    auto shrink_task = [&](int t) {
-        const int j = t / (row_tasks * k_tiles), rt = t / k_tiles % row_tasks, kt = t % k_tiles;
-        return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), kt * k_step, std::min(r_max, (kt + 1) * k_step)};
-    };
-    auto expand_task = [&](int t) {
-        int j = 0;
-        for (int n; t >= (n = row_tasks * ((parts[j].n_out + o_step - 1) / o_step)); ++j) t -= n;
-        const int o_tiles = (parts[j].n_out + o_step - 1) / o_step, rt = t / o_tiles, ot = t % o_tiles;
-        return Task{j, rt * mr, std::min(rows, (rt + 1) * mr), ot * o_step,
-                    std::min(parts[j].n_out, (ot + 1) * o_step)};
-    };
+    const bool parallel = macs > kParallelMacs && omp_get_max_threads() > 1;
 #pragma omp parallel if (parallel)
-    {
-#pragma omp for schedule(static)
-        for (int t = 0; t < shrink_tasks; ++t) {
-            const Task k = shrink_task(t);
-            shrink(shrink_args(k.part), k.r0, k.r1, k.lo, k.hi);
-        }
-        // the implicit barrier here: every part's v is whole before an expand reads it
-#pragma omp for schedule(static)
-        for (int t = 0; t < expand_tasks; ++t) {
-            const Task k = expand_task(t);
-            expand(expand_args(k.part), k.r0, k.r1, k.lo, k.hi);
-        }
-    }
+    lora_group_share(g, omp_get_thread_num(), omp_get_num_threads(), false);
 }
 
 }  // namespace kernels::cpu
