@@ -260,7 +260,7 @@ def planted(tmp_path_factory):
     switch (set_bug), so that each bug is checked alone at every tile width; AMX off but for its own."""
     bugs = [change for change, *_ in [*PLANTED.values(), *AMX_PLANTED.values()]]
     changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})")) for i, change in enumerate(bugs)]
-    also = ("gemm.cpp", "quant_linear.cpp", "isa.cpp")
+    also = ("gemm.cpp", "quant_linear.cpp", "lora.cpp", "isa.cpp")  # lora.cpp: q8::run may add LoRA deltas
     lib = build_planted(tmp_path_factory.mktemp("planted_q8"), "int4_q8_gemm.cpp", changes, SHIM, also,
                         prologue="extern int planted_bug;\n")  # fmt: skip
     lib.set_amx(0)

@@ -227,7 +227,7 @@ AMX_PLANTED = {
 def planted(tmp_path_factory):
     bugs = [change for change, *_ in [*PLANTED.values(), *AMX_PLANTED.values()]]
     changes = [(*change[:-1], change[-1].replace("BUG", f"(planted_bug == {i})")) for i, change in enumerate(bugs)]
-    also = ("int4_q8_gemm.cpp", "gemm.cpp", "quant_linear.cpp", "isa.cpp")
+    also = ("int4_q8_gemm.cpp", "gemm.cpp", "quant_linear.cpp", "lora.cpp", "isa.cpp")
     lib = build_planted(tmp_path_factory.mktemp("planted_i8q8"), "int8_q8_gemm.cpp", changes, SHIM, also,
                         prologue="extern int planted_bug;\n")  # fmt: skip
     lib.set_amx(0)  # on for the AMX bugs only
