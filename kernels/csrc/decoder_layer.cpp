@@ -29,23 +29,16 @@ Linear::Kind Linear::kind_of(const std::string& name) {
     TORCH_CHECK(false, "Linear: kind must be int4, int8, bf16 or dense, got ", name);
 }
 
-at::Tensor Linear::operator()(const at::Tensor& x) const {
-    bool unused = false;
-    return (*this)(x, nullptr, unused);
-}
+at::Tensor Linear::operator()(const at::Tensor& x) const { return (*this)(x, nullptr); }
 
-at::Tensor Linear::operator()(const at::Tensor& x, cpu::LoraGroup* lora, bool& lora_added) const {
+at::Tensor Linear::operator()(const at::Tensor& x, cpu::LoraGroup* lora) const {
     if (kind == Kind::dense) return at::linear(x, *dense);
-    if (kind == Kind::int4) {
-        const auto tiles = weight.size() == 4 ? std::optional<at::Tensor>(weight[3]) : std::nullopt;
-        return lora ? int4_linear_lora(x, weight[0], weight[1], weight[2], group_size, tiles, *lora, lora_added)
-                    : int4_linear(x, weight[0], weight[1], weight[2], group_size, tiles);
-    }
-    if (kind == Kind::int8) {
-        const auto tiles = weight.size() == 3 ? std::optional<at::Tensor>(weight[2]) : std::nullopt;
-        return lora ? int8_linear_lora(x, weight[0], weight[1], tiles, *lora, lora_added)
-                    : int8_linear(x, weight[0], weight[1], tiles);
-    }
+    if (kind == Kind::int4)
+        return int4_linear_lora(x, weight[0], weight[1], weight[2], group_size,
+                                weight.size() == 4 ? std::optional<at::Tensor>(weight[3]) : std::nullopt, lora);
+    if (kind == Kind::int8)
+        return int8_linear_lora(x, weight[0], weight[1],
+                                weight.size() == 3 ? std::optional<at::Tensor>(weight[2]) : std::nullopt, lora);
     return bf16_linear(x, weight[0]);
 }
 
@@ -126,6 +119,12 @@ cpu::LoraGroup cpu_lora_group(const at::Tensor& x, const std::vector<LoraProject
             lora_weight_dtype(group[0].a)};
 }
 
+// g's deltas added into y by a team of their own (cpu::lora_group).
+void run_lora_group(cpu::LoraGroup g, at::Tensor& y) {
+    cpu::lora_group(y.data_ptr(), y.stride(0), g.x, g.x_stride, g.parts, g.n_parts, g.scale, g.seg_starts, g.seg_slots,
+                    g.rows, g.n_seg, g.n_slots, g.n_in, g.r_max, g.dtype, g.w_dtype);
+}
+
 // y [rows, the group's outputs side by side] += each row's delta for the group's projections, after
 // the matmul, through the library's shrink and expand. On a CPU the group's projections run as one
 // team of threads (cpu::lora_group: a decode row's delta is too little work to pay for a team per
@@ -136,9 +135,7 @@ void add_lora_(at::Tensor& y, const at::Tensor& x, const std::vector<LoraProject
     check_group_fits(x, y.size(1), group);
     if (x.is_cpu()) {
         std::array<cpu::LoraPart, 7> parts;  // no allocation on the decode path
-        const cpu::LoraGroup g = cpu_lora_group(x, group, first, scale, step, v, parts);
-        cpu::lora_group(y.data_ptr(), y.stride(0), g.x, g.x_stride, g.parts, g.n_parts, g.scale, g.seg_starts,
-                        g.seg_slots, g.rows, g.n_seg, g.n_slots, g.n_in, g.r_max, g.dtype, g.w_dtype);
+        run_lora_group(cpu_lora_group(x, group, first, scale, step, v, parts), y);
         return;
     }
     int64_t col = 0;
@@ -221,19 +218,18 @@ at::Tensor DecoderLayer::decode(at::Tensor& x, const at::Tensor& h, const at::Te
     // their tables asked for before the matmul so that they arrive while it streams its weight
     auto linear = [&](const Linear& w, const at::Tensor& in, const std::vector<LoraProjection>* group, size_t first) {
         if (lora == nullptr) return w(in);
-        bool added = false;
-        at::Tensor out;
-        if (in.is_cpu()) {
-            check_group_fits(in, w.n_out(), *group);
-            std::array<cpu::LoraPart, 7> parts;
-            cpu::LoraGroup deltas = cpu_lora_group(in, *group, first, lora->scale, *step, v, parts);
-            if (deltas.n_parts == 0) return w(in);
-            if (!w.has_tiles()) prefetch_lora(*group, first, *step);
-            out = w(in, &deltas, added);
-        } else {
-            out = w(in);
+        if (!in.is_cpu()) {
+            at::Tensor out = w(in);
+            add_lora_(out, in, *group, first, lora->scale, *step, v);
+            return out;
         }
-        if (!added) add_lora_(out, in, *group, first, lora->scale, *step, v);
+        check_group_fits(in, w.n_out(), *group);
+        std::array<cpu::LoraPart, 7> parts;
+        cpu::LoraGroup deltas = cpu_lora_group(in, *group, first, lora->scale, *step, v, parts);
+        if (deltas.n_parts == 0) return w(in);
+        if (!w.has_tiles()) prefetch_lora(*group, first, *step);
+        at::Tensor out = w(in, &deltas);
+        if (deltas.y == nullptr) run_lora_group(deltas, out);  // the matmul's team did not add them
         return out;
     };
     at::Tensor qkv = linear(wqkv, h, lora ? &lora->qkv : nullptr, 0).view({rows, n_heads + 2 * n_kv_heads, head_dim});

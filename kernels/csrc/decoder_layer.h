@@ -36,8 +36,8 @@ struct Linear {
 
     at::Tensor operator()(const at::Tensor& x) const;  // x [rows, n_in] contiguous -> [rows, n_out]
     // The same, and where its integer product runs (int4 or int8 with tiles, bf16 x on a CPU) that
-    // product's team adds `lora`'s deltas into the output too: lora_added says whether it did.
-    at::Tensor operator()(const at::Tensor& x, cpu::LoraGroup* lora, bool& lora_added) const;
+    // product's team adds `lora`'s deltas into the output too, lora->y set then (else left null).
+    at::Tensor operator()(const at::Tensor& x, cpu::LoraGroup* lora) const;
     int64_t n_out() const { return kind == Kind::dense ? dense->size(0) : weight[0].size(0); }
     bool has_tiles() const {
         return (kind == Kind::int4 && weight.size() == 4) || (kind == Kind::int8 && weight.size() == 3);

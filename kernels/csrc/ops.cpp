@@ -268,12 +268,9 @@ int tiles_width(const at::Tensor& tiles, int64_t n_in, int64_t n_out, int64_t by
 
 }  // namespace
 
-namespace {
-
-// int4_linear, and with `lora` its integer product's team adding the deltas too (`lora_added` then true).
-at::Tensor int4_linear_(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
-                        int64_t group_size, const std::optional<at::Tensor>& tiles, cpu::LoraGroup* lora,
-                        bool* lora_added) {
+at::Tensor int4_linear_lora(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                            const at::Tensor& min, int64_t group_size, const std::optional<at::Tensor>& tiles,
+                            cpu::LoraGroup* lora) {
     const int64_t n_in = check_int4(packed, scale, min, group_size), n_out = packed.size(0);
     check_x(x, n_in);
     check_same_device(x, packed, "packed");
@@ -283,7 +280,7 @@ at::Tensor int4_linear_(const at::Tensor& x, const at::Tensor& packed, const at:
     if (tiles && tiles->numel() > 0 && x.is_cpu()) {
         const int width = tiles_width(*tiles, n_in, n_out, cpu::kQ8TileBytes, "int4_tiles");
         if (cpu::q8_gemm_applies(static_cast<int>(x.size(0)), dtype, width)) {
-            if (lora) lora->y = y.data_ptr(), lora->y_stride = y.stride(0), *lora_added = true;
+            if (lora) lora->y = y.data_ptr(), lora->y_stride = y.stride(0);
             cpu::int4_q8_gemm(y.data_ptr(), x.data_ptr(), tiles->data_ptr<uint8_t>(), x.size(0), n_in, n_out, width,
                               dtype, lora);
             return y;
@@ -296,17 +293,9 @@ at::Tensor int4_linear_(const at::Tensor& x, const at::Tensor& packed, const at:
     return y;
 }
 
-}  // namespace
-
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min,
                        int64_t group_size, const std::optional<at::Tensor>& tiles) {
-    return int4_linear_(x, packed, scale, min, group_size, tiles, nullptr, nullptr);
-}
-
-at::Tensor int4_linear_lora(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                            const at::Tensor& min, int64_t group_size, const std::optional<at::Tensor>& tiles,
-                            cpu::LoraGroup& lora, bool& lora_added) {
-    return int4_linear_(x, packed, scale, min, group_size, tiles, &lora, &lora_added);
+    return int4_linear_lora(x, packed, scale, min, group_size, tiles, nullptr);
 }
 
 at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& min, int64_t group_size) {
@@ -328,11 +317,8 @@ void check_int8(const at::Tensor& q) {
 
 }  // namespace
 
-namespace {
-
-// int8_linear, and with `lora` its integer product's team adding the deltas too (`lora_added` then true).
-at::Tensor int8_linear_(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& tiles, cpu::LoraGroup* lora, bool* lora_added) {
+at::Tensor int8_linear_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& tiles, cpu::LoraGroup* lora) {
     check_int8(q);
     const int64_t n_out = q.size(0), n_in = q.size(1);
     check_x(x, n_in);
@@ -347,7 +333,7 @@ at::Tensor int8_linear_(const at::Tensor& x, const at::Tensor& q, const at::Tens
     if (tiles && tiles->numel() > 0 && x.is_cpu()) {
         const int width = tiles_width(*tiles, n_in, n_out, cpu::kQ8Int8TileBytes, "int8_tiles");
         if (cpu::q8_gemm_applies(static_cast<int>(x.size(0)), dtype, width)) {
-            if (lora) lora->y = y.data_ptr(), lora->y_stride = y.stride(0), *lora_added = true;
+            if (lora) lora->y = y.data_ptr(), lora->y_stride = y.stride(0);
             cpu::int8_q8_gemm(y.data_ptr(), x.data_ptr(), tiles->data_ptr<uint8_t>(), scale.data_ptr<float>(),
                               x.size(0), n_in, n_out, width, dtype, lora);
             return y;
@@ -359,16 +345,9 @@ at::Tensor int8_linear_(const at::Tensor& x, const at::Tensor& q, const at::Tens
     return y;
 }
 
-}  // namespace
-
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& tiles) {
-    return int8_linear_(x, q, scale, tiles, nullptr, nullptr);
-}
-
-at::Tensor int8_linear_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                            const std::optional<at::Tensor>& tiles, cpu::LoraGroup& lora, bool& lora_added) {
-    return int8_linear_(x, q, scale, tiles, &lora, &lora_added);
+    return int8_linear_lora(x, q, scale, tiles, nullptr);
 }
 
 at::Tensor int8_tiles(const at::Tensor& q) {

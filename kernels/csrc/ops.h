@@ -52,13 +52,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // The int8 weight's q the same way: uint8 [n_tiles, n_in / 32, 32 * width]; empty where this CPU has
 // no integer product, or n_in is not a multiple of 32.
 at::Tensor int8_tiles(const at::Tensor& q);
-// The same two, the integer product's team (where it runs) also adding `lora`'s deltas into y (lora.y
-// set here; lora_added then true): DecoderLayer.decode's form, not bound to Python.
+// The same two, the integer product's team (where it runs) also adding `lora`'s deltas into y: it
+// sets lora->y then, which stays null where the deltas are the caller's to add. DecoderLayer.decode's
+// form (lora may be null), not bound to Python.
 at::Tensor int4_linear_lora(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                             const at::Tensor& min, int64_t group_size, const std::optional<at::Tensor>& tiles,
-                            cpu::LoraGroup& lora, bool& lora_added);
+                            cpu::LoraGroup* lora);
 at::Tensor int8_linear_lora(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                            const std::optional<at::Tensor>& tiles, cpu::LoraGroup& lora, bool& lora_added);
+                            const std::optional<at::Tensor>& tiles, cpu::LoraGroup* lora);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w);
 // bf16 weights times bf16 x on a CPU with AMX-BF16 tiles: from kAmxMinRows rows bf16_linear is
 // torch's GEMM (oneDNN runs it on the tiles; ops.cpp says why). mode -1: where the CPU has the tiles

@@ -241,7 +241,7 @@ void lora_group(void* y, int64_t y_stride, const void* x, int64_t x_stride, cons
                 int n_slots, int n_in, int r_max, DType dtype, DType w_dtype);
 // The same arguments in one place, for a team that another kernel runs (the matmul whose output y is):
 // every thread of it calls lora_group_share (which waits at barriers of the team), after its share
-// of the matmul when y_pending; lora_group_prefetch asks for the tables thread `thread`'s share reads.
+// of the matmul when y_pending; LoraPrefetch asks for the tables that thread's share reads.
 struct LoraGroup {
     void* y;
     int64_t y_stride;
